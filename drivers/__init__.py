@@ -1,0 +1,1 @@
+"""Long-running programs: training and prefill loops, benchmarks, HDF5 checkpointing."""

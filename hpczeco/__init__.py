@@ -1,0 +1,31 @@
+"""hpczeco: ZeCO sequence parallelism (All-Scan) for gated linear attention, and DAAF attention, over MPI.
+
+Public API (imported lazily so ``import hpczeco`` stays cheap and never imports CuPy):
+
+- ``hpczeco.gla``: ``recurrent_gla`` (float64 reference), ``chunk_gla``, ``chunk_gla_bwd``
+- ``hpczeco.collectives``: ``scan``/``scan_start`` (ring All-Scan, tree, allgather, serial, exscan)
+- ``hpczeco.ZeCOGLA`` / ``hpczeco.zeco_gla``: the sequence-parallel GLA layer
+- ``hpczeco.costmodel``: alpha-beta model of the scans
+- ``hpczeco.daaf``: entropy-planned global/local attention
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "ZeCOGLA": "hpczeco.zeco",
+    "zeco_gla": "hpczeco.zeco",
+    "recurrent_gla": "hpczeco.gla",
+    "chunk_gla": "hpczeco.gla",
+    "chunk_gla_bwd": "hpczeco.gla",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hpczeco' has no attribute {name!r}")

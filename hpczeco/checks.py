@@ -1,0 +1,63 @@
+"""Per-rank input checks that raise a clear ``ValueError``/``TypeError`` naming the argument.
+
+These checks are local. Anything that runs before communication wraps them with
+:func:`hpczeco.collectives.agree.collective_check` so every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .backend import get_array_module, is_device_array
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def dtype_name(x: Any) -> str:
+    return str(getattr(x, "dtype", type(x).__name__))
+
+
+def check_array(name: str, x: Any, ndim: int | None = None, float_only: bool = True) -> None:
+    """Raise ``TypeError`` unless ``x`` is a numpy/cupy array (floating when ``float_only``),
+    ``ValueError`` unless it has ``ndim`` dimensions."""
+    if not (isinstance(x, np.ndarray) or is_device_array(x)):
+        raise TypeError(f"{name} must be a numpy or cupy array, got {type(x).__name__}")
+    if float_only and dtype_name(x) not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must have a floating dtype (float16/bfloat16/float32/float64), got {x.dtype}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+
+
+def check_shape(name: str, x: Any, expected: Sequence[int | None], what: str = "") -> None:
+    """``expected`` may hold ``None`` for free dimensions."""
+    shape = tuple(x.shape)
+    ok = len(shape) == len(expected) and all(e is None or e == s for e, s in zip(expected, shape))
+    if not ok:
+        exp = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
+        raise ValueError(f"{name} has shape {list(shape)}, expected {exp}{' ' + what if what else ''}")
+
+
+def check_finite(name: str, x: Any) -> None:
+    """Raise ``ValueError`` if ``x`` holds NaN or Inf."""
+    xp = get_array_module(x)
+    if x.size and not bool(xp.isfinite(x.astype(xp.float32) if dtype_name(x) == "bfloat16" else x).all()):
+        raise ValueError(f"{name} contains NaN or Inf")
+
+
+def check_log_gate(name: str, g: Any) -> None:
+    """A log forget gate must be finite and <= 0."""
+    check_finite(name, g)
+    xp = get_array_module(g)
+    if g.size and bool((g > 0).any()):
+        raise ValueError(f"{name} is a log forget gate and must be <= 0 everywhere (max is {float(xp.max(g))})")
+
+
+def check_same_dtype(**arrays: Any) -> None:
+    present = {k: v for k, v in arrays.items() if v is not None}
+    dts = {k: dtype_name(v) for k, v in present.items()}
+    if len(set(dts.values())) > 1:
+        desc = ", ".join(f"{k}={d}" for k, d in dts.items())
+        raise TypeError(f"arrays must share one dtype, got {desc}")
