@@ -13,5 +13,6 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco demo") -> int:
     comm = MPI.COMM_WORLD
     total = comm.allreduce(comm.Get_rank())
     if comm.Get_rank() == 0:
-        print(f"hpczeco demo: {comm.Get_size()} ranks, {MPI.Get_library_version().splitlines()[0]}, sum of ranks {total}")
+        lib = MPI.Get_library_version().splitlines()[0]
+        print(f"hpczeco demo: {comm.Get_size()} ranks, {lib}, sum of ranks {total}")
     return 0
