@@ -90,6 +90,8 @@ def check_tokens(tokens: Any, name: str = "tokens") -> np.ndarray:
         raise TypeError(f"{name} must be a sequence of int token ids, got {type(tokens).__name__} "
                         "(tokenize text first with hpczeco.daaf.tokenize)")
     arr = np.asarray(tokens)
+    if arr.size == 0:
+        raise ValueError(f"{name} is empty: nothing to plan")
     if arr.dtype == object:
         raise TypeError(f"{name} must hold int token ids, got objects such as {type(arr.flat[0]).__name__}"
                         if arr.size else f"{name} must hold int token ids")
@@ -97,8 +99,6 @@ def check_tokens(tokens: Any, name: str = "tokens") -> np.ndarray:
         raise TypeError(f"{name} must hold int token ids, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D [T], got shape {tuple(arr.shape)}")
-    if arr.size == 0:
-        raise ValueError(f"{name} is empty: nothing to plan")
     if arr.dtype.kind == "i" and arr.min() < 0:
         raise ValueError(f"{name} must be non-negative ids, got min {int(arr.min())}")
     return arr.astype(np.int64, copy=False)
