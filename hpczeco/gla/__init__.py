@@ -1,0 +1,15 @@
+"""Gated linear attention (GLA) on one rank: float64 reference, chunked forward and backward.
+
+- :func:`recurrent_gla` / :func:`recurrent_gla_bwd`: token-by-token float64 references (``naive.py``)
+- :func:`chunk_gla` / :func:`chunk_gla_bwd`: chunked, vectorised numpy path (``chunk.py``); CuPy
+  inputs go to :mod:`hpczeco.gpu.gla`
+- :func:`validate_gla_inputs`: the per-rank input checks (only ``ValueError``/``TypeError``)
+
+Layout ``q, k, g: [B, T, H, K]``, ``v, o: [B, T, H, V]``, states ``[B, H, K, V]``; see docs/DESIGN.md.
+"""
+
+from .chunk import chunk_gla, chunk_gla_bwd
+from .naive import recurrent_gla, recurrent_gla_bwd
+from .validate import validate_gla_inputs
+
+__all__ = ["recurrent_gla", "recurrent_gla_bwd", "chunk_gla", "chunk_gla_bwd", "validate_gla_inputs"]

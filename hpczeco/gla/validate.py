@@ -1,0 +1,144 @@
+"""Per-rank input validation for the GLA functions.
+
+Everything here raises only ``ValueError`` or ``TypeError`` (with the argument's name in the message),
+so the ZeCO layer can run :func:`validate_gla_inputs` inside
+:func:`hpczeco.collectives.agree.collective_check`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+
+from ..backend import get_array_module, is_device_array
+from ..checks import check_array, check_finite, check_log_gate, check_same_dtype, check_shape, dtype_name
+
+__all__ = [
+    "validate_gla_inputs",
+    "check_chunk_size",
+    "check_scale",
+    "check_finite_values",
+    "check_gate_values",
+    "compute_dtype_name",
+    "state_dtype_ok",
+]
+
+_HALF = ("float16", "bfloat16")
+
+
+def compute_dtype_name(dtype_name_: str) -> str:
+    """The dtype the maths runs in: float64 for float64 inputs, float32 for everything else."""
+    return "float64" if dtype_name_ == "float64" else "float32"
+
+
+def state_dtype_ok(input_dtype: str, state_dtype: str) -> bool:
+    """States (``initial_state``, ``dht``) may have the input dtype or, for half inputs, float32."""
+    return state_dtype == input_dtype or (input_dtype in _HALF and state_dtype == "float32")
+
+
+def _fast_finite(x: Any) -> bool:
+    """Cheap test that ``x`` has no NaN/Inf (one reduction); a False answer is confirmed by the caller."""
+    if x.size == 0:
+        return True
+    xp = get_array_module(x)
+    if dtype_name(x) in _HALF:
+        return False  # sums of half floats overflow easily: let the exact check decide
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(xp.isfinite(x.sum()))
+
+
+def check_finite_values(name: str, x: Any) -> None:
+    """``ValueError`` naming ``name`` if ``x`` holds NaN or Inf (fast reduction first, exact check if it fails)."""
+    if not _fast_finite(x):
+        check_finite(name, x)
+
+
+def check_gate_values(name: str, g: Any) -> None:
+    """``ValueError`` naming ``name`` unless ``g`` is finite and <= 0 (two reductions; exact check on failure)."""
+    if g.size == 0:
+        return
+    if dtype_name(g) not in _HALF:
+        mx, mn = float(g.max()), float(g.min())
+        if mx <= 0.0 and math.isfinite(mn):
+            return
+    check_log_gate(name, g)
+
+
+def check_chunk_size(chunk_size: Any) -> int:
+    """``chunk_size`` must be an int >= 1."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
+        raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
+    if int(chunk_size) < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return int(chunk_size)
+
+
+def check_scale(scale: Any, K: int) -> float:
+    """``scale`` is None (meaning ``K**-0.5``) or a finite real number; returns the value to use."""
+    if scale is None:
+        return float(K) ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
+
+
+def validate_gla_inputs(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    initial_state: Any = None,
+    do: Any = None,
+    dht: Any = None,
+    check_values: bool = True,
+) -> tuple[int, int, int, int, int]:
+    """Check GLA inputs on this rank and return ``(B, T, H, K, V)``.
+
+    Shapes: ``q, k, g: [B, T, H, K]``, ``v, do: [B, T, H, V]``, ``initial_state, dht: [B, H, K, V]``.
+    ``q, k, v, g, do`` share one floating dtype; ``initial_state``/``dht`` have that dtype or, for
+    float16/bfloat16 inputs, float32. All are numpy arrays or all are CuPy arrays. With
+    ``check_values``: no NaN/Inf anywhere, ``g <= 0``. ``K, V >= 1``. Raises ``TypeError`` (array type,
+    dtype) or ``ValueError`` (shape, values), naming the argument. Local (no communication).
+    """
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
+        check_array(name, x, ndim=4)
+    B, T, H, K = (int(s) for s in q.shape)
+    check_shape("k", k, (B, T, H, K), "(the shape of q [B, T, H, K])")
+    check_shape("g", g, (B, T, H, K), "(the shape of q [B, T, H, K])")
+    check_shape("v", v, (B, T, H, None), "([B, T, H, V] with B, T, H of q)")
+    V = int(v.shape[3])
+    if K < 1:
+        raise ValueError(f"q has key dimension K={K}; K must be >= 1")
+    if V < 1:
+        raise ValueError(f"v has value dimension V={V}; V must be >= 1")
+    if do is not None:
+        check_array("do", do, ndim=4)
+        check_shape("do", do, (B, T, H, V), "(the shape of v [B, T, H, V])")
+    for name, s in (("initial_state", initial_state), ("dht", dht)):
+        if s is not None:
+            check_array(name, s, ndim=4)
+            check_shape(name, s, (B, H, K, V), "([B, H, K, V] from q and v)")
+    check_same_dtype(q=q, k=k, v=v, g=g, do=do)
+    dt = dtype_name(q)
+    for name, s in (("initial_state", initial_state), ("dht", dht)):
+        if s is not None and not state_dtype_ok(dt, dtype_name(s)):
+            allowed = dt + (" or float32" if dt in _HALF else "")
+            raise TypeError(f"{name} has dtype {dtype_name(s)}, expected {allowed} (the dtype of q)")
+    arrays = {"q": q, "k": k, "v": v, "g": g, "initial_state": initial_state, "do": do, "dht": dht}
+    present = {n: a for n, a in arrays.items() if a is not None}
+    on_device = {n: is_device_array(a) for n, a in present.items()}
+    if len(set(on_device.values())) > 1:
+        host = [n for n, d in on_device.items() if not d]
+        dev = [n for n, d in on_device.items() if d]
+        raise TypeError(f"arrays must all be numpy or all be cupy arrays: {host} on the host, {dev} on the device")
+    if check_values:
+        check_gate_values("g", g)
+        for name, x in present.items():
+            if name != "g":
+                check_finite_values(name, x)
+    return B, T, H, K, V
