@@ -1,0 +1,344 @@
+"""`hpczeco train`: train a small byte-level GLA language model with ZeCO sequence parallelism.
+
+Each step draws one long sequence (``--seq`` tokens, ``--batch`` of them) from the corpus; every rank
+holds a contiguous slice of it and runs the model on that slice, the GLA layers exchanging their
+states with ``hpczeco.ZeCOGLA`` (All-Scan). Each rank predicts the next token of its slice (the target
+of its last token is the first token of the next rank's slice: every rank reads the same global
+window). Parameters are replicated; gradients are summed over ranks in rank order (deterministic,
+identical on every rank) and Adam updates every replica the same way.
+
+Run it as ``mpiexec -n 4 hpczeco train --steps 20`` (or ``srun``). Rank 0 shows a progress bar with
+tokens/s, writes a JSON-lines log (``--log``) and checkpoints (``--ckpt-dir``, every ``--ckpt-every``
+steps and at the end). ``--resume`` continues from the newest valid checkpoint: with the same rank
+count the result equals an uninterrupted run bitwise on the CPU; on another rank count it equals it
+within floating-point tolerance (the slices, hence the sums, are split differently).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .checkpoint import CheckpointWriter, load_latest
+from .data import VOCAB, Sampler, corpus_id, load_corpus, slice_bounds
+from .lm import GLALM, LMConfig, init_params, make_mixers, param_shapes
+
+__all__ = ["build_parser", "run", "main", "TrainResult", "allreduce_sum", "FlatParams"]
+
+SCANS = ("ring", "tree", "allgather", "serial", "exscan", "auto")
+
+
+def build_parser(prog: str = "hpczeco train") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = ap.add_argument_group("data")
+    d.add_argument("--text", default=None, help="training text file (default: this Python's stdlib *.py sources)")
+    d.add_argument("--corpus-bytes", type=int, default=8 << 20, help="read at most this many bytes (default 8 MiB)")
+    d.add_argument("--seq", type=int, default=1024, help="tokens per sequence, split over the ranks (default 1024)")
+    d.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    m = ap.add_argument_group("model")
+    m.add_argument("--d-model", type=int, default=64)
+    m.add_argument("--layers", type=int, default=2)
+    m.add_argument("--heads", type=int, default=2)
+    m.add_argument("--d-ff", type=int, default=0, help="MLP width (default 4 d_model)")
+    m.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    o = ap.add_argument_group("optimiser")
+    o.add_argument("--steps", type=int, default=20, help="train up to this step (default 20)")
+    o.add_argument("--lr", type=float, default=3e-3)
+    o.add_argument("--warmup", type=int, default=0, help="linear warm-up steps (default 0)")
+    o.add_argument("--beta1", type=float, default=0.9)
+    o.add_argument("--beta2", type=float, default=0.99)
+    o.add_argument("--eps", type=float, default=1e-8)
+    o.add_argument("--weight-decay", type=float, default=0.0)
+    o.add_argument("--clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    o.add_argument("--seed", type=int, default=0)
+    p = ap.add_argument_group("parallelism")
+    p.add_argument("--mixer", choices=("auto", "zeco", "chunk", "recurrent"), default="auto",
+                   help="GLA implementation: zeco (hpczeco.ZeCOGLA, any rank count; 'auto' picks it), "
+                   "chunk/recurrent (one rank)")
+    p.add_argument("--scan", choices=SCANS, default="ring", help="ZeCO state scan (default ring All-Scan)")
+    p.add_argument("--blocks", type=int, default=None, help="ring pipeline blocks (default: cost model)")
+    p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--blas-threads", type=int, default=1,
+                   help="BLAS threads per rank (default 1: ranks already fill the cores; 0: leave as is)")
+    p.add_argument("--allreduce", choices=("ordered", "mpi"), default="ordered",
+                   help="gradient sum: 'ordered' (allgather + sum in rank order: deterministic, identical on "
+                   "every rank; P copies of the gradient in memory) or 'mpi' (MPI_Allreduce)")
+    c = ap.add_argument_group("output")
+    c.add_argument("--log", default=None, help="JSON-lines log file (rank 0)")
+    c.add_argument("--ckpt-dir", default=None, help="checkpoint folder (none: no checkpoints)")
+    c.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (and always at the end)")
+    c.add_argument("--keep", type=int, default=3, help="checkpoints to keep (default 3)")
+    c.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --ckpt-dir")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.add_argument("--quiet", action="store_true", help="print only the summary")
+    return ap
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    for name in ("seq", "batch", "d_model", "layers", "heads", "chunk_size", "keep"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("steps", "warmup", "ckpt_every", "d_ff"):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.lr <= 0 or not 0 <= args.beta1 < 1 or not 0 <= args.beta2 < 1 or args.eps <= 0 or args.clip < 0:
+        ap.error("need --lr > 0, 0 <= --beta1, --beta2 < 1, --eps > 0, --clip >= 0")
+    if args.resume and not args.ckpt_dir:
+        ap.error("--resume needs --ckpt-dir")
+    if args.d_model % args.heads:
+        ap.error(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
+
+
+@dataclass
+class TrainResult:
+    """What a run produced (identical on every rank)."""
+
+    losses: dict[int, float] = field(default_factory=dict)  # step -> loss, steps run by this invocation
+    params: dict[str, np.ndarray] = field(default_factory=dict)
+    step: int = 0
+    start_step: int = 0
+    tokens_per_s: float = 0.0
+    checkpoint: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+class FlatParams:
+    """Parameters (and Adam moments) as one flat vector with named views into it."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], dtype: np.dtype):
+        self.shapes = shapes
+        self.sizes = {n: int(np.prod(s)) for n, s in shapes.items()}
+        self.size = sum(self.sizes.values())
+        self.flat = np.zeros(self.size, dtype=dtype)
+        self.views: dict[str, np.ndarray] = {}
+        off = 0
+        for n, s in shapes.items():
+            self.views[n] = self.flat[off:off + self.sizes[n]].reshape(s)
+            off += self.sizes[n]
+
+    def load(self, arrays: dict[str, np.ndarray]) -> None:
+        missing = [n for n in self.shapes if n not in arrays]
+        if missing:
+            raise ValueError(f"missing arrays {missing[:4]}")
+        for n, s in self.shapes.items():
+            if tuple(arrays[n].shape) != tuple(s):
+                raise ValueError(f"array {n} has shape {arrays[n].shape}, expected {s}")
+            self.views[n][...] = arrays[n]
+
+    def pack(self, grads: dict[str, np.ndarray]) -> np.ndarray:
+        return np.concatenate([np.ravel(grads[n]) for n in self.shapes]).astype(self.flat.dtype, copy=False)
+
+
+def set_blas_threads(n: int) -> str:
+    """Limit the BLAS behind numpy to ``n`` threads (``threadpoolctl`` if installed, else OpenBLAS's own
+    ``*_set_num_threads`` through ctypes). Several ranks per node each spawning a thread per core
+    oversubscribes the cores: small matmuls then run 10-100x slower. Returns what was done."""
+    try:
+        from threadpoolctl import threadpool_limits  # noqa: PLC0415
+
+        threadpool_limits(n, user_api="blas")
+        return f"threadpoolctl: {n}"
+    except ImportError:
+        pass
+    import ctypes
+    import glob
+
+    libdirs = [os.path.join(os.path.dirname(os.path.dirname(np.__file__)), "numpy.libs"), os.path.dirname(np.__file__)]
+    for path in sorted(p for d in libdirs for p in glob.glob(os.path.join(d, "*openblas*.so*"))):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for sym in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            fn = getattr(lib, sym, None)
+            if fn is not None:
+                fn.argtypes = [ctypes.c_int]
+                fn(int(n))
+                return f"{os.path.basename(path)}: {n}"
+    return "unchanged (no OpenBLAS found; set OMP_NUM_THREADS/OPENBLAS_NUM_THREADS)"
+
+
+def allreduce_sum(comm, x: np.ndarray, how: str = "ordered") -> np.ndarray:
+    """Sum of ``x`` (1-D) over ranks, the same on every rank. 'ordered': allgather and add in rank
+    order (bitwise reproducible for a fixed rank count); 'mpi': ``MPI_Allreduce``."""
+    P = comm.Get_size()
+    if P == 1:
+        return x.copy()
+    if how == "mpi":
+        from mpi4py import MPI
+
+        out = x.copy()
+        comm.Allreduce(MPI.IN_PLACE, out, op=MPI.SUM)
+        return out
+    buf = np.empty((P, x.size), dtype=x.dtype)
+    comm.Allgather(x, buf)
+    acc = buf[0].copy()
+    for r in range(1, P):
+        acc += buf[r]
+    return acc
+
+
+def run(argv: list[str] | None, comm, prog: str = "hpczeco train") -> TrainResult:
+    """Parse ``argv`` and train on ``comm`` (collective). Returns the same :class:`TrainResult` on every rank."""
+    ap = build_parser(prog)
+    args = ap.parse_args(argv)
+    check_args(ap, args)
+    rank, P = comm.Get_rank(), comm.Get_size()
+    if args.seq < P:
+        ap.error(f"--seq {args.seq} is shorter than the number of ranks {P}")
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 and not args.quiet else (lambda *a: None)
+    dtype = np.dtype(args.dtype)
+    if args.blas_threads > 0:
+        set_blas_threads(args.blas_threads)
+
+    tokens, desc = load_corpus(comm, args.text, args.corpus_bytes)
+    cfg = LMConfig(vocab=VOCAB, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, d_ff=args.d_ff)
+    config = {
+        "model": cfg.to_dict(), "seq": args.seq, "batch": args.batch, "dtype": args.dtype, "seed": args.seed,
+        "lr": args.lr, "warmup": args.warmup, "beta1": args.beta1, "beta2": args.beta2, "eps": args.eps,
+        "weight_decay": args.weight_decay, "clip": args.clip, "corpus": corpus_id(tokens),
+        "corpus_tokens": int(tokens.size),
+    }  # fmt: skip
+    sampler = Sampler(tokens.size, args.seq, args.batch, seed=args.seed + 1)
+    shapes = param_shapes(cfg)
+    params, adam_m, adam_v = FlatParams(shapes, dtype), FlatParams(shapes, dtype), FlatParams(shapes, dtype)
+    params.load(init_params(cfg, args.seed, dtype))
+    adam_t = 0
+    step0 = 0
+    if args.resume:
+        found = load_latest(args.ckpt_dir, comm, expect_config=config)
+        if found is None:
+            say(f"resume: no checkpoint in {args.ckpt_dir}; starting from step 0")
+        else:
+            step0, arrays, attrs = found
+            params.load({n: arrays[f"params/{n}"] for n in shapes})
+            adam_m.load({n: arrays[f"adam/m/{n}"] for n in shapes})
+            adam_v.load({n: arrays[f"adam/v/{n}"] for n in shapes})
+            adam_t = int(attrs["adam_t"])
+            sampler.set_state(attrs["sampler"])
+            say(f"resume: step {step0} from {args.ckpt_dir} (written by {attrs['nranks']} rank(s), now {P})")
+    mixers = make_mixers(args.mixer, cfg.n_layers, comm, scan=args.scan, blocks=args.blocks, chunk_size=args.chunk_size)
+    model = GLALM(cfg, mixers)
+    writer = CheckpointWriter(args.ckpt_dir, comm, keep=args.keep) if args.ckpt_dir else None
+    log = open(args.log, "a") if args.log and rank == 0 else None  # noqa: SIM115 - closed below
+
+    def emit(rec: dict[str, Any]) -> None:
+        if log is not None:
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+
+    def save(step: int, loss: float) -> str:
+        arrays = {f"params/{n}": a for n, a in params.views.items()}
+        arrays.update({f"adam/m/{n}": a for n, a in adam_m.views.items()})
+        arrays.update({f"adam/v/{n}": a for n, a in adam_v.views.items()})
+        attrs = {
+            "config": config, "adam_t": adam_t, "sampler": sampler.state(), "data_pos": sampler.drawn,
+            "tokens_seen": sampler.drawn * args.seq, "loss": loss,
+            "run": {"ranks": P, "scan": args.scan, "blocks": args.blocks, "chunk_size": args.chunk_size,
+                    "mixer": args.mixer, "allreduce": args.allreduce},
+        }  # fmt: skip
+        path = str(writer.save(step, arrays, attrs))
+        emit({"event": "checkpoint", "step": step, "path": path})
+        return path
+
+    start, stop = slice_bounds(args.seq, P, rank)
+    n_total = args.batch * args.seq
+    result = TrainResult(start_step=step0, step=step0, config=config)
+    say(f"hpczeco train: {P} rank(s), {sum(params.sizes.values())} parameters ({args.dtype}), "
+        f"seq {args.seq} x batch {args.batch}, mixer {type(mixers[0]).__name__} scan {args.scan}")
+    say(f"  corpus: {desc}")
+    if args.log:
+        say(f"  log: {os.path.abspath(args.log)}")
+    if args.ckpt_dir:
+        say(f"  checkpoints: {os.path.abspath(args.ckpt_dir)} (every {args.ckpt_every or '-'} steps and at the end)")
+    emit({"event": "start", "step": step0, "ranks": P, "config": config, "argv": list(argv or [])})
+
+    bar = None
+    if rank == 0 and not args.no_progress and not args.quiet and args.steps > step0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, initial=step0, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+    b1, b2 = args.beta1, args.beta2
+    loss = float("nan")
+    t_run = time.perf_counter()
+    last_saved = step0 if args.resume else -1
+    try:
+        for step in range(step0 + 1, args.steps + 1):
+            t0 = time.perf_counter()
+            seqs = sampler.batch_tokens(tokens)  # [B, seq + 1], the same on every rank
+            x, y = seqs[:, start:stop], seqs[:, start + 1:stop + 1]
+            part, grads = model.loss_and_grads(params.views, x, y, n_total)
+            g = allreduce_sum(comm, params.pack(grads), args.allreduce)
+            loss = float(allreduce_sum(comm, np.array([part], np.float64), args.allreduce)[0])
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr")
+            gnorm = float(np.sqrt(np.dot(g.astype(np.float64), g.astype(np.float64))))
+            if args.clip and gnorm > args.clip:
+                g *= dtype.type(args.clip / gnorm)
+            adam_t += 1
+            lr = args.lr * (min(1.0, adam_t / args.warmup) if args.warmup else 1.0)
+            m, v, w = adam_m.flat, adam_v.flat, params.flat
+            m *= dtype.type(b1)
+            m += dtype.type(1 - b1) * g
+            v *= dtype.type(b2)
+            v += dtype.type(1 - b2) * (g * g)
+            mhat = m / dtype.type(1 - b1**adam_t)
+            vhat = v / dtype.type(1 - b2**adam_t)
+            upd = mhat / (np.sqrt(vhat) + dtype.type(args.eps))
+            if args.weight_decay:
+                upd += dtype.type(args.weight_decay) * w
+            w -= dtype.type(lr) * upd
+            dt = time.perf_counter() - t0
+            result.losses[step] = loss
+            result.step = step
+            rate = n_total / dt if dt > 0 else float("inf")
+            emit({"event": "step", "step": step, "loss": loss, "grad_norm": gnorm, "lr": lr, "tokens": n_total,
+                  "tokens_seen": sampler.drawn * args.seq, "step_s": dt, "tokens_per_s": rate, "ranks": P})
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}")
+                bar.update(1)
+            if writer is not None and args.ckpt_every and step % args.ckpt_every == 0:
+                result.checkpoint = save(step, loss)
+                last_saved = step
+        elapsed = time.perf_counter() - t_run
+        ran = result.step - step0
+        result.tokens_per_s = ran * n_total / elapsed if ran and elapsed > 0 else 0.0
+        if writer is not None and last_saved != result.step:
+            result.checkpoint = save(result.step, loss)
+    finally:
+        if bar is not None:
+            bar.close()
+    result.params = {n: a.copy() for n, a in params.views.items()}
+    emit({"event": "end", "step": result.step, "loss": loss, "tokens_per_s": result.tokens_per_s,
+          "checkpoint": result.checkpoint})
+    if log is not None:
+        log.close()
+    if rank == 0:
+        if result.losses:
+            first, last = result.losses[min(result.losses)], result.losses[max(result.losses)]
+            print(f"hpczeco train: steps {step0 + 1}..{result.step} on {P} rank(s): loss {first:.4f} -> {last:.4f}, "
+                  f"{result.tokens_per_s:,.0f} tokens/s" + (f", checkpoint {result.checkpoint}" if result.checkpoint
+                                                            else ""), flush=True)
+        else:
+            print(f"hpczeco train: already at step {step0} (--steps {args.steps}); nothing to do", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None, prog: str = "hpczeco train") -> int:
+    from mpi4py import MPI
+
+    run(argv, MPI.COMM_WORLD, prog=prog)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
