@@ -1,0 +1,441 @@
+"""Chunked gated linear attention on the GPU (CuPy + CUDA C++ kernels from the ``*.cu`` files here).
+
+Same semantics as :mod:`hpczeco.gla` (flash-linear-attention's ``chunk_gla``): ``q, k, g: [B, T, H, K]``,
+``v, o: [B, T, H, V]``, states ``[B, H, K, V]`` float32, ``g`` the log forget gate (<= 0)::
+
+    S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t,      o_t = scale * q_t S_t   (inclusive)
+
+Inputs: CuPy arrays of float32, float16 or bfloat16 (CuPy's ``bfloat16`` through ml_dtypes, or
+``uint16`` arrays holding raw bfloat16 bit patterns for CuPy builds without it; outputs then are
+uint16 bit patterns too). Arithmetic and states are float32. Every decay factor is ``exp`` of a
+non-positive number (taken relative to a later position in the same chunk / sub-chunk), so gates
+down to -8 per token and beyond are safe.
+
+Two implementations, same results to rounding:
+
+- ``"simt"``: general kernels (any K, V, chunk size 1..64) on CUDA cores, fp32 FMA.
+- ``"tc"`` (forward, bf16/fp16, K and V multiples of 16 up to 256): tensor cores (``mma.sync`` bf16/
+  fp16 -> fp32) over segments of several chunks; see ``gla_tc.cu``.
+
+``impl="auto"`` takes ``"tc"`` where it applies (16-bit inputs), else ``"simt"``. Nothing here
+talks MPI. The pieces the ZeCO layer needs are exposed too: :func:`decay_cumsum`,
+:func:`state_correction`, :func:`final_state`, :func:`scan_combine`, :func:`initial_state_grad`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "chunk_gla",
+    "chunk_gla_bwd",
+    "decay_cumsum",
+    "state_correction",
+    "final_state",
+    "scan_combine",
+    "initial_state_grad",
+    "kernel_names",
+    "kernel_source",
+    "memory_floor",
+]
+
+_HERE = Path(__file__).resolve().parent
+_NT = 256  # threads per block of the simt kernels
+_KERNEL_FILES = ("gla_kernels.cu", "gla_tc.cu")
+_TYPES = {"float32": "float", "float16": "f16", "bfloat16": "bf16", "uint16": "bf16"}
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+
+def kernel_names() -> list[str]:
+    """Every kernel name expression compiled into the module (template instantiations)."""
+    names = ["gla_state_scan", "seg_carry"]
+    for t in ("float", "bf16", "f16"):
+        names += [
+            f"gla_chunk_outer<{t}>",
+            f"gla_chunk_output<{t}>",
+            f"gla_bwd_scores<{t}>",
+            f"gla_bwd_dqdk<{t}>",
+            f"gla_bwd_dv<{t}>",
+            f"seg_chunk_sum<{t}>",
+            f"gla_state_correction<{t}>",
+            f"seg_finish<{t}, float>",
+        ]
+        if t != "float":
+            names.append(f"seg_finish<float, {t}>")
+    if (_HERE / "gla_tc.cu").exists():
+        for t in ("bf16", "f16"):
+            names += [f"gla_tc_seg_state<{t}>", f"gla_tc_seg_output<{t}>"]
+    return names
+
+
+def kernel_source() -> str:
+    """All kernel sources in one translation unit, the common header inlined (no include paths)."""
+    common = (_HERE / "gla_common.cuh").read_text()
+    parts = []
+    for name in _KERNEL_FILES:
+        if not (_HERE / name).exists():
+            continue
+        src = (_HERE / name).read_text()
+        parts.append(src.replace('#include "gla_common.cuh"', ""))
+    return common.replace("#pragma once", "") + "\n" + "\n".join(parts)
+
+
+class _CupyRuntime:
+    """Kernels from one ``cupy.RawModule`` (NVRTC, ``-std=c++17``), on the current CuPy stream."""
+
+    def __init__(self):
+        import cupy  # noqa: PLC0415
+
+        self.xp = cupy
+        self.module = cupy.RawModule(
+            code=kernel_source(),
+            options=("-std=c++17", "--use_fast_math"),
+            name_expressions=kernel_names(),
+        )
+        self._fns: dict[str, Any] = {}
+
+    def fn(self, name: str):
+        f = self._fns.get(name)
+        if f is None:
+            f = self._fns[name] = self.module.get_function(name)
+        return f
+
+    def launch(self, name: str, grid, block, args, shared_mem: int = 0) -> None:
+        f = self.fn(name)
+        if shared_mem > 48 * 1024 and getattr(f, "_hpczeco_smem", 0) < shared_mem:
+            f.max_dynamic_shared_size_bytes = shared_mem
+            f._hpczeco_smem = shared_mem
+        conv = tuple(np.uint64(0) if a is None else a for a in args)
+        f(tuple(int(x) for x in grid), tuple(int(x) for x in block), conv, shared_mem=shared_mem)
+
+    @staticmethod
+    def is_native(x: Any) -> bool:
+        return type(x).__module__.startswith("cupy")
+
+
+_RUNTIME: Any = None
+
+
+def _runtime():
+    global _RUNTIME
+    if _RUNTIME is None:
+        _RUNTIME = _CupyRuntime()
+    return _RUNTIME
+
+
+def _set_runtime(rt: Any) -> Any:
+    """Testing hook: run the wrappers on another runtime (e.g. the CPU emulation); returns the old one."""
+    global _RUNTIME
+    old, _RUNTIME = _RUNTIME, rt
+    return old
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def _type_of(name: str, x: Any) -> str:
+    dt = str(x.dtype)
+    if dt not in _TYPES:
+        raise TypeError(
+            f"{name} has dtype {dt}; the GPU GLA takes float32, float16 or bfloat16 "
+            "(or uint16 raw bfloat16 bits); use the CPU path (numpy) for float64"
+        )
+    return _TYPES[dt]
+
+
+def _check(q, k, v, g, do=None, h0=None, dht=None, rt=None):
+    rt = rt or _runtime()
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("do", do), ("initial_state", h0), ("dht", dht)):
+        if x is not None and not rt.is_native(x):
+            raise TypeError(f"{name} must be a device (CuPy) array, got {type(x).__name__}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("do", do)):
+        if x is not None and x.ndim != 4:
+            raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(x.shape)}")
+    B, T, H, K = (int(s) for s in q.shape)
+    V = int(v.shape[3])
+    for name, x, shp in (("k", k, (B, T, H, K)), ("g", g, (B, T, H, K)), ("v", v, (B, T, H, V)), ("do", do, (B, T, H, V))):
+        if x is not None and tuple(x.shape) != shp:
+            raise ValueError(f"{name} has shape {list(x.shape)}, expected {list(shp)}")
+    for name, x in (("initial_state", h0), ("dht", dht)):
+        if x is not None and tuple(x.shape) != (B, H, K, V):
+            raise ValueError(f"{name} has shape {list(x.shape)}, expected {[B, H, K, V]}")
+    t = _type_of("q", q)
+    for name, x in (("k", k), ("v", v), ("g", g), ("do", do)):
+        if x is not None and str(x.dtype) != str(q.dtype):
+            raise TypeError(f"{name} has dtype {x.dtype}, expected {q.dtype} (the dtype of q)")
+    if K < 1 or V < 1:
+        raise ValueError(f"K and V must be >= 1, got K={K}, V={V}")
+    return B, T, H, K, V, t
+
+
+def _contig(x, rt):
+    return None if x is None else rt.xp.ascontiguousarray(x)
+
+
+def _state32(x, rt):
+    return None if x is None else rt.xp.ascontiguousarray(x, dtype=rt.xp.float32)
+
+
+def _chunk(chunk_size: int) -> int:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
+        raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
+    if not 1 <= int(chunk_size) <= 64:
+        raise ValueError(f"chunk_size must be in [1, 64] on the GPU, got {chunk_size}")
+    return int(chunk_size)
+
+
+def _scale(scale, K: int) -> float:
+    return float(K) ** -0.5 if scale is None else float(scale)
+
+
+i32 = np.int32
+f32 = np.float32
+
+
+# ---------------------------------------------------------------------------------------------- pieces
+
+
+def _local_states(rt, left, right, g, t, B, T, H, K, V, C, NT, mode, scale):
+    """Per-chunk local states ``[B*H, NT, K, V]`` and chunk decay totals ``[B*H, NT, K]`` (fp32)."""
+    xp = rt.xp
+    st = xp.empty((B * H, NT, K, V), dtype=xp.float32)
+    gtot = xp.empty((B * H, NT, K), dtype=xp.float32)
+    grid = (NT, B * H, -(-K // 32) * -(-V // 32))
+    rt.launch(
+        f"gla_chunk_outer<{t}>", grid, (_NT,),
+        (left, right, g, st, gtot, i32(B), i32(T), i32(H), i32(K), i32(V), i32(C), i32(NT), i32(mode), f32(scale)),
+    )  # fmt: skip
+    return st, gtot
+
+
+def _scan(rt, st, gtot, init, NT, K, V, BH, reverse: bool):
+    """In place over chunks; returns the final state ``[B*H, K, V]`` fp32."""
+    xp = rt.xp
+    fin = xp.empty((BH, K, V), dtype=xp.float32)
+    rt.launch(
+        "gla_state_scan", (-(-K * V // _NT), BH), (_NT,),
+        (st, gtot, init, fin, i32(NT), i32(K), i32(V), i32(1 if reverse else 0)),
+    )  # fmt: skip
+    return fin
+
+
+def _cumsum_T(rt, x, tin: str, tout: str, out_dtype, B, T, H, K, C, reverse: bool, base=None):
+    """Inclusive (reverse: suffix) cumulative sum of ``x [B, T, H, K]`` along T, plus ``base [B*H, K]``."""
+    xp = rt.xp
+    NT = -(-T // C)
+    ctot = xp.empty((B * H, NT, K), dtype=xp.float32)
+    rt.launch(f"seg_chunk_sum<{tin}>", (NT, B * H), (_NT,), (x, ctot, i32(B), i32(T), i32(H), i32(K), i32(C), i32(NT)))
+    rt.launch(
+        "seg_carry", (-(-B * H * K // _NT),), (_NT,),
+        (ctot, base, i32(B * H), i32(K), i32(NT), i32(1 if reverse else 0)),
+    )  # fmt: skip
+    out = xp.empty((B, T, H, K), dtype=out_dtype)
+    rt.launch(
+        f"seg_finish<{tin}, {tout}>", (NT, B * H), (_NT,),
+        (x, ctot, out, i32(B), i32(T), i32(H), i32(K), i32(C), i32(NT), i32(1 if reverse else 0)),
+    )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- forward
+
+
+def _tc_applies(t: str, K: int, V: int, C: int) -> bool:
+    return t in ("bf16", "f16") and K % 16 == 0 and V % 16 == 0 and K <= 256 and V <= 256 and C == 64
+
+
+def chunk_gla(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    scale: float | None = None,
+    initial_state: Any = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+    *,
+    impl: str = "auto",
+) -> tuple[Any, Any]:
+    """GLA forward on the GPU: ``(o [B, T, H, V] in the input dtype, final_state [B, H, K, V] fp32 or None)``.
+
+    ``impl``: "auto" | "simt" | "tc" (tensor cores; bf16/fp16, K, V multiples of 16 <= 256, chunk 64).
+    Runs on the current CuPy stream; no host synchronisation.
+    """
+    rt = _runtime()
+    B, T, H, K, V, t = _check(q, k, v, g, h0=initial_state, rt=rt)
+    C = _chunk(chunk_size)
+    s = _scale(scale, K)
+    xp = rt.xp
+    if impl not in ("auto", "simt", "tc"):
+        raise ValueError(f"impl must be 'auto', 'simt' or 'tc', got {impl!r}")
+    if impl == "tc" and not _tc_applies(t, K, V, C):
+        raise ValueError(f"impl='tc' needs bf16/fp16 inputs, K and V multiples of 16 up to 256 and chunk_size 64 (got {t}, K={K}, V={V}, C={C})")
+    h0 = _state32(initial_state, rt)
+    if T == 0 or B * H == 0:
+        o = xp.zeros((B, T, H, V), dtype=q.dtype)
+        fin = xp.zeros((B, H, K, V), dtype=xp.float32) if h0 is None else h0.copy()
+        return o, (fin if output_final_state else None)
+    q, k, v, g = (_contig(x, rt) for x in (q, k, v, g))
+    use_tc = impl == "tc" or (impl == "auto" and _tc_applies(t, K, V, C))
+    if use_tc:
+        from . import gla_tc  # noqa: PLC0415
+
+        o, fin = gla_tc.forward(rt, q, k, v, g, s, h0, t, B, T, H, K, V)
+        return o, (fin.reshape(B, H, K, V) if output_final_state else None)
+    NT = -(-T // C)
+    st, gtot = _local_states(rt, k, v, g, t, B, T, H, K, V, C, NT, 0, 1.0)
+    fin = _scan(rt, st, gtot, h0, NT, K, V, B * H, reverse=False)
+    o = xp.empty((B, T, H, V), dtype=q.dtype)
+    rt.launch(
+        f"gla_chunk_output<{t}>", (NT, B * H, -(-V // 64)), (_NT,),
+        (q, k, v, g, st, o, f32(s), i32(B), i32(T), i32(H), i32(K), i32(V), i32(C), i32(NT)),
+    )  # fmt: skip
+    return o, (fin.reshape(B, H, K, V) if output_final_state else None)
+
+
+# ---------------------------------------------------------------------------------------------- backward
+
+
+def chunk_gla_bwd(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    do: Any,
+    scale: float | None = None,
+    initial_state: Any = None,
+    dht: Any = None,
+    chunk_size: int = 64,
+) -> tuple[Any, Any, Any, Any, Any]:
+    """GLA backward on the GPU: ``(dq, dk, dv, dg, dh0)``.
+
+    Gradients of ``sum(o * do) + sum(S_T * dht)``; dq, dk, dg ``[B, T, H, K]`` and dv ``[B, T, H, V]``
+    in the input dtype; ``dh0 [B, H, K, V]`` always returned (fp32). ``dg = reverse_cumsum(q*dq - k*dk)
+    + rowsum(S_T * dht)`` at every position. Runs on the current CuPy stream.
+    """
+    rt = _runtime()
+    B, T, H, K, V, t = _check(q, k, v, g, do=do, h0=initial_state, dht=dht, rt=rt)
+    C = _chunk(chunk_size)
+    s = _scale(scale, K)
+    xp = rt.xp
+    h0 = _state32(initial_state, rt)
+    dH = _state32(dht, rt)
+    if T == 0 or B * H == 0:
+        z = xp.zeros((B, T, H, K), dtype=q.dtype)
+        dh0 = xp.zeros((B, H, K, V), dtype=xp.float32) if dH is None else dH.copy()
+        return z, z.copy(), xp.zeros((B, T, H, V), dtype=q.dtype), z.copy(), dh0
+    q, k, v, g, do = (_contig(x, rt) for x in (q, k, v, g, do))
+    NT = -(-T // C)
+    BH = B * H
+    # incoming state of every chunk and the final state
+    S_in, gtot = _local_states(rt, k, v, g, t, B, T, H, K, V, C, NT, 0, 1.0)
+    S_T = _scan(rt, S_in, gtot, h0, NT, K, V, BH, reverse=False)
+    # gradient into every chunk's end state, and into the initial state
+    dS, _ = _local_states(rt, q, do, g, t, B, T, H, K, V, C, NT, 1, s)
+    dh0 = _scan(rt, dS, gtot, dH, NT, K, V, BH, reverse=True)
+    A = xp.empty((BH, NT, 64, 64), dtype=xp.float32)
+    dA = xp.empty((BH, NT, 64, 64), dtype=xp.float32)
+    geo = (i32(B), i32(T), i32(H), i32(K), i32(V), i32(C), i32(NT))
+    rt.launch(f"gla_bwd_scores<{t}>", (NT, BH), (_NT,), (q, k, v, g, do, A, dA) + geo)
+    dq = xp.empty((B, T, H, K), dtype=q.dtype)
+    dk = xp.empty((B, T, H, K), dtype=q.dtype)
+    dG = xp.empty((B, T, H, K), dtype=xp.float32)
+    rt.launch(
+        f"gla_bwd_dqdk<{t}>", (NT, BH, -(-K // 32)), (_NT,),
+        (q, k, v, g, do, S_in, dS, dA, dq, dk, dG, f32(s)) + geo,
+    )  # fmt: skip
+    dv = xp.empty((B, T, H, V), dtype=q.dtype)
+    rt.launch(f"gla_bwd_dv<{t}>", (NT, BH, -(-V // 64)), (_NT,), (k, g, do, A, dS, dv, f32(s)) + geo)
+    base = None
+    if dH is not None:
+        base = xp.ascontiguousarray((S_T * dH.reshape(BH, K, V)).sum(axis=-1), dtype=xp.float32)
+    dg = _cumsum_T(rt, dG, "float", t, q.dtype, B, T, H, K, C, reverse=True, base=base)
+    return dq, dk, dv, dg, dh0.reshape(B, H, K, V)
+
+
+# ---------------------------------------------------------------------------------------------- ZeCO pieces
+
+
+def decay_cumsum(g: Any, chunk_size: int = 64) -> Any:
+    """``G = cumsum(g, axis=1)`` (inclusive, float32, ``[B, T, H, K]``): the log decay from the slice start."""
+    rt = _runtime()
+    if not rt.is_native(g) or g.ndim != 4:
+        raise TypeError("g must be a 4-dimensional device array [B, T, H, K]")
+    t = _type_of("g", g)
+    B, T, H, K = (int(x) for x in g.shape)
+    if T == 0 or B * H * K == 0:
+        return rt.xp.zeros(g.shape, dtype=rt.xp.float32)
+    return _cumsum_T(rt, _contig(g, rt), t, "float", rt.xp.float32, B, T, H, K, _chunk(chunk_size), reverse=False)
+
+
+def state_correction(o: Any, q: Any, G: Any, S_in: Any, scale: float | None = None) -> Any:
+    """In place ``o += scale * (q * exp(G)) @ S_in`` (per b, h); returns ``o``.
+
+    ``o [B, T, H, V]`` and ``q [B, T, H, K]`` share a dtype, ``G [B, T, H, K]`` float32 (from
+    :func:`decay_cumsum`), ``S_in [B, H, K, V]``. The ZeCO correction once the scan has delivered S_in.
+    """
+    rt = _runtime()
+    for name, x in (("o", o), ("q", q), ("G", G), ("S_in", S_in)):
+        if not rt.is_native(x) or x.ndim != 4:
+            raise TypeError(f"{name} must be a 4-dimensional device array")
+    B, T, H, K = (int(x) for x in q.shape)
+    V = int(o.shape[3])
+    if tuple(o.shape) != (B, T, H, V) or tuple(G.shape) != (B, T, H, K) or tuple(S_in.shape) != (B, H, K, V):
+        raise ValueError(f"shapes disagree: o {o.shape}, q {q.shape}, G {G.shape}, S_in {S_in.shape}")
+    if str(o.dtype) != str(q.dtype):
+        raise TypeError(f"o has dtype {o.dtype}, expected {q.dtype} (the dtype of q)")
+    if not o.flags.c_contiguous:
+        raise ValueError("o must be C-contiguous (it is updated in place)")
+    t = _type_of("q", q)
+    if T == 0 or B * H == 0:
+        return o
+    rt.launch(
+        f"gla_state_correction<{t}>", (-(-T // 64), B * H, -(-V // 64)), (_NT,),
+        (o, _contig(q, rt), _state32(G, rt), _state32(S_in, rt), f32(_scale(scale, K)),
+         i32(B), i32(T), i32(H), i32(K), i32(V)),
+    )  # fmt: skip
+    return o
+
+
+def final_state(a: Any, S_in: Any, S_local: Any) -> Any:
+    """``diag(a) S_in + S_local`` with ``a = exp(G_T) [B, H, K]`` (decay over the slice); float32."""
+    xp = _runtime().xp
+    return xp.asarray(S_local, dtype=xp.float32) + xp.asarray(a, dtype=xp.float32)[..., None] * S_in
+
+
+def scan_combine(a: Any, S_in: Any, S_local: Any, out: Any = None) -> Any:
+    """The scan operator's state part ``a * S_in + S_local`` (``a`` broadcast over the last axis), into ``out``."""
+    xp = _runtime().xp
+    res = a[..., None] * S_in + S_local
+    if out is None:
+        return res
+    out[...] = res
+    return out
+
+
+def initial_state_grad(q: Any, g: Any, do: Any, scale: float | None = None, chunk_size: int = 64) -> Any:
+    """``U = scale * sum_t (q_t * exp(G_t))^T do_t``: ``[B, H, K, V]`` float32 (the gradient into the
+    slice's initial state from its own outputs; ZeCO's backward scans these in reverse)."""
+    rt = _runtime()
+    B, T, H, K, V, t = _check(q, q, do, g, rt=rt)
+    C = _chunk(chunk_size)
+    if T == 0 or B * H == 0:
+        return rt.xp.zeros((B, H, K, V), dtype=rt.xp.float32)
+    q, g, do = (_contig(x, rt) for x in (q, g, do))
+    NT = -(-T // C)
+    dS, gtot = _local_states(rt, q, do, g, t, B, T, H, K, V, C, NT, 1, _scale(scale, K))
+    return _scan(rt, dS, gtot, None, NT, K, V, B * H, reverse=True).reshape(B, H, K, V)
+
+
+# ---------------------------------------------------------------------------------------------- numbers
+
+
+def memory_floor(B: int, T: int, H: int, K: int, V: int, itemsize: int = 2, bandwidth: float = 4.3e12) -> dict:
+    """Bytes of q, k, v, g read once and o written once, and that over ``bandwidth`` (seconds)."""
+    nbytes = (3 * B * T * H * K + 2 * B * T * H * V) * itemsize
+    return {"bytes": nbytes, "seconds": nbytes / bandwidth, "bandwidth": bandwidth}
