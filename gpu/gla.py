@@ -158,7 +158,8 @@ def _check(q, k, v, g, do=None, h0=None, dht=None, rt=None):
             raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(x.shape)}")
     B, T, H, K = (int(s) for s in q.shape)
     V = int(v.shape[3])
-    for name, x, shp in (("k", k, (B, T, H, K)), ("g", g, (B, T, H, K)), ("v", v, (B, T, H, V)), ("do", do, (B, T, H, V))):
+    expected = (("k", k, (B, T, H, K)), ("g", g, (B, T, H, K)), ("v", v, (B, T, H, V)), ("do", do, (B, T, H, V)))
+    for name, x, shp in expected:
         if x is not None and tuple(x.shape) != shp:
             raise ValueError(f"{name} has shape {list(x.shape)}, expected {list(shp)}")
     for name, x in (("initial_state", h0), ("dht", dht)):
@@ -274,7 +275,10 @@ def chunk_gla(
     if impl not in ("auto", "simt", "tc"):
         raise ValueError(f"impl must be 'auto', 'simt' or 'tc', got {impl!r}")
     if impl == "tc" and not _tc_applies(t, K, V, C):
-        raise ValueError(f"impl='tc' needs bf16/fp16 inputs, K and V multiples of 16 up to 256 and chunk_size 64 (got {t}, K={K}, V={V}, C={C})")
+        raise ValueError(
+            "impl='tc' needs bf16/fp16 inputs, K and V multiples of 16 up to 256 and chunk_size 64 "
+            f"(got {t}, K={K}, V={V}, chunk_size={C})"
+        )
     h0 = _state32(initial_state, rt)
     if T == 0 or B * H == 0:
         o = xp.zeros((B, T, H, V), dtype=q.dtype)
@@ -410,7 +414,6 @@ def final_state(a: Any, S_in: Any, S_local: Any) -> Any:
 
 def scan_combine(a: Any, S_in: Any, S_local: Any, out: Any = None) -> Any:
     """The scan operator's state part ``a * S_in + S_local`` (``a`` broadcast over the last axis), into ``out``."""
-    xp = _runtime().xp
     res = a[..., None] * S_in + S_local
     if out is None:
         return res
