@@ -112,39 +112,29 @@ def gpu_info() -> dict[str, Any]:
 
 
 def transports(gpus: int, cuda_aware: bool) -> dict[str, str]:
-    """Which send/recv transports can be used here: name -> 'yes' or why not."""
+    """Which send/recv transports can be used here: name -> 'yes ...' or 'no (why)'.
+
+    Uses ``hpczeco.collectives.device`` (``cuda_aware_known``, ``nccl_available``) when it imports
+    (it imports CuPy only when a transport is built); device transports need a GPU seen by CuPy."""
     out = {"host": "yes"}
     try:
-        from hpczeco.collectives import device  # noqa: PLC0415 - imports CuPy when present
+        from hpczeco.collectives import device  # noqa: PLC0415
     except Exception as exc:  # noqa: BLE001
         device = None
         why_dev = f"hpczeco.collectives.device not importable ({type(exc).__name__}: {exc})"
     else:
         why_dev = ""
-    probe = getattr(device, "available_transports", None) if device is not None else None
-    if callable(probe):
-        try:
-            found = probe()
-            for name in ("cuda-aware", "staged", "nccl"):
-                out[name] = "yes" if name in found else "no (not detected by hpczeco.collectives.device)"
-            return out
-        except Exception as exc:  # noqa: BLE001
-            why_dev = f"detection failed ({type(exc).__name__}: {exc})"
-    if gpus == 0:
-        why = "no GPU seen"
-        return {**out, "cuda-aware": f"no ({why})", "staged": f"no ({why})", "nccl": f"no ({why})"}
-    if why_dev:
-        return {**out, "cuda-aware": f"no ({why_dev})", "staged": f"no ({why_dev})", "nccl": f"no ({why_dev})"}
+        cuda_aware = bool(getattr(device, "cuda_aware_known", lambda: cuda_aware)())
+    if gpus == 0 or why_dev:
+        why = why_dev or "no GPU seen"
+        return {**out, "cuda-aware": f"no ({why})", "staged": f"no ({why})", "nccl": f"no ({why})", "auto": "host"}
     out["cuda-aware"] = (
         "yes" if cuda_aware else f"no (MPI not known to be CUDA-aware; set {CUDA_AWARE_ENV}=1 to opt in)"
     )
     out["staged"] = "yes"
-    try:
-        from cupy.cuda import nccl  # noqa: F401, PLC0415
-
-        out["nccl"] = "yes"
-    except Exception as exc:  # noqa: BLE001
-        out["nccl"] = f"no (cupy.cuda.nccl not importable: {type(exc).__name__})"
+    has_nccl = bool(getattr(device, "nccl_available", lambda: False)())
+    out["nccl"] = "yes" if has_nccl else "no (cupy.cuda.nccl not usable)"
+    out["auto"] = "cuda-aware" if cuda_aware else "nccl" if has_nccl else "staged"
     return out
 
 
