@@ -14,7 +14,7 @@ down to -8 per token and beyond are safe.
 Two implementations, same results to rounding:
 
 - ``"simt"``: general kernels (any K, V, chunk size 1..64) on CUDA cores, fp32 FMA.
-- ``"tc"`` (forward, bf16/fp16, K and V multiples of 16 up to 256): tensor cores (``mma.sync`` bf16/
+- ``"tc"`` (forward, bf16/fp16, K and V multiples of 16 up to 128): tensor cores (``mma.sync`` bf16/
   fp16 -> fp32) over segments of several chunks; see ``gla_tc.cu``.
 
 ``impl="auto"`` takes ``"tc"`` where it applies (16-bit inputs), else ``"simt"``. Nothing here
@@ -247,7 +247,7 @@ def _cumsum_T(rt, x, tin: str, tout: str, out_dtype, B, T, H, K, C, reverse: boo
 
 
 def _tc_applies(t: str, K: int, V: int, C: int) -> bool:
-    return t in ("bf16", "f16") and K % 16 == 0 and V % 16 == 0 and K <= 256 and V <= 256 and C == 64
+    return t in ("bf16", "f16") and K % 16 == 0 and V % 16 == 0 and K <= 128 and V <= 128 and C == 64
 
 
 def chunk_gla(
@@ -264,7 +264,7 @@ def chunk_gla(
 ) -> tuple[Any, Any]:
     """GLA forward on the GPU: ``(o [B, T, H, V] in the input dtype, final_state [B, H, K, V] fp32 or None)``.
 
-    ``impl``: "auto" | "simt" | "tc" (tensor cores; bf16/fp16, K, V multiples of 16 <= 256, chunk 64).
+    ``impl``: "auto" | "simt" | "tc" (tensor cores; bf16/fp16, K, V multiples of 16 <= 128, chunk 64).
     Runs on the current CuPy stream; no host synchronisation.
     """
     rt = _runtime()
@@ -276,7 +276,7 @@ def chunk_gla(
         raise ValueError(f"impl must be 'auto', 'simt' or 'tc', got {impl!r}")
     if impl == "tc" and not _tc_applies(t, K, V, C):
         raise ValueError(
-            "impl='tc' needs bf16/fp16 inputs, K and V multiples of 16 up to 256 and chunk_size 64 "
+            "impl='tc' needs bf16/fp16 inputs, K and V multiples of 16 up to 128 and chunk_size 64 "
             f"(got {t}, K={K}, V={V}, chunk_size={C})"
         )
     h0 = _state32(initial_state, rt)

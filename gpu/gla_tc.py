@@ -1,0 +1,68 @@
+"""Host side of the tensor-core GLA forward (``gla_tc.cu``): segment states, segment scan, outputs.
+
+Used by :func:`hpczeco.gpu.gla.chunk_gla` for bf16/fp16 inputs with K, V multiples of 16 up to 128 and
+chunk size 64. The sequence of each (b, h) is cut into segments of ``NC`` chunks of 64 tokens:
+kernel 1 computes each segment's local state (and total decay), the simt ``gla_state_scan`` turns
+those into incoming states, kernel 2 recomputes the chunks of each segment from its incoming state and
+writes ``o``. ``NC`` defaults to about eight waves of blocks on the device; ``$HPCZECO_TC_NC`` fixes it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+# mirror of the shared-memory layout in gla_tc.cu (bytes)
+_BP, _CP, _KP = 132, 72, 136
+SMEM_STATE = 64 * _BP * 4 + 2 * 128 * _CP * 2
+SMEM_OUTPUT = SMEM_STATE + 64 * _KP * 2 * 3 + 6 * 16 * _KP * 2 + 64 * _CP * 2 + 128 * _KP * 2 + 16
+#: largest diagonal sub-chunk decay span (log units) done on tensor cores; beyond it: elementwise
+SPAN_LIMIT = {"bf16": 40.0, "f16": 8.0}
+_THREADS = 256
+
+
+def _num_sms(rt: Any) -> int:
+    try:
+        dev = rt.xp.cuda.Device()
+        return int(dev.attributes["MultiProcessorCount"])
+    except Exception:
+        return 132
+
+
+def chunks_per_segment(rt: Any, BH: int, NT: int) -> int:
+    env = os.environ.get("HPCZECO_TC_NC")
+    if env:
+        return max(1, int(env))
+    target_blocks = 8 * _num_sms(rt)
+    ns = max(1, -(-target_blocks // max(BH, 1)))
+    return max(1, -(-NT // ns))
+
+
+def forward(rt: Any, q, k, v, g, scale: float, h0, t: str, B: int, T: int, H: int, K: int, V: int, nc=None):
+    """``(o [B, T, H, V], final state [B*H, K, V] fp32)`` on the current stream."""
+    from .gla import _scan  # noqa: PLC0415
+
+    xp = rt.xp
+    i32, f32 = np.int32, np.float32
+    NT = -(-T // 64)
+    BH = B * H
+    NC = nc or chunks_per_segment(rt, BH, NT)
+    NS = -(-NT // NC)
+    st = xp.empty((BH, NS, K, V), dtype=xp.float32)
+    gseg = xp.empty((BH, NS, K), dtype=xp.float32)
+    rt.launch(
+        f"gla_tc_seg_state<{t}>", (NS, BH), (_THREADS,),
+        (k, v, g, st, gseg, i32(B), i32(T), i32(H), i32(K), i32(V), i32(NC), i32(NS)),
+        shared_mem=SMEM_STATE,
+    )  # fmt: skip
+    fin = _scan(rt, st, gseg, h0, NS, K, V, BH, reverse=False)
+    o = xp.empty((B, T, H, V), dtype=q.dtype)
+    rt.launch(
+        f"gla_tc_seg_output<{t}>", (NS, BH), (_THREADS,),
+        (q, k, v, g, st, o, f32(scale), i32(B), i32(T), i32(H), i32(K), i32(V), i32(NC), i32(NS),
+         f32(SPAN_LIMIT[t])),
+        shared_mem=SMEM_OUTPUT,
+    )  # fmt: skip
+    return o, fin
