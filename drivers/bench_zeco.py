@@ -1,0 +1,162 @@
+"""`hpczeco bench zeco`: ZeCO GLA layer weak scaling (run under ``mpiexec -n P``).
+
+Every rank holds ``--tokens`` tokens (fixed tokens per rank: weak scaling, as in the paper's
+tables). For each scan topology it times one layer's forward+backward (``ZeCOGLA``), beside the
+**ideal**: every rank computing its slice alone (chunked GLA forward with a final state, and its
+backward), no communication. Variants are interleaved repeat by repeat, so drift hits all alike;
+the time of a repeat is the slowest rank's, the figure is the median over repeats after warm-up.
+
+Set ``OMP_NUM_THREADS`` (e.g. 1) so that P ranks do not oversubscribe the BLAS threads.
+Rank 0 prints a table and writes ``zeco_P{P}.json``, ``zeco_P{P}.csv`` and ``zeco.png`` (which
+also plots the other ``zeco_P*.json`` files in the folder: ratio to the ideal over P).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_TOPOLOGIES = "ring,tree,allgather,serial,exscan"
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default 4096; the issue asks 16384)")
+    ap.add_argument("--B", type=int, default=1)
+    ap.add_argument("--H", type=int, default=4)
+    ap.add_argument("--K", type=int, default=64)
+    ap.add_argument("--V", type=int, default=64)
+    ap.add_argument("--chunk-size", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    ap.add_argument("--topologies", default=DEFAULT_TOPOLOGIES, help=f"comma list (default {DEFAULT_TOPOLOGIES})")
+    ap.add_argument("--blocks", type=int, default=None, help="ring blocks (default: cost model's choice)")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out", default="runs/bench_zeco", help="output folder (default runs/bench_zeco)")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def _time_ideal(q, k, v, g, do, chunk_size):
+    from hpczeco.gla import chunk_gla, chunk_gla_bwd
+
+    t0 = time.perf_counter()
+    chunk_gla(q, k, v, g, output_final_state=True, chunk_size=chunk_size)
+    t1 = time.perf_counter()
+    chunk_gla_bwd(q, k, v, g, do, chunk_size=chunk_size)
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, {}
+
+
+def _time_layer(layer, q, k, v, g, do):
+    t0 = time.perf_counter()
+    layer.forward(q, k, v, g)
+    t1 = time.perf_counter()
+    layer.backward(do)
+    t2 = time.perf_counter()
+    tm = {f"fwd_{k_}": v_ for k_, v_ in layer.timings.fwd.items()}
+    tm.update({f"bwd_{k_}": v_ for k_, v_ in layer.timings.bwd.items()})
+    return t1 - t0, t2 - t1, tm
+
+
+def main(argv: list[str] | None = None, prog: str = "hpczeco bench zeco") -> int:
+    args = _parser(prog).parse_args(argv)
+    from mpi4py import MPI
+
+    from hpczeco import ZeCOGLA
+
+    comm = MPI.COMM_WORLD
+    P, rank = comm.Get_size(), comm.Get_rank()
+    dt = np.dtype(args.dtype)
+    rng = np.random.default_rng(args.seed + rank)
+    B, L, H, K, V = args.B, args.tokens, args.H, args.K, args.V
+    q = rng.standard_normal((B, L, H, K)).astype(dt)
+    k = rng.standard_normal((B, L, H, K)).astype(dt)
+    v = rng.standard_normal((B, L, H, V)).astype(dt)
+    g = np.log(rng.uniform(0.9, 1.0, size=(B, L, H, K))).astype(dt)
+    do = rng.standard_normal((B, L, H, V)).astype(dt)
+    topologies = [t for t in args.topologies.split(",") if t]
+    variants = ["ideal", *topologies]
+    layers = {t: ZeCOGLA(comm, scan=t, blocks=args.blocks, chunk_size=args.chunk_size) for t in topologies}
+
+    samples: dict[str, list[tuple[float, float, dict]]] = {name: [] for name in variants}
+    for rep in range(args.warmup + args.repeats):
+        for name in variants:
+            comm.Barrier()
+            if name == "ideal":
+                fwd, bwd, tm = _time_ideal(q, k, v, g, do, args.chunk_size)
+            else:
+                fwd, bwd, tm = _time_layer(layers[name], q, k, v, g, do)
+            fwd, bwd = comm.allreduce(fwd, op=MPI.MAX), comm.allreduce(bwd, op=MPI.MAX)
+            wait = comm.allreduce(tm.get("fwd_wait", 0.0) + tm.get("bwd_wait", 0.0), op=MPI.MAX)
+            if rep >= args.warmup:
+                samples[name].append((fwd, bwd, {"wait": wait, **tm}))
+
+    if rank != 0:
+        return 0
+    ideal_total = float(np.median([f + b for f, b, _ in samples["ideal"]]))
+    rows = []
+    for name in variants:
+        fw = float(np.median([s[0] for s in samples[name]]))
+        bw = float(np.median([s[1] for s in samples[name]]))
+        tot = float(np.median([s[0] + s[1] for s in samples[name]]))
+        wait = float(np.median([s[2].get("wait", 0.0) for s in samples[name]]))
+        rows.append({
+            "variant": name, "P": P, "tokens_per_rank": L, "fwd_ms": fw * 1e3, "bwd_ms": bw * 1e3,
+            "fwd_bwd_ms": tot * 1e3, "ratio_vs_ideal": tot / ideal_total,
+            "tokens_per_rank_per_s": L / tot, "max_wait_ms": wait * 1e3,
+        })
+    print(f"ZeCO GLA weak scaling: P={P}, {L} tokens/rank, B={B} H={H} K={K} V={V} {args.dtype}, "
+          f"chunk {args.chunk_size}, median of {args.repeats} (warm-up {args.warmup})")
+    print(f"{'variant':10s} {'fwd ms':>9s} {'bwd ms':>9s} {'fwd+bwd ms':>11s} {'x ideal':>8s} "
+          f"{'tok/rank/s':>11s} {'wait ms':>8s}")
+    for r in rows:
+        print(f"{r['variant']:10s} {r['fwd_ms']:9.2f} {r['bwd_ms']:9.2f} {r['fwd_bwd_ms']:11.2f} "
+              f"{r['ratio_vs_ideal']:8.3f} {r['tokens_per_rank_per_s']:11.0f} {r['max_wait_ms']:8.2f}")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": platform.node(),
+            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "args": vars(args)}
+    (out / f"zeco_P{P}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    with open(out / f"zeco_P{P}.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    _plot(out)
+    print(f"wrote {out}/zeco_P{P}.json, .csv and {out}/zeco.png")
+    return 0
+
+
+def _plot(out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = []
+    for f in sorted(out.glob("zeco_P*.json")):
+        runs.extend(json.loads(f.read_text())["rows"])
+    if not runs:
+        return
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name in sorted({r["variant"] for r in runs}):
+        pts = sorted((r["P"], r["ratio_vs_ideal"]) for r in runs if r["variant"] == name)
+        ax.plot([p for p, _ in pts], [x for _, x in pts], marker="o", label=name)
+    ax.axhline(1.10, color="grey", ls=":", lw=1, label="1.10x ideal")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("ranks P")
+    ax.set_ylabel("fwd+bwd time / ideal")
+    ax.set_title(f"ZeCO GLA weak scaling ({runs[0]['tokens_per_rank']} tokens/rank)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "zeco.png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,306 @@
+"""ZeCO sequence parallelism for gated linear attention (arXiv 2507.01004).
+
+One long sequence is split over the ranks of a communicator: rank p holds the contiguous slice
+``[B, L_p, H, *]`` (slices may differ in length, including zero). Each rank needs only one
+fixed-size state from the ranks before it, ``S_in^(p)``, the exclusive scan of
+``(a_p, S_local^(p))`` under ``(a1, S1) o (a2, S2) = (a1 a2, a2 S1 + S2)`` (DESIGN.md).
+
+Forward, in the paper's order of work::
+
+    a_p, S_local              local decay and state from a zero state          (no communication)
+    scan_start(a_p, S_local)  All-Scan in flight (ring / tree / baselines)
+    o_local                   chunked GLA of the slice from a zero state       (overlaps the scan)
+    S_in = wait()
+    o = o_local + scale (q * exp(G)) S_in,    final = a_p S_in + S_local
+
+Backward uses the same operator in the reverse direction: with
+``U_p = scale sum_t (q_t exp(G_t))^T do_t`` the gradient reaching rank p's final state is
+``D_p`` = reverse exclusive scan of ``(a_p, U_p)`` seeded with ``dht`` on the last rank. The
+local backward (with ``initial_state = S_in``) overlaps that scan; the contribution of ``D_p`` is
+added once it lands. ``scan="serial"`` is LASP-1: it serialises the compute too (receive the
+state, compute the slice with it, send the final state on), so it is the baseline it claims to be.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .backend import get_array_module
+from .collectives import collective_check, local_error
+from .gla import chunk_gla, chunk_gla_bwd, validate_gla_inputs
+
+__all__ = ["ZeCOGLA", "zeco_gla", "SCANS"]
+
+SCANS = ("ring", "tree", "allgather", "serial", "exscan", "auto")
+
+
+def _state_dtype(x) -> Any:
+    """float64 stays float64; everything else keeps states in float32."""
+    return np.float64 if str(x.dtype) == "float64" else np.float32
+
+
+@dataclass
+class ZeCOTimings:
+    """Seconds spent in the phases of the last forward/backward on this rank.
+
+    ``overlap`` is compute done while the scan was in flight; ``wait`` is the time blocked in
+    ``wait()`` afterwards (the part of the scan that was not hidden).
+    """
+
+    fwd: dict[str, float] = field(default_factory=dict)
+    bwd: dict[str, float] = field(default_factory=dict)
+
+
+class ZeCOGLA:
+    """Sequence-parallel GLA layer over ``comm`` (ranks hold contiguous slices in rank order).
+
+    Args:
+        comm: the communicator (the caller owns it; every rank of it must call forward/backward).
+        scan: "ring" (pipelined All-Scan), "tree", "allgather" (LASP-2), "serial" (LASP-1),
+            "exscan" (MPI_Exscan) or "auto" (the cost model's pick).
+        blocks: pieces the ring splits the state into along K (None: cost model's choice).
+        chunk_size: chunk length of the local chunked GLA.
+        scale: query scale (default ``K ** -0.5``).
+        transport: device transport name or object for CuPy arrays (None: detection / env).
+    """
+
+    def __init__(self, comm, scan: str = "ring", blocks: int | None = None, chunk_size: int = 64,
+                 scale: float | None = None, transport: Any = None):
+        if scan not in SCANS:
+            raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
+        if blocks is not None and (not isinstance(blocks, int | np.integer) or blocks < 1):
+            raise ValueError(f"blocks must be a positive integer or None, got {blocks!r}")
+        if not isinstance(chunk_size, int | np.integer) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+        self.comm = comm
+        self.scan = scan
+        self.blocks = blocks
+        self.chunk_size = int(chunk_size)
+        self.scale = scale
+        self.transport = transport
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.timings = ZeCOTimings()
+        self._saved: dict[str, Any] | None = None
+        self._final_state = None
+
+    # ------------------------------------------------------------------ helpers
+    def _scan_kwargs(self) -> dict[str, Any]:
+        topo = self.scan
+        return {"topology": topo, "blocks": self.blocks, "transport": self.transport}
+
+    @property
+    def final_state(self):
+        """State after this rank's slice ``[B, H, K, V]`` (on the last rank: the global final state)."""
+        if self._final_state is None:
+            raise RuntimeError("final_state is set by forward(); call forward first")
+        return self._final_state
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, q, k, v, g, initial_state=None):
+        """Output ``o [B, L_p, H, V]`` of this rank's slice. Collective over ``comm``.
+
+        ``initial_state [B, H, K, V]`` is the global initial state: given on rank 0 only.
+        """
+        from .collectives import relay_recv, relay_send, scan_start
+
+        shapes: dict[str, Any] = {}
+
+        def check() -> None:
+            if initial_state is not None and self.rank != 0:
+                raise ValueError("initial_state is the global initial state: pass it on rank 0 only")
+            B, T, H, K, V = validate_gla_inputs(q, k, v, g, initial_state=initial_state)
+            shapes.update(B=B, H=H, K=K, V=V)
+
+        err = local_error(check)
+        agree = {
+            "B,H,K,V": None if err else (shapes["B"], shapes["H"], shapes["K"], shapes["V"]),
+            "dtype": str(getattr(q, "dtype", None)),
+            "array module": get_array_module(q).__name__,
+            "scan": self.scan,
+            "blocks": self.blocks,
+            "chunk_size": self.chunk_size,
+            "scale": self.scale,
+        }
+        collective_check(self.comm, "ZeCOGLA.forward", err, agree)
+        has_h0 = self.comm.bcast(initial_state is not None, root=0) if self.size > 1 else initial_state is not None
+
+        xp = get_array_module(q)
+        B, H, K, V = shapes["B"], shapes["H"], shapes["K"], shapes["V"]
+        sdt = _state_dtype(q)
+        scale = float(self.scale) if self.scale is not None else K ** -0.5
+        t0 = time.perf_counter()
+        tm: dict[str, float] = {}
+
+        if self.scan == "serial":
+            # LASP-1: receive the incoming state, compute the slice from it, pass the final state on.
+            s_in = xp.zeros((B, H, K, V), dtype=sdt)
+            got = relay_recv(s_in, self.comm, transport=self.transport)
+            if not got:
+                s_in = initial_state.astype(sdt) if has_h0 and initial_state is not None else s_in
+            tm["wait"] = time.perf_counter() - t0
+            o, final = chunk_gla(q, k, v, g, scale=scale, initial_state=s_in, output_final_state=True,
+                                 chunk_size=self.chunk_size)
+            final = xp.ascontiguousarray(final.astype(sdt))
+            relay_send(final, self.comm, transport=self.transport)
+            tm["compute"] = time.perf_counter() - t0 - tm["wait"]
+            G = xp.cumsum(g.astype(xp.float64), axis=1)
+            a = xp.exp(G[:, -1]).astype(sdt) if g.shape[1] else xp.ones((B, H, K), dtype=sdt)
+            self._finish_forward(q, k, v, g, G, a, s_in, final, scale, tm, t0)
+            return o
+
+        # 1. local decay and state from a zero state (independent of other ranks)
+        G = xp.cumsum(g.astype(xp.float64), axis=1)                       # [B, L, H, K], inclusive
+        if g.shape[1]:
+            a = xp.exp(G[:, -1]).astype(sdt)                              # [B, H, K]
+            kd = (k.astype(xp.float64) * xp.exp(G[:, -1:] - G)).astype(sdt)  # k_t exp(G_T - G_t) <= 1
+            S_local = xp.einsum("blhk,blhv->bhkv", kd, v.astype(sdt), optimize=True)
+        else:
+            a = xp.ones((B, H, K), dtype=sdt)
+            S_local = xp.zeros((B, H, K, V), dtype=sdt)
+        S_local = xp.ascontiguousarray(S_local.astype(sdt))
+        tm["states"] = time.perf_counter() - t0
+
+        # 2. All-Scan in flight while 3. the local chunked attention runs
+        init = initial_state.astype(sdt) if (self.rank == 0 and initial_state is not None) else None
+        handle = scan_start(a, S_local, self.comm, initial=init, **self._scan_kwargs())
+        t1 = time.perf_counter()
+        o_local, _ = chunk_gla(q, k, v, g, scale=scale, chunk_size=self.chunk_size)
+        tm["overlap"] = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        s_in = handle.wait()
+        tm["wait"] = time.perf_counter() - t2
+
+        # 4. correction with the incoming state, and the final state
+        t3 = time.perf_counter()
+        if q.shape[1]:
+            qd = (q.astype(xp.float64) * xp.exp(G)).astype(sdt) * scale   # exp(G) <= 1: safe
+            corr = xp.einsum("blhk,bhkv->blhv", qd, s_in.astype(sdt), optimize=True)
+            o = (o_local.astype(sdt) + corr).astype(o_local.dtype)
+        else:
+            o = o_local
+        final = xp.ascontiguousarray((a[..., None] * s_in + S_local).astype(sdt))
+        tm["correction"] = time.perf_counter() - t3
+        self._finish_forward(q, k, v, g, G, a, s_in, final, scale, tm, t0)
+        return o
+
+    def _finish_forward(self, q, k, v, g, G, a, s_in, final, scale, tm, t0) -> None:
+        tm["total"] = time.perf_counter() - t0
+        self.timings.fwd = tm
+        self._final_state = final
+        self._saved = dict(q=q, k=k, v=v, g=g, G=G, a=a, s_in=s_in, final=final, scale=scale)
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, do, dht=None):
+        """Gradients ``(dq, dk, dv, dg, dh0)`` of this rank's slice. Collective over ``comm``.
+
+        ``do [B, L_p, H, V]``; ``dht [B, H, K, V]`` is the gradient into the global final state,
+        given on the last rank only. ``dh0`` (gradient into the global initial state) is returned
+        on rank 0 and ``None`` elsewhere.
+        """
+        from .collectives import relay_recv, relay_send, scan_start
+
+        if self._saved is None:
+            raise RuntimeError("backward() needs a forward() first")
+        sv = self._saved
+        q, k, v, g, G, a, s_in, final, scale = (sv[n] for n in ("q", "k", "v", "g", "G", "a", "s_in", "final",
+                                                                "scale"))
+        B, L, H, K = q.shape
+        V = v.shape[-1]
+        last = self.size - 1
+
+        def check() -> None:
+            from .checks import check_array, check_finite, check_shape
+
+            check_array("do", do, ndim=4)
+            check_shape("do", do, (B, L, H, V), "(like v)")
+            check_finite("do", do)
+            if dht is not None:
+                if self.rank != last:
+                    raise ValueError("dht is the gradient of the global final state: pass it on the last rank only")
+                check_array("dht", dht, ndim=4)
+                check_shape("dht", dht, (B, H, K, V))
+                check_finite("dht", dht)
+
+        err = local_error(check)
+        collective_check(self.comm, "ZeCOGLA.backward", err, {"scan": self.scan, "B,H,K,V": (B, H, K, V)})
+        has_dht = self.comm.bcast(dht is not None, root=last) if self.size > 1 else dht is not None
+
+        xp = get_array_module(q)
+        sdt = _state_dtype(q)
+        t0 = time.perf_counter()
+        tm: dict[str, float] = {}
+
+        if self.scan == "serial":
+            # LASP-1 backward: receive D_p from the right, run the slice, send dh0 to the left.
+            d_in = xp.zeros((B, H, K, V), dtype=sdt)
+            got = relay_recv(d_in, self.comm, reverse=True, transport=self.transport)
+            if not got:
+                d_in = dht.astype(sdt) if has_dht and dht is not None else None
+            tm["wait"] = time.perf_counter() - t0
+            dq, dk, dv, dg, dh0 = chunk_gla_bwd(q, k, v, g, do, scale=scale, initial_state=s_in, dht=d_in,
+                                                chunk_size=self.chunk_size)
+            relay_send(xp.ascontiguousarray(dh0.astype(sdt)), self.comm, reverse=True, transport=self.transport)
+            tm["compute"] = time.perf_counter() - t0 - tm["wait"]
+            tm["total"] = time.perf_counter() - t0
+            self.timings.bwd = tm
+            return dq, dk, dv, dg, (dh0 if self.rank == 0 else None)
+
+        # 1. U_p = scale sum_t (q_t exp(G_t))^T do_t: what this slice sends into its initial state
+        if L:
+            qd = (q.astype(xp.float64) * xp.exp(G)).astype(sdt) * scale
+            U = xp.einsum("blhk,blhv->bhkv", qd, do.astype(sdt), optimize=True)
+        else:
+            U = xp.zeros((B, H, K, V), dtype=sdt)
+        U = xp.ascontiguousarray(U.astype(sdt))
+        tm["states"] = time.perf_counter() - t0
+
+        # 2. reverse All-Scan of (a_p, U_p) seeded with dht on the last rank, while
+        # 3. the local backward (initial state known from the forward, no dht yet) runs
+        init = dht.astype(sdt) if (self.rank == last and dht is not None) else None
+        handle = scan_start(a, U, self.comm, reverse=True, initial=init, **self._scan_kwargs())
+        t1 = time.perf_counter()
+        dq, dk, dv, dg, dh0 = chunk_gla_bwd(q, k, v, g, do, scale=scale, initial_state=s_in,
+                                            chunk_size=self.chunk_size)
+        tm["overlap"] = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        D = handle.wait()                                                  # gradient into this rank's final state
+        tm["wait"] = time.perf_counter() - t2
+
+        # 4. add what D contributes: final = diag(exp(G_L)) S_in + sum_t diag(exp(G_L - G_t)) k_t^T v_t
+        t3 = time.perf_counter()
+        if self.rank == last and not has_dht:
+            pass  # nothing flows into the global final state
+        else:
+            D = D.astype(sdt)
+            if L:
+                decay = xp.exp(G[:, -1:] - G)                              # [B, L, H, K] <= 1
+                ddk = (decay * xp.einsum("bhkv,blhv->blhk", D, v.astype(sdt), optimize=True)).astype(sdt)
+                ddv = xp.einsum("blhk,bhkv->blhv", (k.astype(xp.float64) * decay).astype(sdt), D, optimize=True)
+                # dG_t gets -k_t * ddk_t; G_L (through the final state) gets rowsum(final * D)
+                dG = -(k.astype(sdt) * ddk)
+                dG[:, -1] += (final * D).sum(-1)
+                ddg = xp.flip(xp.cumsum(xp.flip(dG.astype(xp.float64), 1), 1), 1)
+                dk = (dk.astype(sdt) + ddk).astype(dk.dtype)
+                dv = (dv.astype(sdt) + ddv).astype(dv.dtype)
+                dg = (dg.astype(xp.float64) + ddg).astype(dg.dtype)
+            dh0 = (dh0.astype(sdt) + a[..., None] * D).astype(dh0.dtype)
+        tm["correction"] = time.perf_counter() - t3
+        tm["total"] = time.perf_counter() - t0
+        self.timings.bwd = tm
+        return dq, dk, dv, dg, (dh0 if self.rank == 0 else None)
+
+
+def zeco_gla(q, k, v, g, comm, *, initial_state=None, scan: str = "ring", blocks: int | None = None,
+             chunk_size: int = 64, scale: float | None = None):
+    """Functional ZeCO forward: ``(o [B, L_p, H, V], final_state [B, H, K, V])`` of this rank's slice.
+
+    Collective over ``comm``; ``final_state`` on the last rank is the global final state.
+    """
+    layer = ZeCOGLA(comm, scan=scan, blocks=blocks, chunk_size=chunk_size, scale=scale)
+    o = layer.forward(q, k, v, g, initial_state=initial_state)
+    return o, layer.final_state

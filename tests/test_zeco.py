@@ -1,0 +1,152 @@
+"""ZeCOGLA under mpiexec equals single-process chunked GLA on the concatenated sequence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hpczeco import ZeCOGLA, zeco_gla
+from hpczeco.collectives import CollectiveInputError
+from hpczeco.gla import chunk_gla, chunk_gla_bwd
+
+pytestmark = pytest.mark.mpi
+
+TOPOLOGIES = ["ring", "tree", "allgather", "serial", "exscan", "auto"]
+
+
+def rel(x, ref) -> float:
+    x = np.asarray(x, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    den = np.linalg.norm(ref)
+    return float(np.linalg.norm(x - ref) / (den if den > 0 else 1.0))
+
+
+def slice_bounds(rng, T: int, P: int, force_empty: bool) -> np.ndarray:
+    """Uneven contiguous slices covering [0, T); with force_empty one middle rank gets none."""
+    cuts = np.sort(rng.integers(0, T + 1, size=P - 1))
+    bounds = np.concatenate([[0], cuts, [T]])
+    if force_empty and P >= 3:
+        bounds[P // 2] = bounds[P // 2 + 1]
+        bounds = np.maximum.accumulate(bounds)
+    return bounds
+
+
+def make_inputs(rng, B, T, H, K, V, dtype, strong: bool):
+    q = rng.standard_normal((B, T, H, K))
+    k = rng.standard_normal((B, T, H, K))
+    v = rng.standard_normal((B, T, H, V))
+    lo = -8.0 if strong else -0.5
+    g = rng.uniform(lo, 0.0, size=(B, T, H, K))
+    do = rng.standard_normal((B, T, H, V))
+    h0 = rng.standard_normal((B, H, K, V))
+    dht = rng.standard_normal((B, H, K, V))
+    return [x.astype(dtype) for x in (q, k, v, g, do, h0, dht)]
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("with_states", [False, True])
+def test_zeco_matches_single_process(comm, rng, topology, dtype, with_states):
+    P, r = comm.Get_size(), comm.Get_rank()
+    B, H, K, V = 2, 3, 8, 5
+    T = int(rng.integers(20, 40)) * P
+    strong = bool(rng.integers(0, 2))
+    q, k, v, g, do, h0, dht = make_inputs(rng, B, T, H, K, V, dtype, strong)
+    bounds = slice_bounds(rng, T, P, force_empty=with_states)
+    lo, hi = bounds[r], bounds[r + 1]
+    h0 = h0 if with_states else None
+    dht = dht if with_states else None
+
+    # single-process float64 reference on the whole sequence
+    f64 = lambda x: None if x is None else x.astype(np.float64)
+    o_ref, fin_ref = chunk_gla(f64(q), f64(k), f64(v), f64(g), initial_state=f64(h0), output_final_state=True,
+                               chunk_size=16)
+    grads_ref = chunk_gla_bwd(f64(q), f64(k), f64(v), f64(g), f64(do), initial_state=f64(h0), dht=f64(dht),
+                              chunk_size=16)
+    _, prefix_state = chunk_gla(f64(q[:, :hi]), f64(k[:, :hi]), f64(v[:, :hi]), f64(g[:, :hi]),
+                                initial_state=f64(h0), output_final_state=True, chunk_size=16)
+
+    layer = ZeCOGLA(comm, scan=topology, blocks=int(rng.integers(1, K + 1)), chunk_size=16)
+    sl = slice(lo, hi)
+    o = layer.forward(q[:, sl], k[:, sl], v[:, sl], g[:, sl], initial_state=h0 if r == 0 else None)
+    dq, dk, dv, dg, dh0 = layer.backward(do[:, sl], dht=dht if r == P - 1 else None)
+
+    tol = 1e-9 if dtype == np.float64 else 1e-4
+    assert o.shape == (B, hi - lo, H, V) and o.dtype == dtype
+    if hi > lo:
+        assert rel(o, o_ref[:, sl]) < tol
+        for name, got, ref in zip("dq dk dv dg".split(), (dq, dk, dv, dg), grads_ref[:4]):
+            assert got.shape == ref[:, sl].shape, name
+            assert rel(got, ref[:, sl]) < tol, (name, rel(got, ref[:, sl]))
+    assert rel(layer.final_state, prefix_state) < tol
+    if r == P - 1:
+        assert rel(layer.final_state, fin_ref) < tol
+    if r == 0:
+        assert dh0 is not None and rel(dh0, grads_ref[4]) < tol
+    else:
+        assert dh0 is None
+
+
+def test_functional_form(comm, rng):
+    P, r = comm.Get_size(), comm.Get_rank()
+    q, k, v, g, *_ = make_inputs(rng, 1, 24 * P, 2, 4, 4, np.float64, strong=False)
+    o_ref, fin_ref = chunk_gla(q, k, v, g, output_final_state=True)
+    sl = slice(24 * r, 24 * (r + 1))
+    o, fin = zeco_gla(q[:, sl], k[:, sl], v[:, sl], g[:, sl], comm)
+    assert rel(o, o_ref[:, sl]) < 1e-10
+    if r == P - 1:
+        assert rel(fin, fin_ref) < 1e-10
+
+
+def _expect_collective_error(comm, fn, match: str):
+    with pytest.raises((CollectiveInputError, ValueError, TypeError), match=match):
+        fn()
+
+
+def test_bad_inputs_fail_on_every_rank(comm, rng):
+    P, r = comm.Get_size(), comm.Get_rank()
+    q, k, v, g, *_ = make_inputs(rng, 1, 8, 2, 4, 3, np.float64, strong=False)
+    layer = ZeCOGLA(comm)
+    bad_rank = P - 1
+
+    if P > 1:  # disagreements need two ranks
+        # a rank with a different K
+        kk = 5 if r == bad_rank else 4
+        qq = rng.standard_normal((1, 8, 2, kk))
+        _expect_collective_error(comm, lambda: layer.forward(qq, qq, v, -np.abs(qq)), "disagree on B,H,K,V|rank")
+        # a rank with a different H
+        hh = 3 if r == bad_rank else 2
+        x = rng.standard_normal((1, 8, hh, 4))
+        vv = rng.standard_normal((1, 8, hh, 3))
+        _expect_collective_error(comm, lambda: layer.forward(x, x, vv, -np.abs(x)), "B,H,K,V|rank")
+        # a rank with another dtype
+        dt = np.float32 if r == bad_rank else np.float64
+        _expect_collective_error(comm, lambda: layer.forward(q.astype(dt), k.astype(dt), v.astype(dt), g.astype(dt)),
+                                 "dtype")
+    # NaN on one rank
+    qn = q.copy()
+    if r == bad_rank:
+        qn[0, 3, 1, 2] = np.nan
+    _expect_collective_error(comm, lambda: layer.forward(qn, k, v, g), "NaN")
+    # mismatched scan topology
+    other = ZeCOGLA(comm, scan="tree" if r == bad_rank else "ring")
+    if P > 1:
+        _expect_collective_error(comm, lambda: other.forward(q, k, v, g), "scan")
+    # initial_state on a rank other than 0
+    if P > 1:
+        h0 = rng.standard_normal((1, 2, 4, 3))
+        _expect_collective_error(comm, lambda: layer.forward(q, k, v, g, initial_state=h0 if r == 1 else None),
+                                 "rank 0 only")
+    # the layer still works after all those errors (nothing half-sent)
+    o = layer.forward(q, k, v, g)
+    assert np.isfinite(o).all()
+    assert comm.allreduce(1) == P
+
+
+def test_constructor_rejects_bad_options(comm):
+    with pytest.raises(ValueError, match="scan"):
+        ZeCOGLA(comm, scan="ringg")
+    with pytest.raises(ValueError, match="blocks"):
+        ZeCOGLA(comm, blocks=0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        ZeCOGLA(comm, chunk_size=0)
