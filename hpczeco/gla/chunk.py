@@ -27,11 +27,14 @@ The backward recomputes the chunk-start states, runs the reverse state recurrenc
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from ..backend import is_device_array
+from . import _kernels as _kn
 from .validate import check_chunk_size, check_scale, compute_dtype_name, validate_gla_inputs
 
 __all__ = ["chunk_gla", "chunk_gla_bwd"]
@@ -39,6 +42,7 @@ __all__ = ["chunk_gla", "chunk_gla_bwd"]
 _SUB = 16  # sub-chunk size (tokens)
 _SPAN_LIMIT = {np.dtype(np.float32): 40.0, np.dtype(np.float64): 300.0}
 _PAIRWISE_BATCH = 256  # diagonal blocks per pairwise einsum (bounds memory to ~batch * c * c * K)
+_GROUP_TOKENS = 2048  # padded tokens per streaming group of chunks (keeps the scratch in cache)
 
 
 def _gpu_module():
@@ -264,25 +268,99 @@ def chunk_gla(
         )  # fmt: skip
     B, T, H, K, V, s, chunk_size, cdt = _check_common(q, k, v, g, scale, initial_state, chunk_size)
     h0 = None if initial_state is None else np.asarray(initial_state, dtype=cdt)
+    in_dtype = q.dtype
     if T == 0 or B * H == 0:
         o = np.zeros((B, T, H, V), dtype=q.dtype)
         final = np.zeros((B, H, K, V), dtype=cdt) if h0 is None else h0.copy()
         return o, (final if output_final_state else None)
     geo = _Geom(B, T, H, K, V, chunk_size)
-    Z, Cp = geo.Z, geo.Cp
-    qz, kz, vz, dec = _prepare(q, k, v, g, geo, cdt)
-    Qp = qz * dec.eq
-    Kp = kz * dec.ek
-    A, _ = _intra_A(qz, kz, Qp, Kp, dec, s)
-    Kd = (Kp * dec.eb[:, :, None, :]).reshape(Z, Cp, K)
-    U = np.matmul(Kd.transpose(0, 2, 1), vz).reshape(B, H, geo.N, K, V)
-    S = _state_pass(U, dec.a.reshape(B, H, geo.N, K), h0, geo, cdt)
-    Qe = (Qp * (dec.er * s)[:, :, None, :]).reshape(Z, Cp, K)
-    Sprev = S[:-1].transpose(1, 2, 0, 3, 4).reshape(Z, K, V)
-    o = np.matmul(A, vz)
-    o += np.matmul(Qe, Sprev)
-    out = _from_chunks(o.reshape(B, H, geo.N, Cp, V), geo, q.dtype)
-    return out, (S[-1].copy() if output_final_state else None)
+    q, k, v, g = (np.ascontiguousarray(x, dtype=cdt) for x in (q, k, v, g))
+    out = np.empty((B, T, H, V), dtype=cdt)
+    final = np.empty((B, H, K, V), dtype=cdt)
+    _run_units(B, H, lambda units: _fwd_units(units, q, k, v, g, s, h0, geo, out, final))
+    if out.dtype != in_dtype:
+        out = out.astype(in_dtype)
+    return out, (final if output_final_state else None)
+
+
+def _num_threads(units: int) -> int:
+    env = os.environ.get("HPCZECO_GLA_THREADS", "")
+    n = int(env) if env.strip().isdigit() and int(env) > 0 else len(os.sched_getaffinity(0))
+    return max(1, min(n, units))
+
+
+def _run_units(B: int, H: int, fn) -> None:
+    """Run ``fn(list of (b, h))`` over all sequences, split round-robin over threads (kernels release the GIL)."""
+    units = [(b, h) for b in range(B) for h in range(H)]
+    nt = _num_threads(len(units))
+    if nt == 1:
+        fn(units)
+        return
+    with ThreadPoolExecutor(nt) as ex:
+        for f in [ex.submit(fn, units[i::nt]) for i in range(nt)]:
+            f.result()
+
+
+def _group_size(geo: _Geom) -> int:
+    """Chunks per streaming group: about _GROUP_TOKENS padded tokens, so the scratch stays in cache."""
+    return max(1, min(geo.N, _GROUP_TOKENS // geo.Cp))
+
+
+def _gather_sub(x: np.ndarray, b: int, h: int, n: np.ndarray, i: np.ndarray, geo: _Geom) -> np.ndarray:
+    """Tokens of sub-chunks ``(n, i)`` of sequence ``(b, h)``: ``[nb, c, D]`` with zeros for no-op rows."""
+    pos = i[:, None] * geo.c + np.arange(geo.c)[None, :]
+    t = n[:, None] * geo.C + pos
+    valid = (pos < geo.C) & (t < geo.T)
+    return x[b, np.where(valid, t, 0), h] * valid[..., None]
+
+
+def _fwd_units(units, q, k, v, g, s, h0, geo: _Geom, out, final) -> None:
+    """Streaming forward of the sequences ``units``: groups of chunks in time order, state carried along."""
+    K, V, C, T, ns, c, Cp = geo.K, geo.V, geo.C, geo.T, geo.ns, geo.c, geo.Cp
+    G = _group_size(geo)
+    dt = q.dtype
+    limit = _SPAN_LIMIT[dt]
+    oF, oR, oB, oA, LX = _kn.layout(ns, c)
+    X = np.empty((G, LX, K), dt)
+    bad = np.empty((G, ns), np.bool_)
+    Qp = np.empty((G, Cp, K), dt)
+    KX = np.empty((G, c * ns * (ns + 1) // 2, K), dt)
+    L = np.empty((G, Cp, Cp + K), dt)
+    Kd = np.empty((G, Cp, K), dt)
+    R = np.empty((G, Cp + K, V), dt)
+    U = np.empty((G, K, V), dt)
+    Ot = np.empty((G, Cp, V), dt)
+    S = np.empty((K, V), dt)
+    for b, h in units:
+        S[...] = 0 if h0 is None else h0[b, h]
+        for n0 in range(0, geo.N, G):
+            gc = min(G, geo.N - n0)
+            _kn.prep_exponents(g, b, h, n0, gc, T, C, ns, c, limit, X, bad)
+            np.exp(X[:gc], out=X[:gc])
+            _kn.prep_fwd_operands(q, k, v, b, h, n0, gc, T, C, ns, c, s, X, bad, Qp, KX, L, Kd, R)
+            for i in range(ns):
+                off = c * i * (i + 1) // 2
+                np.matmul(
+                    Qp[:gc, i * c : (i + 1) * c],
+                    KX[:gc, off : off + (i + 1) * c].transpose(0, 2, 1),
+                    out=L[:gc, i * c : (i + 1) * c, : (i + 1) * c],
+                )
+            _kn.mask_diag(L, gc, ns, c)
+            if bad[:gc].any():
+                gb, ib = np.nonzero(bad[:gc])
+                nb_ = n0 + gb
+                E = _pairwise_decay(np.cumsum(_gather_sub(g, b, h, nb_, ib, geo), axis=1))
+                Ad = np.einsum("nik,nijk,njk->nij", _gather_sub(q, b, h, nb_, ib, geo), E,
+                               _gather_sub(k, b, h, nb_, ib, geo))  # fmt: skip
+                Ad *= s
+                for j in range(gb.size):
+                    o = ib[j] * c
+                    L[gb[j], o : o + c, o : o + c] = Ad[j]
+            np.matmul(Kd[:gc].transpose(0, 2, 1), R[:gc, :Cp], out=U[:gc])
+            _kn.state_fwd(U, X, oA, gc, S, R, Cp)
+            np.matmul(L[:gc], R[:gc], out=Ot[:gc])
+            _kn.write_rows(Ot, out, b, h, n0, gc, T, C)
+        final[b, h] = S
 
 
 # --------------------------------------------------------------------------------------------- backward

@@ -1,0 +1,213 @@
+"""Numba kernels of the streaming CPU GLA (fused element-wise work; matmuls stay in BLAS via numpy).
+
+All kernels work on one (batch b, head h) sequence and a group of ``G`` consecutive chunks starting
+at chunk ``n0``; token ``t = n C + pos`` of chunk ``n`` sits at row ``pos`` (``pos < C``) of a chunk padded
+to ``Cp = ns c`` rows (``ns`` sub-chunks of ``c`` tokens). Rows past ``C`` or past ``T`` are no-op tokens.
+Kernels release the GIL (``nogil``) so several heads run in parallel Python threads.
+
+Exponent buffer ``X [G, LX, K]`` (see :func:`layout`): rows ``[0, Cp)`` ``b - r_I`` (q side), rows
+``[Cp, 2 Cp)`` ``e_J - b`` (k side), then ``F`` exponents (``ns (ns + 1) / 2`` rows, ``I``-major,
+``r_I - e_J`` for ``J < I`` and the clamped span on the diagonal), ``r_I`` (ns rows), ``b_C - e_J``
+(ns rows) and ``b_C`` (1 row). ``np.exp`` is applied to it in place between the two prep kernels.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+
+def layout(ns: int, c: int) -> tuple[int, int, int, int, int]:
+    """Row offsets in the exponent buffer: ``(oF, oR, oB, oA, LX)``."""
+    cp = ns * c
+    oF = 2 * cp
+    oR = oF + ns * (ns + 1) // 2
+    oB = oR + ns
+    oA = oB + ns
+    return oF, oR, oB, oA, oA + 1
+
+
+@nb.njit(cache=True, nogil=True)
+def prep_exponents(g, b, h, n0, G, T, C, ns, c, limit, X, bad):
+    """Fill ``X[:G]`` with the exponents of chunks ``n0 .. n0+G-1`` and ``bad[:G, ns]`` (span > limit)."""
+    K = g.shape[3]
+    cp = ns * c
+    oF = 2 * cp
+    oR = oF + ns * (ns + 1) // 2
+    oB = oR + ns
+    oA = oB + ns
+    dt = X.dtype
+    acc = np.empty(K, dt)
+    tot = np.empty((ns, K), dt)
+    first = np.empty((ns, K), dt)
+    for gi in range(G):
+        n = n0 + gi
+        Xg = X[gi]
+        for i in range(ns):
+            for kk in range(K):
+                acc[kk] = 0
+            for p in range(c):
+                pos = i * c + p
+                t = n * C + pos
+                xr = Xg[pos]
+                if pos < C and t < T:
+                    gr = g[b, t, h]
+                    for kk in range(K):
+                        a = acc[kk] + gr[kk]
+                        acc[kk] = a
+                        xr[kk] = a
+                else:
+                    for kk in range(K):
+                        xr[kk] = acc[kk]
+            fr = first[i]
+            tr = tot[i]
+            x0 = Xg[i * c]
+            for kk in range(K):
+                fr[kk] = x0[kk]
+                tr[kk] = acc[kk]
+            for p in range(c):
+                pos = i * c + p
+                xq = Xg[pos]
+                xk = Xg[cp + pos]
+                for kk in range(K):
+                    lcv = xq[kk]
+                    xq[kk] = lcv - fr[kk]
+                    xk[kk] = tr[kk] - lcv
+        for kk in range(K):
+            acc[kk] = 0
+        for i in range(ns):
+            xr = Xg[oR + i]
+            for kk in range(K):
+                xr[kk] = acc[kk] + first[i, kk]
+                acc[kk] += tot[i, kk]
+        xr = Xg[oA]
+        for kk in range(K):
+            xr[kk] = acc[kk]
+            acc[kk] = 0
+        for j in range(ns - 1, -1, -1):
+            xr = Xg[oB + j]
+            for kk in range(K):
+                xr[kk] = acc[kk]
+                acc[kk] += tot[j, kk]
+        for i in range(ns):
+            row = oF + i * (i + 1) // 2
+            xr = Xg[row + i]
+            mx = 0.0
+            for kk in range(K):
+                span = first[i, kk] - tot[i, kk]
+                mx = max(mx, span)
+                xr[kk] = min(span, limit)
+            bad[gi, i] = mx > limit
+            for kk in range(K):
+                acc[kk] = first[i, kk]
+            for j in range(i - 1, -1, -1):
+                xr = Xg[row + j]
+                for kk in range(K):
+                    xr[kk] = acc[kk]
+                    acc[kk] += tot[j, kk]
+
+
+@nb.njit(cache=True, nogil=True)
+def prep_fwd_operands(q, k, v, b, h, n0, G, T, C, ns, c, scale, X, bad, Qp, KX, L, Kd, R):
+    """Matmul operands of the forward for chunks ``n0 .. n0+G-1`` (``X`` already exponentiated).
+
+    ``Qp [G, Cp, K]`` = scale q exp(b - r_I); ``KX [G, c ns(ns+1)/2, K]``: for row sub-chunk ``I`` at row
+    ``c I(I+1)/2`` the k-side ``k exp(r_I - b)`` of sub-chunks ``0..I`` (diagonal rows zero where ``bad``);
+    ``L [G, Cp, Cp + K]``: columns ``[Cp, Cp+K)`` = scale q exp(b) and the never-written upper blocks of
+    ``[0, Cp)`` zeroed; ``Kd [G, Cp, K]`` = k exp(b_C - b); ``R [G, Cp + K, V]``: rows ``[0, Cp)`` = v.
+    """
+    K = q.shape[3]
+    V = v.shape[3]
+    cp = ns * c
+    oF = 2 * cp
+    oR = oF + ns * (ns + 1) // 2
+    oB = oR + ns
+    dt = X.dtype
+    kp = np.empty(K, dt)
+    for gi in range(G):
+        n = n0 + gi
+        Xg = X[gi]
+        for i in range(ns):
+            er = Xg[oR + i]
+            eb = Xg[oB + i]
+            for p in range(c):
+                pos = i * c + p
+                t = n * C + pos
+                qpr = Qp[gi, pos]
+                lr = L[gi, pos]
+                kdr = Kd[gi, pos]
+                rr = R[gi, pos]
+                if pos < C and t < T:
+                    qr = q[b, t, h]
+                    kr = k[b, t, h]
+                    vr = v[b, t, h]
+                    eq = Xg[pos]
+                    ek = Xg[cp + pos]
+                    # separate simple loops: each vectorises (few pointers to check for aliasing)
+                    for kk in range(K):
+                        qpr[kk] = qr[kk] * scale * eq[kk]
+                    for kk in range(K):
+                        lr[cp + kk] = qpr[kk] * er[kk]
+                    for kk in range(K):
+                        kp[kk] = kr[kk] * ek[kk]
+                    for kk in range(K):
+                        kdr[kk] = kp[kk] * eb[kk]
+                    for vv in range(V):
+                        rr[vv] = vr[vv]
+                else:
+                    for kk in range(K):
+                        kp[kk] = 0
+                        qpr[kk] = 0
+                        lr[cp + kk] = 0
+                        kdr[kk] = 0
+                    for vv in range(V):
+                        rr[vv] = 0
+                for i2 in range(i, ns):
+                    kxr = KX[gi, c * i2 * (i2 + 1) // 2 + pos]
+                    if i2 == i and bad[gi, i]:
+                        for kk in range(K):
+                            kxr[kk] = 0
+                    else:
+                        fr = Xg[oF + i2 * (i2 + 1) // 2 + i]
+                        for kk in range(K):
+                            kxr[kk] = kp[kk] * fr[kk]
+                for j in range((i + 1) * c, cp):
+                    lr[j] = 0
+
+
+@nb.njit(cache=True, nogil=True)
+def mask_diag(L, G, ns, c):
+    """Zero the strict upper triangle of every diagonal ``c x c`` block of ``L[:G, :Cp, :Cp]``."""
+    for gi in range(G):
+        for i in range(ns):
+            o = i * c
+            for r in range(c):
+                for s in range(r + 1, c):
+                    L[gi, o + r, o + s] = 0
+
+
+@nb.njit(cache=True, nogil=True)
+def state_fwd(U, X, oA, G, S, R, cp):
+    """``R[gi, Cp:] = S`` (state entering chunk gi), then ``S = exp(b_C) S + U[gi]``; ``S [K, V]`` in place."""
+    K, V = S.shape
+    for gi in range(G):
+        for kk in range(K):
+            a = X[gi, oA, kk]
+            for vv in range(V):
+                s = S[kk, vv]
+                R[gi, cp + kk, vv] = s
+                S[kk, vv] = a * s + U[gi, kk, vv]
+
+
+@nb.njit(cache=True, nogil=True)
+def write_rows(Ot, out, b, h, n0, G, T, C):
+    """Copy the valid rows of ``Ot [G, Cp, D]`` to ``out[b, t, h, :]`` (casting to ``out``'s dtype)."""
+    D = out.shape[3]
+    for gi in range(G):
+        n = n0 + gi
+        for pos in range(C):
+            t = n * C + pos
+            if t >= T:
+                break
+            for d in range(D):
+                out[b, t, h, d] = Ot[gi, pos, d]
