@@ -20,7 +20,10 @@ of ranks), :class:`ChunkMixer` (``hpczeco.gla.chunk_gla`` on one process) and :c
 (token-by-token float64 reference with its own backward, one process; for tests).
 
 Parameters are a flat ``dict[str, ndarray]`` with names like ``layer0/wq`` (checkpoint-ready) in the
-model dtype (float32 or float64); the gradients have the same names.
+model dtype (float32 or float64); the gradients have the same names. Parameters and tokens may be
+numpy arrays (CPU) or CuPy arrays (GPU): the array module is taken from them. On the CPU every
+operation is deterministic; on the GPU the embedding gradient uses atomics, so it is not bitwise
+reproducible.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 import numpy as np
+
+from hpczeco.backend import get_array_module
 
 __all__ = [
     "LMConfig",
@@ -244,7 +249,7 @@ def make_mixers(kind: str, n_layers: int, comm=None, scan: str = "ring", blocks:
 
 def _rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(y, xhat, r)`` with ``r = sqrt(mean(x^2) + eps)``, ``xhat = x / r``, ``y = xhat * w``."""
-    r = np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    r = ((x * x).mean(axis=-1, keepdims=True) + eps) ** 0.5
     xhat = x / r
     return xhat * w, xhat, r
 
@@ -253,21 +258,19 @@ def _rmsnorm_bwd(dy: np.ndarray, xhat: np.ndarray, r: np.ndarray, w: np.ndarray)
     """``(dx, dw)`` of :func:`_rmsnorm`."""
     dw = (dy * xhat).reshape(-1, dy.shape[-1]).sum(axis=0)
     dxhat = dy * w
-    dx = (dxhat - xhat * np.mean(dxhat * xhat, axis=-1, keepdims=True)) / r
+    dx = (dxhat - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)) / r
     return dx, dw
 
 
 def _sigmoid(z: np.ndarray) -> np.ndarray:
-    out = np.empty_like(z)
-    pos = z >= 0
-    out[pos] = 1.0 / (1.0 + np.exp(-z[pos]))
-    ez = np.exp(z[~pos])
-    out[~pos] = ez / (1.0 + ez)
-    return out
+    """Overflow-free logistic function (numpy or CuPy)."""
+    xp = get_array_module(z)
+    return 0.5 * (1 + xp.tanh(0.5 * z))
 
 
 def _logsigmoid(z: np.ndarray) -> np.ndarray:
-    return np.minimum(z, 0) - np.log1p(np.exp(-np.abs(z)))
+    xp = get_array_module(z)
+    return xp.minimum(z, 0) - xp.log1p(xp.exp(-xp.abs(z)))
 
 
 def _mm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -309,7 +312,7 @@ class GLALM:
             v = _mm(h1, params[p + "wv"]).reshape(B, L, H, Vh)
             z = _mm(h1, params[p + "wg"]) + params[p + "bg"]
             g = (_logsigmoid(z) / cfg.gate_norm).reshape(B, L, H, K)
-            o = np.asarray(mixer.forward(q, k, v, g), dtype=x.dtype).reshape(B, L, H * Vh)
+            o = mixer.forward(q, k, v, g).astype(x.dtype, copy=False).reshape(B, L, H * Vh)
             x = x + _mm(o, params[p + "wo"])
             h2, xh2, r2 = _rmsnorm(x, params[p + "norm2"], eps)
             u = _mm(h2, params[p + "w1"])
@@ -330,16 +333,18 @@ class GLALM:
         cfg = self.cfg
         B, L = tokens.shape
         H, K, Vh = cfg.n_heads, cfg.head_k, cfg.head_v
+        xp = get_array_module(params["embed"])
         logits, (caches, (hf, xhf, rf)) = self.forward(params, tokens)
         m = logits.max(axis=-1, keepdims=True)
-        ex = np.exp(logits - m)
+        ex = xp.exp(logits - m)
         se = ex.sum(axis=-1, keepdims=True)
-        logp_t = np.take_along_axis(logits, targets[..., None], axis=-1) - m - np.log(se)
-        loss = -float(np.sum(logp_t, dtype=np.float64)) / n_total
+        logp_t = xp.take_along_axis(logits, targets[..., None], axis=-1) - m - xp.log(se)
+        loss = -float(logp_t.sum(dtype=xp.float64)) / n_total
         # backward
         grads: dict[str, np.ndarray] = {}
         dlogits = ex / se
-        np.put_along_axis(dlogits, targets[..., None], np.take_along_axis(dlogits, targets[..., None], -1) - 1, -1)
+        flat = dlogits.reshape(-1, cfg.vocab)
+        flat[xp.arange(flat.shape[0]), targets.reshape(-1)] -= 1
         dlogits *= 1.0 / n_total
         grads["head"] = _wgrad(hf, dlogits)
         dhf = _mm(dlogits, params["head"].T)
@@ -359,10 +364,10 @@ class GLALM:
             grads[p + "wo"] = _wgrad(o, dx)
             do = _mm(dx, params[p + "wo"].T).reshape(B, L, H, Vh)
             dq, dk, dv, dg = self.mixers[i].backward(do)
-            dq = np.asarray(dq, dx.dtype).reshape(B, L, H * K)
-            dk = np.asarray(dk, dx.dtype).reshape(B, L, H * K)
-            dv = np.asarray(dv, dx.dtype).reshape(B, L, H * Vh)
-            dz = np.asarray(dg, dx.dtype).reshape(B, L, H * K) * (_sigmoid(-z) / cfg.gate_norm)
+            dq = dq.astype(dx.dtype, copy=False).reshape(B, L, H * K)
+            dk = dk.astype(dx.dtype, copy=False).reshape(B, L, H * K)
+            dv = dv.astype(dx.dtype, copy=False).reshape(B, L, H * Vh)
+            dz = dg.astype(dx.dtype, copy=False).reshape(B, L, H * K) * (_sigmoid(-z) / cfg.gate_norm)
             grads[p + "wq"] = _wgrad(h1, dq)
             grads[p + "wk"] = _wgrad(h1, dk)
             grads[p + "wv"] = _wgrad(h1, dv)
@@ -372,7 +377,12 @@ class GLALM:
                    + _mm(dz, params[p + "wg"].T))
             dxn, grads[p + "norm1"] = _rmsnorm_bwd(dh1, xh1, r1, params[p + "norm1"])
             dx = dx + dxn
-        demb = np.zeros_like(params["embed"])
-        np.add.at(demb, tokens.reshape(-1), dx.reshape(-1, cfg.d_model))
+        demb = xp.zeros_like(params["embed"])
+        if xp is np:
+            np.add.at(demb, tokens.reshape(-1), dx.reshape(-1, cfg.d_model))  # sequential: deterministic
+        else:
+            import cupyx  # noqa: PLC0415
+
+            cupyx.scatter_add(demb, tokens.reshape(-1), dx.reshape(-1, cfg.d_model))  # atomics: order varies
         grads["embed"] = demb
         return loss, {name: grads[name].astype(params[name].dtype, copy=False) for name in params}

@@ -49,6 +49,9 @@ def build_parser(prog: str = "hpczeco train") -> argparse.ArgumentParser:
     m.add_argument("--heads", type=int, default=2)
     m.add_argument("--d-ff", type=int, default=0, help="MLP width (default 4 d_model)")
     m.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    m.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                   help="cpu (numpy) or gpu (CuPy; one rank per GPU by local rank; the GLA state exchange uses "
+                   "HPCZECO_TRANSPORT: cuda-aware | staged | nccl | auto)")
     o = ap.add_argument_group("optimiser")
     o.add_argument("--steps", type=int, default=20, help="train up to this step (default 20)")
     o.add_argument("--lr", type=float, default=3e-3)
@@ -133,8 +136,50 @@ class FlatParams:
                 raise ValueError(f"array {n} has shape {arrays[n].shape}, expected {s}")
             self.views[n][...] = arrays[n]
 
-    def pack(self, grads: dict[str, np.ndarray]) -> np.ndarray:
-        return np.concatenate([np.ravel(grads[n]) for n in self.shapes]).astype(self.flat.dtype, copy=False)
+    def pack(self, grads: dict[str, Any]) -> np.ndarray:
+        """Gradients (numpy or CuPy) as one flat host vector in parameter order."""
+        from hpczeco.backend import get_array_module, to_numpy
+
+        xp = get_array_module(grads[next(iter(self.shapes))])
+        flat = xp.concatenate([grads[n].reshape(-1) for n in self.shapes])
+        return to_numpy(flat).astype(self.flat.dtype, copy=False)
+
+    def on_device(self) -> dict[str, Any]:
+        """A CuPy copy of the parameters (one host->device copy), as named views of one device vector."""
+        import cupy
+
+        flat = cupy.asarray(self.flat)
+        out, off = {}, 0
+        for n, s in self.shapes.items():
+            out[n] = flat[off:off + self.sizes[n]].reshape(s)
+            off += self.sizes[n]
+        return out
+
+
+def select_gpu(comm) -> str:
+    """Use GPU ``local rank % visible GPUs`` (one rank per GPU; with ``--gpus-per-task=1`` every rank
+    sees only its own GPU, as device 0). Collective over ``comm``. Returns a description."""
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    lrank, lsize = local.Get_rank(), local.Get_size()
+    local.Free()
+    err, n = None, 0
+    try:
+        import cupy
+
+        n = cupy.cuda.runtime.getDeviceCount()
+        if n < 1:
+            err = "no CUDA device visible"
+    except Exception as exc:  # noqa: BLE001 - reported collectively
+        err = f"CuPy/CUDA unavailable ({type(exc).__name__}: {exc})"
+    from hpczeco.collectives.agree import collective_check
+
+    collective_check(comm, "--device gpu", ValueError(err) if err else None)
+    dev = lrank % n
+    cupy.cuda.Device(dev).use()
+    share = f" (shared by {lsize // n + (1 if lsize % n else 0)} ranks)" if lsize > n else ""
+    return f"GPU {dev} of {n}{share}"
 
 
 def set_blas_threads(n: int) -> str:
@@ -225,6 +270,9 @@ def run(argv: list[str] | None, comm, prog: str = "hpczeco train") -> TrainResul
             adam_t = int(attrs["adam_t"])
             sampler.set_state(attrs["sampler"])
             say(f"resume: step {step0} from {args.ckpt_dir} (written by {attrs['nranks']} rank(s), now {P})")
+    if args.device == "gpu":
+        where = select_gpu(comm)
+        say(f"  device: {where} on rank 0; gradients summed and Adam applied on the host")
     mixers = make_mixers(args.mixer, cfg.n_layers, comm, scan=args.scan, blocks=args.blocks, chunk_size=args.chunk_size)
     model = GLALM(cfg, mixers)
     writer = CheckpointWriter(args.ckpt_dir, comm, keep=args.keep) if args.ckpt_dir else None
@@ -275,7 +323,13 @@ def run(argv: list[str] | None, comm, prog: str = "hpczeco train") -> TrainResul
             t0 = time.perf_counter()
             seqs = sampler.batch_tokens(tokens)  # [B, seq + 1], the same on every rank
             x, y = seqs[:, start:stop], seqs[:, start + 1:stop + 1]
-            part, grads = model.loss_and_grads(params.views, x, y, n_total)
+            if args.device == "gpu":
+                import cupy
+
+                weights, x, y = params.on_device(), cupy.asarray(x), cupy.asarray(y)
+            else:
+                weights = params.views
+            part, grads = model.loss_and_grads(weights, x, y, n_total)
             g = allreduce_sum(comm, params.pack(grads), args.allreduce)
             loss = float(allreduce_sum(comm, np.array([part], np.float64), args.allreduce)[0])
             if not math.isfinite(loss):
@@ -335,7 +389,14 @@ def run(argv: list[str] | None, comm, prog: str = "hpczeco train") -> TrainResul
 def main(argv: list[str] | None = None, prog: str = "hpczeco train") -> int:
     from mpi4py import MPI
 
-    run(argv, MPI.COMM_WORLD, prog=prog)
+    from .checkpoint import CheckpointError
+
+    try:
+        run(argv, MPI.COMM_WORLD, prog=prog)
+    except (CheckpointError, ValueError, FloatingPointError) as exc:  # raised on every rank alike
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 
