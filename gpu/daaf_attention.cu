@@ -1,0 +1,508 @@
+// DAAF windowed attention (causal) on NVIDIA GPUs, loaded by hpczeco/gpu/daaf.py with cupy.RawModule.
+//
+// Semantics (the same as hpczeco.daaf.plan_arrays documents). Per batch b and head h, query t
+// attends to key j <= t when
+//     t - j <= W            (the local window: the previous W keys and itself), or
+//     gmask[j]              (j is a key-region token: every later query sees it), or
+//     gmask[t]              (t is a key-region token: it sees every earlier key),
+// and o[b,t,h] = sum_j softmax_j(scale * q[b,t,h] . k[b,j,h]) v[b,j,h] over that set, each key once.
+// gidx holds the key-region positions (sorted ascending int32, n_global of them), gmask the same set
+// as one byte per token. Layout: q, k [B, T, H, D], v, o [B, T, H, Dv], contiguous.
+//
+// Two implementations:
+//   daaf_simple_{f32,f16,bf16}   one warp per query row, fp32 online softmax, any D, Dv <= 256.
+//                                Visits exactly the keys of the row. The readable reference kernel.
+//   daaf_tc_{bf16,f16}_d{64,128} flash-attention style, D == Dv: a block of 4 warps owns a tile of
+//                                64 query rows (16 per warp); 64-key tiles of K and V are staged in
+//                                shared memory by cp.async (two stages: the next tile loads while
+//                                this one is used); S = Q K^T and O += P V run on the tensor cores
+//                                (mma.sync m16n8k16, fp32 accumulation); the online softmax lives
+//                                in registers. Key tiles per query tile [t0, t1]:
+//                                  * if any row of the tile is a key-region token: the causal
+//                                    tiles 0 .. t1 (masked per element only where needed);
+//                                  * otherwise the key-region keys before the local range, gathered
+//                                    by index from gidx (all of them allowed for every row), then
+//                                    the local range [max(0, t0 - W), t1] (masked per element).
+//                                  The local range starts after the gathered keys, so no key is
+//                                  counted twice.
+//
+// No #include: the file builds with NVRTC (CuPy) and with nvcc (-std=c++17) alike; 16-bit floats
+// travel as raw bits (unsigned short) and are converted with PTX cvt instructions (sm_80+).
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+#define DAAF_NEG_INF (__int_as_float(0xff800000))
+
+__device__ __forceinline__ int daaf_imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int daaf_imax(int a, int b) { return a > b ? a : b; }
+
+// number of entries of the sorted array a[0:n] that are < x
+__device__ __forceinline__ int daaf_lower_bound(const int* __restrict__ a, int n, int x) {
+    int lo = 0, hi = n;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (a[mid] < x) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+// ------------------------------------------------------------------ 16-bit conversions
+#ifndef DAAF_EMU
+__device__ __forceinline__ float daaf_f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ u16 daaf_f32_to_f16(float x) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+__device__ __forceinline__ u16 daaf_f32_to_bf16(float x) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+#endif  // (DAAF_EMU: gpu/daaf_emu.h defines these and the PTX helpers below on the CPU)
+__device__ __forceinline__ float daaf_bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+// ------------------------------------------------------------------ element types (load/store as fp32)
+
+struct ElemF32 {
+    typedef float T;
+    static __device__ __forceinline__ float ld(const float* p) { return *p; }
+    static __device__ __forceinline__ void st(float* p, float x) { *p = x; }
+};
+struct ElemF16 {
+    typedef u16 T;
+    static __device__ __forceinline__ float ld(const u16* p) { return daaf_f16_to_f32(*p); }
+    static __device__ __forceinline__ void st(u16* p, float x) { *p = daaf_f32_to_f16(x); }
+};
+struct ElemBF16 {
+    typedef u16 T;
+    static __device__ __forceinline__ float ld(const u16* p) { return daaf_bf16_to_f32(*p); }
+    static __device__ __forceinline__ void st(u16* p, float x) { *p = daaf_f32_to_bf16(x); }
+};
+
+__device__ __forceinline__ float daaf_warp_sum(float x) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+// ------------------------------------------------------------------ simple kernel: one warp per query row
+
+template <class E, int MAXD>
+__device__ __forceinline__ void daaf_simple_body(
+    const typename E::T* __restrict__ q, const typename E::T* __restrict__ k, const typename E::T* __restrict__ v,
+    typename E::T* __restrict__ o, const int* __restrict__ gidx, const unsigned char* __restrict__ gmask,
+    int B, int T, int H, int D, int Dv, int n_global, int W, float scale)
+{
+    constexpr int NPL = MAXD / 32;  // elements of a row per lane
+    const int lane = threadIdx.x & 31;
+    const long long row = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (row >= (long long)B * T * H) return;  // uniform across the warp
+    const int h = (int)(row % H);
+    const long long bt = row / H;
+    const int t = (int)(bt % T);
+    const long long b = bt / T;
+
+    float qr[NPL], acc[NPL];
+#pragma unroll
+    for (int i = 0; i < NPL; ++i) {
+        const int d = lane + 32 * i;
+        qr[i] = d < D ? E::ld(q + row * D + d) * scale : 0.f;
+        acc[i] = 0.f;
+    }
+    float m = DAAF_NEG_INF, l = 0.f;
+    const long long kbase = b * T * H + h;  // flat row index of key 0 of this (b, h)
+
+    auto visit = [&](int j) {
+        const long long kr = kbase + (long long)j * H;
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < NPL; ++i) {
+            const int d = lane + 32 * i;
+            if (d < D) s += qr[i] * E::ld(k + kr * D + d);
+        }
+        s = daaf_warp_sum(s);
+        const float mn = fmaxf(m, s);        // finite: s is finite
+        const float alpha = expf(m - mn);    // exp(-inf) = 0 on the first key
+        const float p = expf(s - mn);
+        l = l * alpha + p;
+        m = mn;
+#pragma unroll
+        for (int i = 0; i < NPL; ++i) {
+            const int d = lane + 32 * i;
+            if (d < Dv) acc[i] = acc[i] * alpha + p * E::ld(v + kr * Dv + d);
+        }
+    };
+
+    if (gmask[t]) {
+        for (int j = 0; j <= t; ++j) visit(j);  // key-region query: full causal
+    } else {
+        const int lo = daaf_imax(0, t - W);
+        const int nb = daaf_lower_bound(gidx, n_global, lo);  // key-region keys before the window
+        for (int i = 0; i < nb; ++i) visit(gidx[i]);
+        for (int j = lo; j <= t; ++j) visit(j);
+    }
+    const float inv = 1.f / l;  // l >= 1: the row's own key is always visited
+#pragma unroll
+    for (int i = 0; i < NPL; ++i) {
+        const int d = lane + 32 * i;
+        if (d < Dv) E::st(o + row * Dv + d, acc[i] * inv);
+    }
+}
+
+#define DAAF_SIMPLE_KERNEL(NAME, E)                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) NAME(                                                   \
+        const E::T* __restrict__ q, const E::T* __restrict__ k, const E::T* __restrict__ v, E::T* __restrict__ o, \
+        const int* __restrict__ gidx, const unsigned char* __restrict__ gmask, int B, int T, int H, int D,     \
+        int Dv, int n_global, int W, float scale) {                                                           \
+        daaf_simple_body<E, 256>(q, k, v, o, gidx, gmask, B, T, H, D, Dv, n_global, W, scale);               \
+    }
+
+DAAF_SIMPLE_KERNEL(daaf_simple_f32, ElemF32)
+DAAF_SIMPLE_KERNEL(daaf_simple_f16, ElemF16)
+DAAF_SIMPLE_KERNEL(daaf_simple_bf16, ElemBF16)
+
+// ------------------------------------------------------------------ tensor-core kernel: PTX helpers
+#ifndef DAAF_EMU
+
+__device__ __forceinline__ u32 daaf_smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16-byte global -> shared copy; src_bytes = 0 writes zeros (padding rows)
+__device__ __forceinline__ void daaf_cp_async16(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void daaf_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void daaf_cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ void daaf_ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+__device__ __forceinline__ void daaf_ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+// c[16x8] += a[16x16] (row) * b[16x8] (col), fp32 accumulation
+template <bool BF>
+__device__ __forceinline__ void daaf_mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    if constexpr (BF) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                     "{%8, %9}, {%0, %1, %2, %3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                     "{%8, %9}, {%0, %1, %2, %3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// two fp32 -> packed 16-bit pair (lo in the low half)
+template <bool BF>
+__device__ __forceinline__ u32 daaf_pack2(float lo, float hi) {
+    u32 r;
+    if constexpr (BF) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+}
+
+__device__ __forceinline__ float daaf_ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+#endif  // DAAF_EMU
+
+struct alignas(16) DaafVec16 { u32 x, y, z, w; };
+
+// ------------------------------------------------------------------ tensor-core kernel
+
+constexpr int DAAF_TC_BR = 64;       // query rows per block (16 per warp)
+constexpr int DAAF_TC_BC = 64;       // keys per tile
+constexpr int DAAF_TC_THREADS = 128; // 4 warps
+
+template <bool BF, int D>
+__device__ __forceinline__ void daaf_tc_body(
+    const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ o,
+    const int* __restrict__ gidx, const unsigned char* __restrict__ gmask,
+    int T, int H, int n_global, int W, float scale_log2, int reverse)
+{
+    constexpr int BR = DAAF_TC_BR, BC = DAAF_TC_BC, NTH = DAAF_TC_THREADS;
+    constexpr int LDS = D + 8;        // padded shared row (elements): ldmatrix rows hit distinct banks
+    constexpr int TILE = BC * LDS;    // elements of one K or V tile
+    constexpr int KS = D / 16;        // k-steps of S = Q K^T
+    constexpr int NDT = D / 8;        // 8-wide column tiles of O
+    constexpr int CPR = D / 8;        // 16-byte chunks per row
+    static_assert(BR == BC, "the Q tile reuses a K/V stage buffer");
+    static_assert((BC * CPR) % NTH == 0, "tile loads must divide evenly among the threads");
+
+    // dynamic shared memory: [stage 0: K | V][stage 1: K | V], each TILE elements
+#ifdef DAAF_EMU
+    DaafVec16* const daaf_smem = daaf_emu_dynamic_smem();
+#else
+    extern __shared__ DaafVec16 daaf_smem[];  // 16-byte aligned by its element type
+#endif
+    u16* const smem = reinterpret_cast<u16*>(daaf_smem);
+    __shared__ int s_kpos[2][BC];             // key position of each tile row (-1: padding)
+    __shared__ unsigned char s_kglob[2][BC];  // gmask of that key
+
+    const int nqt = (T + BR - 1) / BR;
+    const int qt = reverse ? (nqt - 1 - (int)blockIdx.x) : (int)blockIdx.x;  // reverse: long rows first
+    const int h = blockIdx.y;
+    const long long b = blockIdx.z;
+    const int t0 = qt * BR;
+    const int t1 = daaf_imin(t0 + BR, T) - 1;
+    const long long rs = (long long)H * D;             // token stride in elements
+    const long long base = (b * T * H + h) * (long long)D;
+    const u16* const qb = q + base;
+    const u16* const kb = k + base;
+    const u16* const vb = v + base;
+    u16* const ob = o + base;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tig = lane & 3;
+
+    // which keys this query tile visits
+    const int glo = daaf_lower_bound(gidx, n_global, t0);
+    const int ghi = daaf_lower_bound(gidx, n_global, t1 + 1);
+    const bool any_gq = ghi > glo;                      // some row is a key-region query
+    const bool all_gq = (ghi - glo) == (t1 - t0 + 1);   // every row is
+    int ks = 0, n_pre = 0, n_pre_tiles = 0, n_tiles;
+    if (any_gq) {
+        n_tiles = t1 / BC + 1;                          // causal: keys 0 .. t1
+    } else {
+        ks = daaf_imax(0, t0 - W);                      // local range [ks, t1]
+        n_pre = daaf_lower_bound(gidx, n_global, ks);   // key-region keys before it: gathered
+        n_pre_tiles = (n_pre + BC - 1) / BC;
+        n_tiles = n_pre_tiles + (t1 - ks) / BC + 1;
+    }
+
+    auto key_of = [&](int i, int r) -> int {
+        if (any_gq) {
+            const int j = i * BC + r;
+            return j <= t1 ? j : -1;
+        }
+        if (i < n_pre_tiles) {
+            const int x = i * BC + r;
+            return x < n_pre ? gidx[x] : -1;
+        }
+        const int j = ks + (i - n_pre_tiles) * BC + r;
+        return j <= t1 ? j : -1;
+    };
+
+    // shared addresses as one base plus byte offsets (constant parts fold into the instructions)
+    const u32 sbase = daaf_smem_addr(smem);
+    constexpr u32 ROWB = LDS * 2;            // bytes per shared row
+    constexpr u32 TILEB = TILE * 2;          // bytes per K or V tile
+    constexpr u32 STAGEB = 2 * TILEB;        // bytes per stage (K and V)
+    constexpr int RPI = NTH / CPR;           // rows covered by one pass of the block
+    const int ld_r = tid / CPR, ld_c = tid % CPR;  // this thread's row / chunk in a pass
+    const u32 ld_off = ld_r * ROWB + ld_c * 16;
+
+    auto issue_tile = [&](int i, int st) {
+        const u32 dK = sbase + st * STAGEB + ld_off;
+#pragma unroll
+        for (int it = 0; it < BC / RPI; ++it) {
+            const int r = it * RPI + ld_r;
+            const int j = key_of(i, r);
+            const long long off = (long long)(j < 0 ? 0 : j) * rs + ld_c * 8;
+            const int nb = j < 0 ? 0 : 16;
+            daaf_cp_async16(dK + it * RPI * ROWB, kb + off, nb);
+            daaf_cp_async16(dK + TILEB + it * RPI * ROWB, vb + off, nb);
+            if (ld_c == 0) {
+                s_kpos[st][r] = j;
+                s_kglob[st][r] = j < 0 ? (unsigned char)0 : gmask[j];
+            }
+        }
+        daaf_cp_async_commit();
+    };
+
+    // Q tile -> the stage-1 K buffer -> registers (A fragments), then the buffer is free again
+    const u32 sQ = sbase + STAGEB;
+#pragma unroll
+    for (int it = 0; it < BR / RPI; ++it) {
+        const int t = t0 + it * RPI + ld_r;
+        daaf_cp_async16(sQ + ld_off + it * RPI * ROWB, qb + (long long)(t <= t1 ? t : t0) * rs + ld_c * 8,
+                        t <= t1 ? 16 : 0);
+    }
+    daaf_cp_async_commit();
+    issue_tile(0, 0);
+    daaf_cp_async_wait<1>();  // the Q group has landed
+    __syncthreads();
+    u32 qf[KS][4];
+    const u32 q_ld = sQ + (16 * warp + (lane & 15)) * ROWB + (lane >> 4) * 16;
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) daaf_ldsm_x4(q_ld + kk * 32, qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
+    __syncthreads();
+    // per-lane parts of the ldmatrix addresses for K (plain) and V (transposed)
+    const u32 k_ld = ((lane >> 4) * 8 + (lane & 7)) * ROWB + ((lane >> 3) & 1) * 16;
+    const u32 v_ld = TILEB + ((lane & 7) + ((lane >> 3) & 1) * 8) * ROWB + (lane >> 4) * 16;
+
+    // this thread's two query rows (fragment rows g and g + 8 of the warp's 16)
+    const int r0 = t0 + 16 * warp + g, r1 = r0 + 8;
+    const bool gq0 = r0 <= t1 && gmask[r0] != 0;
+    const bool gq1 = r1 <= t1 && gmask[r1] != 0;
+    float m0 = DAAF_NEG_INF, m1 = DAAF_NEG_INF, l0 = 0.f, l1 = 0.f;
+    float acc[NDT][4];
+#pragma unroll
+    for (int n = 0; n < NDT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+
+    for (int i = 0; i < n_tiles; ++i) {
+        const int st = i & 1;
+        if (i + 1 < n_tiles) {
+            issue_tile(i + 1, st ^ 1);  // overlaps with the work on tile i
+            daaf_cp_async_wait<1>();
+        } else {
+            daaf_cp_async_wait<0>();
+        }
+        __syncthreads();
+        const u32 cS = sbase + st * STAGEB;
+
+        // S = Q K^T : 16 rows x 64 keys per warp
+        float s[8][4];
+#pragma unroll
+        for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+                u32 b0, b1, b2, b3;
+                daaf_ldsm_x4(cS + k_ld + np * 16 * ROWB + kk * 32, b0, b1, b2, b3);
+                daaf_mma<BF>(s[2 * np], qf[kk], b0, b1);
+                daaf_mma<BF>(s[2 * np + 1], qf[kk], b2, b3);
+            }
+        }
+
+        // mask, where some pair of this tile may be excluded
+        bool full;
+        if (any_gq) {
+            const int kt0 = i * BC;
+            full = (kt0 + BC - 1 <= t0) && (all_gq || t1 - kt0 <= W);
+        } else if (i < n_pre_tiles) {
+            full = (i + 1) * BC <= n_pre;  // gathered key-region keys: all allowed, except padding
+        } else {
+            full = false;                  // local range: window edges
+        }
+        if (!full) {
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int col = 8 * n + 2 * tig + e;
+                    const int j = s_kpos[st][col];
+                    const bool gj = s_kglob[st][col] != 0;
+                    const bool ok0 = j >= 0 && j <= r0 && (r0 - j <= W || gj || gq0);
+                    const bool ok1 = j >= 0 && j <= r1 && (r1 - j <= W || gj || gq1);
+                    if (!ok0) s[n][e] = DAAF_NEG_INF;
+                    if (!ok1) s[n][2 + e] = DAAF_NEG_INF;
+                }
+            }
+        }
+
+        // online softmax (base 2), rows r0 and r1; a row is spread over the 4 threads of a quad
+        float mx0 = m0, mx1 = m1;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+            s[n][0] *= scale_log2; s[n][1] *= scale_log2; s[n][2] *= scale_log2; s[n][3] *= scale_log2;
+            mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+            mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float base0 = mx0 == DAAF_NEG_INF ? 0.f : mx0;  // a row with nothing allowed yet
+        const float base1 = mx1 == DAAF_NEG_INF ? 0.f : mx1;
+        const float al0 = daaf_ex2(m0 - base0), al1 = daaf_ex2(m1 - base1);
+        m0 = mx0;
+        m1 = mx1;
+        float ls0 = 0.f, ls1 = 0.f;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+            s[n][0] = daaf_ex2(s[n][0] - base0);
+            s[n][1] = daaf_ex2(s[n][1] - base0);
+            s[n][2] = daaf_ex2(s[n][2] - base1);
+            s[n][3] = daaf_ex2(s[n][3] - base1);
+            ls0 += s[n][0] + s[n][1];
+            ls1 += s[n][2] + s[n][3];
+        }
+        l0 = l0 * al0 + ls0;  // per-thread partial row sums; the quad adds them up at the end
+        l1 = l1 * al1 + ls1;
+#pragma unroll
+        for (int n = 0; n < NDT; ++n) {
+            acc[n][0] *= al0; acc[n][1] *= al0; acc[n][2] *= al1; acc[n][3] *= al1;
+        }
+
+        // O += P V : P (16 x 64) from registers as A fragments, V tile via ldmatrix.trans
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+            const u32 a[4] = {daaf_pack2<BF>(s[2 * kk][0], s[2 * kk][1]), daaf_pack2<BF>(s[2 * kk][2], s[2 * kk][3]),
+                              daaf_pack2<BF>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                              daaf_pack2<BF>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int dp = 0; dp < NDT / 2; ++dp) {
+                u32 b0, b1, b2, b3;
+                daaf_ldsm_x4_t(cS + v_ld + kk * 16 * ROWB + dp * 32, b0, b1, b2, b3);
+                daaf_mma<BF>(acc[2 * dp], a, b0, b1);
+                daaf_mma<BF>(acc[2 * dp + 1], a, b2, b3);
+            }
+        }
+        __syncthreads();  // stage st is refilled by the next iteration's issue
+    }
+
+    // epilogue: normalise, stage the 64 x D tile in shared memory, 16-byte coalesced stores
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float i0 = l0 > 0.f ? 1.f / l0 : 0.f;  // l == 0 only on padding rows
+    const float i1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    u16* const sO = smem;
+    const int lr = 16 * warp + g;
+#pragma unroll
+    for (int n = 0; n < NDT; ++n) {
+        *reinterpret_cast<u32*>(sO + lr * LDS + 8 * n + 2 * tig) = daaf_pack2<BF>(acc[n][0] * i0, acc[n][1] * i0);
+        *reinterpret_cast<u32*>(sO + (lr + 8) * LDS + 8 * n + 2 * tig) =
+            daaf_pack2<BF>(acc[n][2] * i1, acc[n][3] * i1);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int it = 0; it < BR / RPI; ++it) {
+        const int r = it * RPI + ld_r;
+        const int t = t0 + r;
+        if (t <= t1)
+            *reinterpret_cast<DaafVec16*>(ob + (long long)t * rs + ld_c * 8) =
+                *reinterpret_cast<const DaafVec16*>(sO + r * LDS + ld_c * 8);
+    }
+}
+
+// LB: the launch bounds (threads per block, and optionally the resident blocks per SM to fit)
+#define DAAF_TC_KERNEL(NAME, BF, D, LB)                                                                       \
+    extern "C" __global__ void LB NAME(                                                                       \
+        const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ o, \
+        const int* __restrict__ gidx, const unsigned char* __restrict__ gmask, int T, int H, int n_global,     \
+        int W, float scale_log2, int reverse) {                                                               \
+        daaf_tc_body<BF, D>(q, k, v, o, gidx, gmask, T, H, n_global, W, scale_log2, reverse);                 \
+    }
+
+DAAF_TC_KERNEL(daaf_tc_bf16_d128, true, 128, __launch_bounds__(DAAF_TC_THREADS))
+DAAF_TC_KERNEL(daaf_tc_f16_d128, false, 128, __launch_bounds__(DAAF_TC_THREADS))
+DAAF_TC_KERNEL(daaf_tc_bf16_d64, true, 64, __launch_bounds__(DAAF_TC_THREADS))
+DAAF_TC_KERNEL(daaf_tc_f16_d64, false, 64, __launch_bounds__(DAAF_TC_THREADS))
+// the same with a register cap for 3 resident blocks per SM (168 registers: a few bytes spill at D=128)
+DAAF_TC_KERNEL(daaf_tc3_bf16_d128, true, 128, __launch_bounds__(DAAF_TC_THREADS, 3))
+DAAF_TC_KERNEL(daaf_tc3_f16_d128, false, 128, __launch_bounds__(DAAF_TC_THREADS, 3))
