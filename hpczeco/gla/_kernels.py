@@ -211,3 +211,252 @@ def write_rows(Ot, out, b, h, n0, G, T, C):
                 break
             for d in range(D):
                 out[b, t, h, d] = Ot[gi, pos, d]
+
+
+# ------------------------------------------------------------------------------------------ backward
+
+
+def qx_offset(j: int, ns: int, c: int) -> int:
+    """Row offset of column block ``J`` in the q-side buffer ``QX`` (blocks ``I = J..ns-1`` stacked)."""
+    return c * (j * ns - j * (j - 1) // 2)
+
+
+@nb.njit(cache=True, nogil=True)
+def prep_state_operands(k, v, b, h, n0, G, T, C, ns, c, X, Kd, R):
+    """``Kd [G, Cp, K]`` = k exp(b_C - b) and ``R[:, :Cp]`` = v (zero rows for no-op tokens)."""
+    K = k.shape[3]
+    V = v.shape[3]
+    cp = ns * c
+    oB = 2 * cp + ns * (ns + 1) // 2 + ns
+    for gi in range(G):
+        n = n0 + gi
+        Xg = X[gi]
+        for i in range(ns):
+            eb = Xg[oB + i]
+            for p in range(c):
+                pos = i * c + p
+                t = n * C + pos
+                kdr = Kd[gi, pos]
+                rr = R[gi, pos]
+                if pos < C and t < T:
+                    kr = k[b, t, h]
+                    vr = v[b, t, h]
+                    ek = Xg[cp + pos]
+                    for kk in range(K):
+                        kdr[kk] = kr[kk] * ek[kk] * eb[kk]
+                    for vv in range(V):
+                        rr[vv] = vr[vv]
+                else:
+                    for kk in range(K):
+                        kdr[kk] = 0
+                    for vv in range(V):
+                        rr[vv] = 0
+
+
+@nb.njit(cache=True, nogil=True)
+def state_store(U, X, oA, G, S, Sst, n0):
+    """``Sst[n0 + gi] = S`` (state entering the chunk), then ``S = exp(b_C) S + U[gi]``."""
+    K, V = S.shape
+    for gi in range(G):
+        for kk in range(K):
+            a = X[gi, oA, kk]
+            for vv in range(V):
+                s = S[kk, vv]
+                Sst[n0 + gi, kk, vv] = s
+                S[kk, vv] = a * s + U[gi, kk, vv]
+
+
+@nb.njit(cache=True, nogil=True)
+def prep_bwd_operands(q, k, v, do, b, h, n0, G, T, C, ns, c, scale, X, bad, Qp, Qe, KX, QX, Kd, Vb, dOb, LA):
+    """Matmul operands of the backward: as :func:`prep_fwd_operands` (``Qp``, ``KX``, ``Kd``, ``LA`` upper
+    blocks zeroed) plus ``Qe`` = scale q exp(b), ``QX``: for column block ``J`` at row
+    :func:`qx_offset` the q-side ``scale q exp(b - e_J)`` of sub-chunks ``J..ns-1`` (diagonal rows zero
+    where ``bad``), ``Vb`` = v and ``dOb`` = do (``[G, Cp, V]``)."""
+    K = q.shape[3]
+    V = v.shape[3]
+    cp = ns * c
+    oF = 2 * cp
+    oR = oF + ns * (ns + 1) // 2
+    oB = oR + ns
+    dt = X.dtype
+    kp = np.empty(K, dt)
+    for gi in range(G):
+        n = n0 + gi
+        Xg = X[gi]
+        for i in range(ns):
+            er = Xg[oR + i]
+            eb = Xg[oB + i]
+            for p in range(c):
+                pos = i * c + p
+                t = n * C + pos
+                qpr = Qp[gi, pos]
+                qer = Qe[gi, pos]
+                kdr = Kd[gi, pos]
+                vbr = Vb[gi, pos]
+                dor = dOb[gi, pos]
+                if pos < C and t < T:
+                    qr = q[b, t, h]
+                    kr = k[b, t, h]
+                    vr = v[b, t, h]
+                    dr = do[b, t, h]
+                    eq = Xg[pos]
+                    ek = Xg[cp + pos]
+                    for kk in range(K):
+                        qpr[kk] = qr[kk] * scale * eq[kk]
+                    for kk in range(K):
+                        qer[kk] = qpr[kk] * er[kk]
+                    for kk in range(K):
+                        kp[kk] = kr[kk] * ek[kk]
+                    for kk in range(K):
+                        kdr[kk] = kp[kk] * eb[kk]
+                    for vv in range(V):
+                        vbr[vv] = vr[vv]
+                    for vv in range(V):
+                        dor[vv] = dr[vv]
+                else:
+                    for kk in range(K):
+                        kp[kk] = 0
+                        qpr[kk] = 0
+                        qer[kk] = 0
+                        kdr[kk] = 0
+                    for vv in range(V):
+                        vbr[vv] = 0
+                        dor[vv] = 0
+                for i2 in range(i, ns):
+                    kxr = KX[gi, c * i2 * (i2 + 1) // 2 + pos]
+                    if i2 == i and bad[gi, i]:
+                        for kk in range(K):
+                            kxr[kk] = 0
+                    else:
+                        fr = Xg[oF + i2 * (i2 + 1) // 2 + i]
+                        for kk in range(K):
+                            kxr[kk] = kp[kk] * fr[kk]
+                for j in range(i + 1):
+                    qxr = QX[gi, c * (j * ns - j * (j - 1) // 2) + (i - j) * c + p]
+                    if j == i and bad[gi, i]:
+                        for kk in range(K):
+                            qxr[kk] = 0
+                    else:
+                        fr = Xg[oF + i * (i + 1) // 2 + j]
+                        for kk in range(K):
+                            qxr[kk] = qpr[kk] * fr[kk]
+                lr = LA[gi, pos]
+                for j in range((i + 1) * c, cp):
+                    lr[j] = 0
+
+
+@nb.njit(cache=True, nogil=True)
+def state_bwd(W, X, oA, G, dH, dHe):
+    """Reverse recurrence over the group: ``dHe[gi] = dH`` (gradient into the end state of chunk gi), then
+    ``dH = exp(b_C) dH + W[gi]``, for ``gi = G-1 .. 0``; ``dH [K, V]`` in place."""
+    K, V = dH.shape
+    for gi in range(G - 1, -1, -1):
+        for kk in range(K):
+            a = X[gi, oA, kk]
+            for vv in range(V):
+                d = dH[kk, vv]
+                dHe[gi, kk, vv] = d
+                dH[kk, vv] = a * d + W[gi, kk, vv]
+
+
+@nb.njit(cache=True, nogil=True)
+def mask_dA(dA, dd, G, ns, c):
+    """Move the diagonal of ``dA [G, Cp, Cp]`` to ``dd [G, Cp]`` and keep only the strictly lower part of
+    the diagonal blocks and the blocks below them."""
+    cp = ns * c
+    for gi in range(G):
+        for pos in range(cp):
+            dd[gi, pos] = dA[gi, pos, pos]
+            r = dA[gi, pos]
+            for j in range(pos, cp):
+                r[j] = 0
+
+
+@nb.njit(cache=True, nogil=True)
+def bwd_combine(X, G, ns, c, scale, M1, DQ, DK, VdH):
+    """In place: ``DQ = scale eq (er M1 + DQ)`` (dq without its diagonal term), ``DK = ek DK`` (intra part
+    without the diagonal term), ``VdH = ek eb VdH`` (the inter part of dk)."""
+    K = DQ.shape[2]
+    cp = ns * c
+    oR = 2 * cp + ns * (ns + 1) // 2
+    oB = oR + ns
+    for gi in range(G):
+        Xg = X[gi]
+        for i in range(ns):
+            er = Xg[oR + i]
+            eb = Xg[oB + i]
+            for p in range(c):
+                pos = i * c + p
+                eq = Xg[pos]
+                ek = Xg[cp + pos]
+                m1 = M1[gi, pos]
+                dq = DQ[gi, pos]
+                dk = DK[gi, pos]
+                dke = VdH[gi, pos]
+                for kk in range(K):
+                    dq[kk] = scale * eq[kk] * (er[kk] * m1[kk] + dq[kk])
+                for kk in range(K):
+                    dk[kk] = ek[kk] * dk[kk]
+                for kk in range(K):
+                    dke[kk] = ek[kk] * eb[kk] * dke[kk]
+
+
+@nb.njit(cache=True, nogil=True)
+def bwd_finish(q, k, b, h, n0, G, T, C, scale, X, oA, DQ, DKI, DKE, dd, DV, DV2, Sst, dHe, dq, dk, dv, dg):
+    """Write ``dq, dk, dv, dg`` of the group's tokens.
+
+    ``dg_t = sum_{tau >= t} (q DQ - k DKI)_tau + sum_{j < t} (k DKE)_j + exp(b_C) sum_v(S_prev dH_end)``
+    (sums inside the chunk); ``dq = DQ + scale dd k``, ``dk = DKI + DKE + scale dd q``, ``dv = DV + DV2``.
+    """
+    K = q.shape[3]
+    V = dv.shape[3]
+    dt = DQ.dtype
+    acc = np.empty(K, dt)
+    base = np.empty(K, dt)
+    excl = np.empty((DQ.shape[1], K), dt)
+    for gi in range(G):
+        n = n0 + gi
+        nv = min(C, T - n * C)  # valid rows are a prefix of the chunk
+        sp = Sst[n]
+        de = dHe[gi]
+        a = X[gi, oA]
+        for kk in range(K):
+            s = 0.0
+            for vv in range(V):
+                s += sp[kk, vv] * de[kk, vv]
+            base[kk] = a[kk] * s
+            acc[kk] = 0
+        for pos in range(nv):
+            t = n * C + pos
+            kr = k[b, t, h]
+            er = excl[pos]
+            z = DKE[gi, pos]
+            for kk in range(K):
+                er[kk] = acc[kk]
+                acc[kk] += kr[kk] * z[kk]
+        for kk in range(K):
+            acc[kk] = 0
+        for pos in range(nv - 1, -1, -1):
+            t = n * C + pos
+            qr = q[b, t, h]
+            kr = k[b, t, h]
+            dqr = DQ[gi, pos]
+            dkr = DKI[gi, pos]
+            der = DKE[gi, pos]
+            er = excl[pos]
+            sd = scale * dd[gi, pos]
+            dgo = dg[b, t, h]
+            dqo = dq[b, t, h]
+            dko = dk[b, t, h]
+            for kk in range(K):
+                acc[kk] += qr[kk] * dqr[kk] - kr[kk] * dkr[kk]
+                dgo[kk] = acc[kk] + er[kk] + base[kk]
+            for kk in range(K):
+                dqo[kk] = dqr[kk] + sd * kr[kk]
+            for kk in range(K):
+                dko[kk] = dkr[kk] + der[kk] + sd * qr[kk]
+            dvo = dv[b, t, h]
+            d1 = DV[gi, pos]
+            d2 = DV2[gi, pos]
+            for vv in range(V):
+                dvo[vv] = d1[vv] + d2[vv]

@@ -41,8 +41,8 @@ __all__ = ["chunk_gla", "chunk_gla_bwd"]
 
 _SUB = 16  # sub-chunk size (tokens)
 _SPAN_LIMIT = {np.dtype(np.float32): 40.0, np.dtype(np.float64): 300.0}
-_PAIRWISE_BATCH = 256  # diagonal blocks per pairwise einsum (bounds memory to ~batch * c * c * K)
-_GROUP_TOKENS = 2048  # padded tokens per streaming group of chunks (keeps the scratch in cache)
+_GROUP_TOKENS = 512  # padded tokens per streaming group of chunks (keeps the scratch in cache)
+_GROUP_TOKENS_BWD = 512
 
 
 def _gpu_module():
@@ -76,76 +76,7 @@ class _Geom:
         self.Z = B * H * self.N
 
 
-def _to_chunks(x: np.ndarray, geo: _Geom, dtype: np.dtype) -> np.ndarray:
-    """``[B, T, H, D]`` -> contiguous ``[B, H, N, Cp, D]`` in ``dtype``; token ``n C + m`` at ``(n, m)``,
-    padding zeros."""
-    B, T, H, D = x.shape
-    N, C, Cp = geo.N, geo.C, geo.Cp
-    pad = N * C != T or Cp != C
-    buf = (np.zeros if pad else np.empty)((B, H, N, Cp, D), dtype=dtype)
-    xt = x.transpose(0, 2, 1, 3)
-    n0 = T // C
-    if n0:
-        buf[:, :, :n0, :C] = np.reshape(xt[:, :, : n0 * C], (B, H, n0, C, D), copy=False)
-    rem = T - n0 * C
-    if rem:
-        buf[:, :, n0, :rem] = xt[:, :, n0 * C :]
-    return buf
-
-
-def _from_chunks(xc: np.ndarray, geo: _Geom, dtype: np.dtype) -> np.ndarray:
-    """Inverse of :func:`_to_chunks`: ``[B, H, N, Cp, D]`` -> contiguous ``[B, T, H, D]`` in ``dtype``."""
-    B, H, N, Cp, D = xc.shape
-    T, C = geo.T, geo.C
-    out = np.empty((B, T, H, D), dtype=dtype)
-    ot = out.transpose(0, 2, 1, 3)
-    n0 = T // C
-    if n0:
-        np.copyto(np.reshape(ot[:, :, : n0 * C], (B, H, n0, C, D), copy=False), xc[:, :, :n0, :C], casting="unsafe")
-    rem = T - n0 * C
-    if rem:
-        np.copyto(ot[:, :, n0 * C :], xc[:, :, n0, :rem], casting="unsafe")
-    return out
-
-
 # --------------------------------------------------------------------------------------------- decays
-
-
-class _Decays:
-    """Decay factors of every chunk (``Z = B H N`` chunks, ``ns`` sub-chunks of ``c`` tokens).
-
-    ``lc [Z, ns, c, K]``: gate cumsum inside each sub-chunk; ``eq = exp(b - r_I)``, ``ek = exp(e_J - b)``
-    (``[Z, ns, c, K]``); ``er = exp(r_I)``, ``eb = exp(b_C - e_J)`` (``[Z, ns, K]``); ``a = exp(b_C)``
-    (``[Z, K]``); ``F [Z, ns, ns, K]`` with ``F[:, I, J] = exp(r_I - e_J)`` for ``J < I`` and the clamped
-    ``exp(min(span_I, limit))`` on the diagonal; ``bad [Z, ns]``: sub-chunks whose span exceeds the limit.
-    """
-
-    def __init__(self, gz: np.ndarray, limit: float):
-        Z, ns, c, K = gz.shape
-        lc = np.cumsum(gz, axis=2)
-        tot = lc[:, :, -1, :]
-        first = gz[:, :, 0, :]
-        self.lc = lc
-        self.eq = np.exp(lc - first[:, :, None, :])
-        self.ek = np.exp(tot[:, :, None, :] - lc)
-        pre = np.zeros_like(tot)  # exclusive prefix sums of the sub-chunk totals
-        suf = np.zeros_like(tot)  # exclusive suffix sums
-        for i in range(1, ns):
-            pre[:, i] = pre[:, i - 1] + tot[:, i - 1]
-            suf[:, ns - 1 - i] = suf[:, ns - i] + tot[:, ns - i]
-        self.er = np.exp(pre + first)
-        self.eb = np.exp(suf)
-        self.a = np.exp(pre[:, -1] + tot[:, -1])
-        span = first - tot  # >= 0: r_I - e_I
-        self.bad = span.max(axis=-1) > limit if K else np.zeros((Z, ns), bool)
-        F = np.zeros((Z, ns, ns, K), dtype=gz.dtype)
-        for i in range(ns):
-            F[:, i, i] = np.exp(np.minimum(span[:, i], limit))
-            acc = first[:, i].copy()  # r_I - e_J for J = I - 1, I - 2, ...
-            for j in range(i - 1, -1, -1):
-                F[:, i, j] = np.exp(acc)
-                acc += tot[:, j]
-        self.F = F
 
 
 def _pairwise_decay(lcb: np.ndarray) -> np.ndarray:
@@ -154,81 +85,6 @@ def _pairwise_decay(lcb: np.ndarray) -> np.ndarray:
     d = lcb[:, :, None, :] - lcb[:, None, :, :]
     d[:, ~np.tri(c, dtype=bool)] = -np.inf
     return np.exp(d)
-
-
-def _bad_blocks(bad: np.ndarray):
-    """Yield ``(z_idx, i_idx)`` index arrays of the flagged diagonal blocks in batches."""
-    zs, is_ = np.nonzero(bad)
-    for s in range(0, zs.size, _PAIRWISE_BATCH):
-        yield zs[s : s + _PAIRWISE_BATCH], is_[s : s + _PAIRWISE_BATCH]
-
-
-def _k_side(Kp: np.ndarray, dec: _Decays, i: int) -> np.ndarray:
-    """``[Z, (i+1) c, K]``: ``k_j exp(r_i - b_j)`` for the tokens of sub-chunks ``0..i`` (diagonal rows of
-    flagged sub-chunks zeroed)."""
-    Z, ns, c, K = Kp.shape
-    kx = Kp[:, : i + 1] * dec.F[:, i, : i + 1, None, :]
-    zb = np.nonzero(dec.bad[:, i])[0]
-    if zb.size:
-        kx[zb, i] = 0
-    return kx.reshape(Z, (i + 1) * c, K)
-
-
-def _q_side(Qp: np.ndarray, dec: _Decays, j: int) -> np.ndarray:
-    """``[Z, (ns-j) c, K]``: ``q_t exp(b_t - e_j)`` for the tokens of sub-chunks ``j..ns-1`` (diagonal rows
-    of flagged sub-chunks zeroed)."""
-    Z, ns, c, K = Qp.shape
-    qx = Qp[:, j:] * dec.F[:, j:, j, None, :]
-    zb = np.nonzero(dec.bad[:, j])[0]
-    if zb.size:
-        qx[zb, 0] = 0
-    return qx.reshape(Z, (ns - j) * c, K)
-
-
-def _intra_A(qz: np.ndarray, kz: np.ndarray, Qp: np.ndarray, Kp: np.ndarray, dec: _Decays, scale: float):
-    """Intra-chunk attention ``A [Z, Cp, Cp]`` (lower triangular, scaled) and the per-row k-sides."""
-    Z, ns, c, K = Qp.shape
-    Cp = ns * c
-    A = np.zeros((Z, Cp, Cp), dtype=Qp.dtype)
-    tri = np.tri(c, dtype=Qp.dtype)
-    kxs = []
-    for i in range(ns):
-        kx = _k_side(Kp, dec, i)
-        kxs.append(kx)
-        blk = A[:, i * c : (i + 1) * c, : (i + 1) * c]
-        np.matmul(Qp[:, i], kx.transpose(0, 2, 1), out=blk)
-        blk *= scale
-        blk[:, :, i * c :] *= tri
-    for zb, ib in _bad_blocks(dec.bad):
-        E = _pairwise_decay(dec.lc[zb, ib])
-        A.reshape(Z, ns, c, ns, c)[zb, ib, :, ib, :] = np.einsum("nik,nijk,njk->nij", qz[zb, ib], E, kz[zb, ib]) * scale
-    return A, kxs
-
-
-def _state_pass(U: np.ndarray, a: np.ndarray, h0: np.ndarray | None, geo: _Geom, dtype) -> np.ndarray:
-    """Chunk-start states ``[N + 1, B, H, K, V]`` (the last one is the final state) from the per-chunk
-    updates ``U [B, H, N, K, V]`` and decays ``a [B, H, N, K]``: ``S_{n+1} = a_n S_n + U_n``."""
-    B, H, N, K, V = geo.B, geo.H, geo.N, geo.K, geo.V
-    S = np.empty((N + 1, B, H, K, V), dtype=dtype)
-    if h0 is None:
-        S[0] = 0
-    else:
-        S[0] = h0
-    for n in range(N):
-        np.multiply(S[n], a[:, :, n, :, None], out=S[n + 1])
-        S[n + 1] += U[:, :, n]
-    return S
-
-
-def _prepare(q, k, v, g, geo: _Geom, cdt):
-    """Chunked inputs ``[Z, ns, c, D]`` and decays."""
-    Z, ns, c = geo.Z, geo.ns, geo.c
-    qz = _to_chunks(q, geo, cdt).reshape(Z, ns, c, geo.K)
-    kz = _to_chunks(k, geo, cdt).reshape(Z, ns, c, geo.K)
-    gz = _to_chunks(g, geo, cdt).reshape(Z, ns, c, geo.K)
-    vz = _to_chunks(v, geo, cdt).reshape(Z, geo.Cp, geo.V)
-    dec = _Decays(gz, _SPAN_LIMIT[np.dtype(cdt)])
-    return qz, kz, vz, dec
 
 
 def _check_common(q, k, v, g, scale, initial_state, chunk_size, do=None, dht=None):
@@ -347,15 +203,7 @@ def _fwd_units(units, q, k, v, g, s, h0, geo: _Geom, out, final) -> None:
                 )
             _kn.mask_diag(L, gc, ns, c)
             if bad[:gc].any():
-                gb, ib = np.nonzero(bad[:gc])
-                nb_ = n0 + gb
-                E = _pairwise_decay(np.cumsum(_gather_sub(g, b, h, nb_, ib, geo), axis=1))
-                Ad = np.einsum("nik,nijk,njk->nij", _gather_sub(q, b, h, nb_, ib, geo), E,
-                               _gather_sub(k, b, h, nb_, ib, geo))  # fmt: skip
-                Ad *= s
-                for j in range(gb.size):
-                    o = ib[j] * c
-                    L[gb[j], o : o + c, o : o + c] = Ad[j]
+                _pairwise_A(q, k, g, b, h, n0, bad[:gc], geo, s, L)
             np.matmul(Kd[:gc].transpose(0, 2, 1), R[:gc, :Cp], out=U[:gc])
             _kn.state_fwd(U, X, oA, gc, S, R, Cp)
             np.matmul(L[:gc], R[:gc], out=Ot[:gc])
@@ -394,82 +242,118 @@ def chunk_gla_bwd(
     B, T, H, K, V, s, chunk_size, cdt = _check_common(q, k, v, g, scale, initial_state, chunk_size, do=do, dht=dht)
     h0 = None if initial_state is None else np.asarray(initial_state, dtype=cdt)
     dh0_dtype = cdt if initial_state is None else initial_state.dtype
+    in_dtype = q.dtype
     dH_last = np.zeros((B, H, K, V), dtype=cdt) if dht is None else np.asarray(dht, dtype=cdt)
     if T == 0 or B * H == 0:
         dq = np.zeros((B, T, H, K), dtype=q.dtype)
         return dq, dq.copy(), np.zeros((B, T, H, V), dtype=q.dtype), dq.copy(), dH_last.astype(dh0_dtype)
     geo = _Geom(B, T, H, K, V, chunk_size)
-    Z, N, ns, c, Cp = geo.Z, geo.N, geo.ns, geo.c, geo.Cp
-    qz, kz, vz, dec = _prepare(q, k, v, g, geo, cdt)
-    doz = _to_chunks(do, geo, cdt).reshape(Z, Cp, V)
-    Qp = qz * dec.eq
-    Kp = kz * dec.ek
-    a = dec.a.reshape(B, H, N, K)
-
-    # chunk-start states (forward recurrence) and the gradient into every chunk's end state (reverse)
-    Kd = (Kp * dec.eb[:, :, None, :]).reshape(Z, Cp, K)
-    U = np.matmul(Kd.transpose(0, 2, 1), vz).reshape(B, H, N, K, V)
-    S = _state_pass(U, a, h0, geo, cdt)  # S[n] = state entering chunk n, S[N] final
-    Qe = (Qp * (dec.er * s)[:, :, None, :]).reshape(Z, Cp, K)  # scale q_t exp(b_t)
-    W = np.matmul(Qe.transpose(0, 2, 1), doz).reshape(B, H, N, K, V)
-    dH = np.empty((N + 1, B, H, K, V), dtype=cdt)  # dH[n + 1] = gradient into the end state of chunk n
-    dH[N] = dH_last
-    for n in range(N - 1, -1, -1):
-        np.multiply(dH[n + 1], a[:, :, n, :, None], out=dH[n])
-        dH[n] += W[:, :, n]
-    Sprev = S[:-1].transpose(1, 2, 0, 3, 4).reshape(Z, K, V)
-    dHend = dH[1:].transpose(1, 2, 0, 3, 4).reshape(Z, K, V)
-
-    A, kxs = _intra_A(qz, kz, Qp, Kp, dec, s)
-    dA = np.matmul(doz, vz.transpose(0, 2, 1))  # [Z, Cp, Cp]: scale * dO V^T, strictly lower part kept
-    dA *= s
-    dd = np.diagonal(dA, axis1=1, axis2=2).reshape(Z, ns, c, 1).copy()  # the j == t terms, handled apart
-    tri = np.tri(c, k=-1, dtype=cdt)
-    for i in range(ns):
-        dA[:, i * c : (i + 1) * c, (i + 1) * c :] = 0
-        dA[:, i * c : (i + 1) * c, i * c : (i + 1) * c] *= tri
-
-    # dv = A^T dO + Kd dH_end  (A holds its diagonal; dA is strict from here on)
-    dv = np.matmul(A.transpose(0, 2, 1), doz)
-    dv += np.matmul(Kd, dHend)
-
-    # dq' = eq * (dA K-side + scale er dO S_prev^T): dq without its diagonal term dd * k
-    dq = np.matmul(doz, Sprev.transpose(0, 2, 1)).reshape(Z, ns, c, K)
-    dq *= (dec.er * s)[:, :, None, :]
-    for i in range(ns):
-        dq[:, i] += np.matmul(dA[:, i * c : (i + 1) * c, : (i + 1) * c], kxs[i])
-    dq *= dec.eq
-    # dk_intra' = ek * (dA^T Q-side) (no diagonal term); dk_inter = ek * eb * (V dH_end^T)
-    dk = np.empty_like(dq)
-    for j in range(ns):
-        np.matmul(dA[:, j * c :, j * c : (j + 1) * c].transpose(0, 2, 1), _q_side(Qp, dec, j), out=dk[:, j])
-    dk *= dec.ek
-    for zb, ib in _bad_blocks(dec.bad):
-        E = _pairwise_decay(dec.lc[zb, ib])
-        dAb = dA.reshape(Z, ns, c, ns, c)[zb, ib, :, ib, :]
-        dq[zb, ib] += np.einsum("nij,nijk,njk->nik", dAb, E, kz[zb, ib])
-        dk[zb, ib] += np.einsum("nij,nijk,nik->njk", dAb, E, qz[zb, ib])
-    dk_inter = np.matmul(vz, dHend.transpose(0, 2, 1)).reshape(Z, ns, c, K)
-    dk_inter *= dec.eb[:, :, None, :]
-    dk_inter *= dec.ek
-
-    # dg_t = sum_v (diag(exp(g_t)) S_{t-1}) * dS_t, summed without cancelling terms:
-    #   sum_{tau >= t} (q dq' - k dk_intra')_tau   (pairs j < t <= tau of the intra-chunk part, plus q dq_inter)
-    # + sum_{j < t} (k dk_inter)_j + exp(b_C) sum_v(S_prev * dH_end)   (the end-state part)
-    y = (qz * dq - kz * dk).reshape(Z, Cp, K)
-    dg = np.flip(np.cumsum(np.flip(y, axis=1), axis=1), axis=1)
-    zz = (kz * dk_inter).reshape(Z, Cp, K)
-    dg[:, 1:] += np.cumsum(zz[:, :-1], axis=1)  # exclusive: sum over j < t
-    dg += (dec.a * np.einsum("zkv,zkv->zk", Sprev, dHend))[:, None, :]
-    dq += dd * kz
-    dk += dk_inter
-    dk += dd * qz
-
-    shp_k = (B, H, N, Cp, K)
+    q, k, v, g, do = (np.ascontiguousarray(x, dtype=cdt) for x in (q, k, v, g, do))
+    dq, dk, dg = (np.empty((B, T, H, K), dtype=cdt) for _ in range(3))
+    dv = np.empty((B, T, H, V), dtype=cdt)
+    dh0 = np.empty((B, H, K, V), dtype=cdt)
+    _run_units(B, H, lambda units: _bwd_units(units, q, k, v, g, do, s, h0, dH_last, geo, dq, dk, dv, dg, dh0))
     return (
-        _from_chunks(dq.reshape(shp_k), geo, q.dtype),
-        _from_chunks(dk.reshape(shp_k), geo, q.dtype),
-        _from_chunks(dv.reshape(B, H, N, Cp, V), geo, q.dtype),
-        _from_chunks(dg.reshape(shp_k), geo, q.dtype),
-        dH[0].astype(dh0_dtype, copy=True),
+        dq.astype(in_dtype, copy=False),
+        dk.astype(in_dtype, copy=False),
+        dv.astype(in_dtype, copy=False),
+        dg.astype(in_dtype, copy=False),
+        dh0.astype(dh0_dtype, copy=False),
     )
+
+
+def _bwd_units(units, q, k, v, g, do, s, h0, dH_last, geo: _Geom, dq, dk, dv, dg, dh0) -> None:
+    """Streaming backward of the sequences ``units``: chunk-start states forward in time (stored per chunk,
+    ``[N + 1, K, V]``), then the gradients group by group in reverse time order with ``dH`` carried along."""
+    K, V, C, T, N, ns, c, Cp = geo.K, geo.V, geo.C, geo.T, geo.N, geo.ns, geo.c, geo.Cp
+    G = max(1, min(N, _GROUP_TOKENS_BWD // Cp))
+    dt = q.dtype
+    limit = _SPAN_LIMIT[dt]
+    oF, oR, oB, oA, LX = _kn.layout(ns, c)
+    nx = c * ns * (ns + 1) // 2
+    X = np.empty((G, LX, K), dt)
+    bad = np.empty((G, ns), np.bool_)
+    Qp, Qe, Kd, M1, DQ, DK, VdH = (np.empty((G, Cp, K), dt) for _ in range(7))
+    KX, QX = np.empty((G, nx, K), dt), np.empty((G, nx, K), dt)
+    R = np.empty((G, Cp + K, V), dt)
+    Vb, dOb, DV, DV2 = (np.empty((G, Cp, V), dt) for _ in range(4))
+    LA, dA = np.empty((G, Cp, Cp), dt), np.empty((G, Cp, Cp), dt)
+    dd = np.empty((G, Cp), dt)
+    U, W, dHe = (np.empty((G, K, V), dt) for _ in range(3))
+    Sst = np.empty((N + 1, K, V), dt)
+    S = np.empty((K, V), dt)
+    dH = np.empty((K, V), dt)
+    for b, h in units:
+        # pass 1: the state entering every chunk
+        S[...] = 0 if h0 is None else h0[b, h]
+        for n0 in range(0, N, G):
+            gc = min(G, N - n0)
+            _kn.prep_exponents(g, b, h, n0, gc, T, C, ns, c, limit, X, bad)
+            np.exp(X[:gc], out=X[:gc])
+            _kn.prep_state_operands(k, v, b, h, n0, gc, T, C, ns, c, X, Kd, R)
+            np.matmul(Kd[:gc].transpose(0, 2, 1), R[:gc, :Cp], out=U[:gc])
+            _kn.state_store(U, X, oA, gc, S, Sst, n0)
+        Sst[N] = S
+        # pass 2: reverse time, group by group
+        dH[...] = dH_last[b, h]
+        for n0 in range(((N - 1) // G) * G, -1, -G):
+            gc = min(G, N - n0)
+            _kn.prep_exponents(g, b, h, n0, gc, T, C, ns, c, limit, X, bad)
+            np.exp(X[:gc], out=X[:gc])
+            _kn.prep_bwd_operands(q, k, v, do, b, h, n0, gc, T, C, ns, c, s, X, bad, Qp, Qe, KX, QX, Kd, Vb, dOb, LA)
+            np.matmul(Qe[:gc].transpose(0, 2, 1), dOb[:gc], out=W[:gc])
+            _kn.state_bwd(W, X, oA, gc, dH, dHe)
+            for i in range(ns):  # A (scaled, lower triangular) as in the forward
+                off = c * i * (i + 1) // 2
+                np.matmul(Qp[:gc, i * c : (i + 1) * c], KX[:gc, off : off + (i + 1) * c].transpose(0, 2, 1),
+                          out=LA[:gc, i * c : (i + 1) * c, : (i + 1) * c])  # fmt: skip
+            _kn.mask_diag(LA, gc, ns, c)
+            pw = _pairwise_A(q, k, g, b, h, n0, bad[:gc], geo, s, LA) if bad[:gc].any() else None
+            np.matmul(dOb[:gc], Vb[:gc].transpose(0, 2, 1), out=dA[:gc])  # dO V^T (unscaled)
+            _kn.mask_dA(dA, dd, gc, ns, c)
+            np.matmul(LA[:gc].transpose(0, 2, 1), dOb[:gc], out=DV[:gc])
+            np.matmul(Kd[:gc], dHe[:gc], out=DV2[:gc])
+            np.matmul(dOb[:gc], Sst[n0 : n0 + gc].transpose(0, 2, 1), out=M1[:gc])
+            for i in range(ns):
+                off = c * i * (i + 1) // 2
+                np.matmul(dA[:gc, i * c : (i + 1) * c, : (i + 1) * c], KX[:gc, off : off + (i + 1) * c],
+                          out=DQ[:gc, i * c : (i + 1) * c])  # fmt: skip
+                oq = _kn.qx_offset(i, ns, c)
+                np.matmul(dA[:gc, i * c :, i * c : (i + 1) * c].transpose(0, 2, 1), QX[:gc, oq : oq + (ns - i) * c],
+                          out=DK[:gc, i * c : (i + 1) * c])  # fmt: skip
+            np.matmul(Vb[:gc], dHe[:gc].transpose(0, 2, 1), out=VdH[:gc])
+            _kn.bwd_combine(X, gc, ns, c, s, M1, DQ, DK, VdH)
+            if pw is not None:
+                _pairwise_dqdk(pw, c, s, dA, DQ, DK)
+            _kn.bwd_finish(q, k, b, h, n0, gc, T, C, s, X, oA, DQ, DK, VdH, dd, DV, DV2, Sst, dHe, dq, dk, dv, dg)
+        dh0[b, h] = dH
+
+
+def _pairwise_A(q, k, g, b, h, n0, bad, geo: _Geom, s, L):
+    """Exact pairwise diagonal blocks of ``A`` where the span is too large to factor (written into ``L``).
+    Returns what :func:`_pairwise_dqdk` needs."""
+    c = geo.c
+    gb, ib = np.nonzero(bad)
+    nb_ = n0 + gb
+    qb, kb = _gather_sub(q, b, h, nb_, ib, geo), _gather_sub(k, b, h, nb_, ib, geo)
+    E = _pairwise_decay(np.cumsum(_gather_sub(g, b, h, nb_, ib, geo), axis=1))
+    Ad = np.einsum("nik,nijk,njk->nij", qb, E, kb)
+    Ad *= s
+    for j in range(gb.size):
+        o = ib[j] * c
+        L[gb[j], o : o + c, o : o + c] = Ad[j]
+    return gb, ib, qb, kb, E
+
+
+def _pairwise_dqdk(pw, c: int, s: float, dA, DQ, DK) -> None:
+    """Add the exact diagonal-block parts of dq, dk (strictly lower ``dA``, unscaled) for the flagged blocks."""
+    gb, ib, qb, kb, E = pw
+    dAb = np.stack([dA[gb[j], ib[j] * c : (ib[j] + 1) * c, ib[j] * c : (ib[j] + 1) * c] for j in range(gb.size)])
+    ddq = np.einsum("nij,nijk,njk->nik", dAb, E, kb)
+    ddk = np.einsum("nij,nijk,nik->njk", dAb, E, qb)
+    ddq *= s
+    ddk *= s
+    for j in range(gb.size):
+        o = ib[j] * c
+        DQ[gb[j], o : o + c] += ddq[j]
+        DK[gb[j], o : o + c] += ddk[j]
