@@ -47,6 +47,18 @@ class _MPIRequest:
             self.done = True
 
 
+class _DoneRequest:
+    """A request that is already complete (blocking fallbacks of nonblocking calls)."""
+
+    __slots__ = ()
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
 class Transport(ABC):
     """Point-to-point and allgather of contiguous buffers over one communicator.
 
@@ -79,6 +91,12 @@ class Transport(ABC):
     def allgather(self, sendbuf: Any, recvbuf: Any) -> None:
         """Blocking allgather: ``recvbuf[r] = sendbuf of rank r``; ``recvbuf`` is ``[P, *sendbuf.shape]``."""
 
+    def iallgather(self, sendbuf: Any, recvbuf: Any) -> Request:
+        """Nonblocking :meth:`allgather`. This default completes it at once (blocking) and returns a
+        finished request; transports with a real nonblocking allgather override it."""
+        self.allgather(sendbuf, recvbuf)
+        return _DoneRequest()
+
     def send(self, buf: Any, dest: int, tag: int) -> None:
         self.isend(buf, dest, tag).wait()
 
@@ -103,6 +121,9 @@ class HostTransport(Transport):
 
     def allgather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> None:
         self.comm.Allgather(sendbuf, recvbuf)
+
+    def iallgather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> Request:
+        return _MPIRequest(self.comm.Iallgather(sendbuf, recvbuf))
 
 
 def get_transport(comm: MPI.Comm, like: Any = None, kind: str | None = None) -> Transport:

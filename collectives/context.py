@@ -1,0 +1,103 @@
+"""Per-communicator state of the collectives, cached on the communicator as an MPI attribute.
+
+The first collective call on a user communicator ``comm`` (collective: every rank calls it)
+creates a :class:`CommContext` holding
+
+* ``pcomm``: a private ``Dup`` of ``comm``, so that the library's messages never match the
+  caller's own point-to-point traffic (the MPI library convention);
+* an operation counter: every rank calls collectives on ``comm`` in the same order, so the n-th
+  operation gets the same tag on every rank without any communication. Two operations in flight
+  at once (forward and backward scans, two layers) therefore use distinct tags;
+* a lazily built rank-reversed communicator (for ``MPI_Exscan`` in reverse order) and a cache of
+  transports (device transports can be expensive to build: NCCL communicators).
+
+The context lives as long as ``comm``: freeing ``comm`` frees the private communicators.
+Knows nothing about attention.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from mpi4py import MPI
+
+__all__ = ["CommContext", "get_context", "RELAY_TAGS", "SCAN_TAG_BASE"]
+
+#: tags of the whole-state relay (LASP-1) in scan order and in reverse order
+RELAY_TAGS = (1, 2)
+#: collective operations use tags SCAN_TAG_BASE + (sequence number mod slots)
+SCAN_TAG_BASE = 16
+
+_KEYVAL: int | None = None
+
+
+class CommContext:
+    """The library's private state for one user communicator (see the module docstring)."""
+
+    def __init__(self, comm: MPI.Comm):
+        self.pcomm: MPI.Comm = comm.Dup()
+        self.rank = self.pcomm.Get_rank()
+        self.size = self.pcomm.Get_size()
+        tag_ub = self.pcomm.Get_attr(MPI.TAG_UB) or 32767
+        self.tag_slots = max(1, min(1 << 20, int(tag_ub) - SCAN_TAG_BASE))
+        self.seq = 0
+        self._reversed: MPI.Comm | None = None
+        self._transports: dict[Any, Any] = {}
+        self.cache: dict[Any, Any] = {}
+
+    def next_tag(self) -> int:
+        """The tag of the next collective operation (advances the counter; call on every rank)."""
+        tag = SCAN_TAG_BASE + self.seq % self.tag_slots
+        self.seq += 1
+        return tag
+
+    def reversed_comm(self) -> MPI.Comm:
+        """``pcomm`` with ranks in reverse order (collective on first use)."""
+        if self._reversed is None:
+            self._reversed = self.pcomm.Split(0, self.size - 1 - self.rank)
+        return self._reversed
+
+    def transport(self, like: Any = None, kind: str | None = None):
+        """The (cached) transport for buffers like ``like`` on ``pcomm`` (collective on first use)."""
+        from hpczeco.backend import is_device_array
+
+        from .transport import TRANSPORT_ENV, get_transport
+
+        key = ("device", kind or os.environ.get(TRANSPORT_ENV) or "auto") if is_device_array(like) else ("host",)
+        tr = self._transports.get(key)
+        if tr is None:
+            tr = get_transport(self.pcomm, like=like, kind=kind)
+            self._transports[key] = tr
+        return tr
+
+    def free(self) -> None:
+        for c in (self._reversed, self.pcomm):
+            if c is not None and c != MPI.COMM_NULL:
+                try:
+                    c.Free()
+                except Exception:  # noqa: S110 - finalizing: nothing useful to do
+                    pass
+        self._reversed = None
+        self._transports.clear()
+
+
+def _delete(comm: MPI.Comm, keyval: int, ctx: CommContext) -> None:
+    if not MPI.Is_finalized():
+        ctx.free()
+
+
+def get_context(comm: MPI.Comm) -> CommContext:
+    """The library context of intra-communicator ``comm``; created on first use (collective then)."""
+    global _KEYVAL
+    if not isinstance(comm, MPI.Intracomm):
+        raise TypeError(f"comm must be an mpi4py intra-communicator, got {type(comm).__name__}")
+    if comm == MPI.COMM_NULL:
+        raise ValueError("comm is MPI.COMM_NULL")
+    if _KEYVAL is None:
+        _KEYVAL = MPI.Comm.Create_keyval(delete_fn=_delete)
+    ctx = comm.Get_attr(_KEYVAL)
+    if ctx is None:
+        ctx = CommContext(comm)
+        comm.Set_attr(_KEYVAL, ctx)
+    return ctx

@@ -1,0 +1,377 @@
+"""Alpha-beta-gamma cost model of the exclusive scans in :mod:`hpczeco.collectives.scan`.
+
+Parameters (:class:`LinkParams`): ``alpha`` seconds per message (latency plus the software
+overhead of one MPI call from Python), ``beta`` seconds per byte on a link, ``gamma`` seconds per
+state byte of one combine ``a * X + S`` (reads two states, writes one), ``delta`` the fixed cost
+of one combine call. ``m`` is the state size in bytes (``S.nbytes``); pairs ``(a, S)`` that carry
+the decays too are ``m' = m (1 + 1/V)`` bytes.
+
+Formulas (critical path; ``P`` ranks, ``k`` ring pieces, ``L = ceil(log2 P)``):
+
+* ring (pipelined All-Scan): piece 0 takes ``P - 1`` hops and ``P - 2`` combines, the other
+  ``k - 1`` pieces trail one stage each::
+
+      T = (P + k - 2)(alpha + m beta / k) + (P + k - 3)(delta + m gamma / k)      [combines only if P > 2]
+
+  minimised near ``k* = sqrt((P - 2) m (beta + gamma) / (alpha + delta))`` (clamped to 1..K;
+  :func:`best_blocks` checks the integers around it).
+* serial relay (LASP-1): ``(P - 1)(alpha + m beta) + (P - 2)(delta + m gamma)`` (the ring with k = 1).
+* tree (recursive doubling): ``L`` rounds, each one send and one receive of ``m'`` and up to two
+  combines, plus packing the pair once: ``L (alpha + m' beta + 2 (delta + m' gamma)) + m' gamma / 2``.
+* allgather (LASP-2): the library allgather of ``P m'`` bytes (recursive doubling for small
+  messages, ring for large: ``min(L, P - 1) alpha + (P - 1) m' beta``) plus the last rank's local fold of
+  ``P - 2`` combines and a copy.
+* exscan: MPICH's ``MPI_Exscan`` is recursive doubling (modelled like the tree);
+  Open MPI's (``coll/basic``) is linear, i.e. a serial relay of packed pairs (``algorithm="linear"``).
+  Each user-op call also pays ``delta``.
+
+Presets (:data:`PRESETS`; rough, for predictions on machines you are not running on):
+
+* ``nvlink4``: ``alpha = 10 us`` (MPI-level point-to-point on GPU buffers including the CUDA-aware
+  path's synchronisation; NCCL/UCX measurements are 5-20 us), ``1/beta = 200 GB/s`` (achieved
+  GPU-GPU bandwidth over NVLink 4; the H100 NVLink peak is 450 GB/s per direction), combine at HBM
+  speed (``gamma`` from ~3 TB/s over 3 bytes moved per state byte) and ``delta = 5 us`` (a kernel launch).
+* ``ib-ndr``: ``alpha = 3 us`` (InfiniBand NDR MPI latency is 1-5 us), ``1/beta = 50 GB/s``
+  (400 Gb/s), GPU combine as above.
+* ``shm``: one node's shared memory through MPI from Python: ``alpha = 3 us``, ``1/beta = 8 GB/s``,
+  numpy combine ``gamma = 0.4 ns/B``, ``delta = 3 us`` -- the order of what :func:`calibrate`
+  measures on a workstation; calibrate for real numbers.
+
+:func:`calibrate` measures the running machine: ``alpha``/``beta`` by ping-pong between rank pairs
+(all pairs at once, median of repeats), ``gamma``/``delta`` by timing the combine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
+from typing import Any
+
+__all__ = [
+    "LinkParams",
+    "PRESETS",
+    "preset",
+    "parse_link",
+    "default_params",
+    "set_default_params",
+    "ring_time",
+    "best_blocks",
+    "serial_time",
+    "tree_time",
+    "allgather_time",
+    "exscan_time",
+    "predict",
+    "choose",
+    "calibrate",
+    "LINK_ENV",
+]
+
+#: environment variable with the default link parameters: a preset name or "alpha,beta[,gamma[,delta]]"
+LINK_ENV = "HPCZECO_LINK"
+
+
+@dataclass(frozen=True)
+class LinkParams:
+    """``alpha`` s/message, ``beta`` s/byte, ``gamma`` s/state byte combined, ``delta`` s/combine call."""
+
+    alpha: float
+    beta: float
+    gamma: float = 0.0
+    delta: float = 0.0
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for k in ("alpha", "beta", "gamma", "delta"):
+            v = getattr(self, k)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"LinkParams.{k} must be a finite number >= 0, got {v!r}")
+
+    def describe(self) -> str:
+        bw = f"{1e-9 / self.beta:.1f} GB/s" if self.beta > 0 else "inf"
+        return (f"{self.name}: alpha={self.alpha * 1e6:.2f} us, 1/beta={bw}, gamma={self.gamma * 1e12:.1f} ps/B, "
+                f"delta={self.delta * 1e6:.2f} us")
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_HBM_GAMMA = 3.0 / 3.0e12  # 3 bytes moved per state byte at ~3 TB/s
+PRESETS: dict[str, LinkParams] = {
+    "nvlink4": LinkParams(alpha=10e-6, beta=1 / 200e9, gamma=_HBM_GAMMA, delta=5e-6, name="nvlink4"),
+    "ib-ndr": LinkParams(alpha=3e-6, beta=1 / 50e9, gamma=_HBM_GAMMA, delta=5e-6, name="ib-ndr"),
+    "shm": LinkParams(alpha=3e-6, beta=1 / 8e9, gamma=0.4e-9, delta=3e-6, name="shm"),
+}
+
+_DEFAULT: LinkParams | None = None
+
+
+def preset(name: str) -> LinkParams:
+    """The preset ``name`` (one of :data:`PRESETS`)."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown link preset {name!r} (choose from {', '.join(PRESETS)})") from None
+
+
+def parse_link(text: str) -> LinkParams:
+    """A preset name, or ``"alpha,beta[,gamma[,delta]]"`` in seconds and seconds per byte."""
+    text = text.strip()
+    if text in PRESETS:
+        return PRESETS[text]
+    try:
+        vals = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"link must be a preset ({', '.join(PRESETS)}) or 'alpha,beta[,gamma[,delta]]', "
+                         f"got {text!r}") from None
+    if not 2 <= len(vals) <= 4:
+        raise ValueError(f"link 'alpha,beta[,gamma[,delta]]' needs 2 to 4 numbers, got {text!r}")
+    return LinkParams(*vals, name="custom")
+
+
+def set_default_params(params: LinkParams | None) -> None:
+    """Set (or with None, reset) this process's default parameters, used by ``topology="auto"`` and
+    ``blocks=None``. Set the same on every rank (a disagreement is reported by the scan)."""
+    global _DEFAULT
+    if params is not None and not isinstance(params, LinkParams):
+        raise TypeError(f"params must be LinkParams or None, got {type(params).__name__}")
+    _DEFAULT = params
+
+
+def default_params(memory: str = "host") -> LinkParams:
+    """:func:`set_default_params`'s value, else ``$HPCZECO_LINK``, else "shm" (host) / "nvlink4" (device)."""
+    if _DEFAULT is not None:
+        return _DEFAULT
+    env = os.environ.get(LINK_ENV)
+    if env:
+        return parse_link(env)
+    return PRESETS["nvlink4" if memory == "device" else "shm"]
+
+
+# --------------------------------------------------------------------------- formulas
+
+
+def _check(P: int, nbytes: float) -> None:
+    if P < 1:
+        raise ValueError(f"P must be >= 1, got {P}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+
+
+def _rounds(P: int) -> int:
+    return (P - 1).bit_length()
+
+
+def ring_time(P: int, nbytes: float, k: int, params: LinkParams) -> float:
+    """Pipelined ring with ``k`` pieces (seconds)."""
+    _check(P, nbytes)
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if P == 1:
+        return 0.0
+    p, m = params, float(nbytes)
+    t = (P + k - 2) * (p.alpha + m * p.beta / k)
+    if P > 2:
+        t += (P + k - 3) * (p.delta + m * p.gamma / k)
+    return t
+
+
+@lru_cache(maxsize=4096)
+def _best_blocks(P: int, nbytes: float, K: int, params: LinkParams) -> int:
+    if P <= 2 or K <= 1:
+        return 1
+    a = params.alpha + params.delta
+    b = params.beta + params.gamma
+    kstar = math.sqrt((P - 2) * nbytes * b / a) if a > 0 else float(K)
+    cands = {1, K, max(1, min(K, math.floor(kstar))), max(1, min(K, math.ceil(kstar)))}
+    return min(sorted(cands), key=lambda k: ring_time(P, nbytes, k, params))
+
+
+def best_blocks(P: int, nbytes: float, K: int, params: LinkParams) -> int:
+    """The ring's best piece count in 1..K (near ``sqrt((P-2) m (beta+gamma) / (alpha+delta))``)."""
+    _check(P, nbytes)
+    if K < 1:
+        raise ValueError(f"K must be >= 1, got {K}")
+    return _best_blocks(int(P), float(nbytes), int(K), params)
+
+
+def serial_time(P: int, nbytes: float, params: LinkParams) -> float:
+    """Unpipelined relay (LASP-1)."""
+    return ring_time(P, nbytes, 1, params)
+
+
+def tree_time(P: int, nbytes: float, params: LinkParams, V: int = 128) -> float:
+    """Recursive-doubling scan of packed pairs."""
+    _check(P, nbytes)
+    if P == 1:
+        return 0.0
+    m2 = nbytes * (1 + 1 / V)
+    p = params
+    return _rounds(P) * (p.alpha + m2 * p.beta + 2 * (p.delta + m2 * p.gamma)) + m2 * p.gamma / 2
+
+
+def allgather_time(P: int, nbytes: float, params: LinkParams, V: int = 128) -> float:
+    """LASP-2: library allgather of ``P m'`` bytes plus the last rank's local prefix fold."""
+    _check(P, nbytes)
+    if P == 1:
+        return 0.0
+    m2 = nbytes * (1 + 1 / V)
+    p = params
+    comm = min(_rounds(P), P - 1) * p.alpha + (P - 1) * m2 * p.beta
+    fold = max(P - 2, 0) * (p.delta + nbytes * p.gamma) + m2 * p.gamma / 2 + nbytes * p.gamma / 3
+    return comm + fold
+
+
+def exscan_time(
+    P: int, nbytes: float, params: LinkParams, V: int = 128, algorithm: str = "recursive_doubling"
+) -> float:
+    """``MPI_Exscan`` with a user op: "recursive_doubling" (MPICH) or "linear" (Open MPI coll/basic)."""
+    _check(P, nbytes)
+    if P == 1:
+        return 0.0
+    m2 = nbytes * (1 + 1 / V)
+    p = params
+    if algorithm == "linear":
+        return (P - 1) * (p.alpha + m2 * p.beta) + (P - 2) * (p.delta + m2 * p.gamma) + m2 * p.gamma / 2
+    if algorithm != "recursive_doubling":
+        raise ValueError(f"algorithm must be 'recursive_doubling' or 'linear', got {algorithm!r}")
+    return _rounds(P) * (p.alpha + m2 * p.beta + 2 * (p.delta + m2 * p.gamma)) + m2 * p.gamma / 2
+
+
+def predict(
+    topology: str,
+    P: int,
+    nbytes: float,
+    params: LinkParams,
+    *,
+    blocks: int | None = None,
+    K: int = 128,
+    V: int = 128,
+    exscan_algorithm: str = "recursive_doubling",
+) -> float:
+    """Predicted seconds of one scan. ``blocks=None`` for the ring means :func:`best_blocks`."""
+    if topology == "ring":
+        k = best_blocks(P, nbytes, K, params) if blocks is None else blocks
+        return ring_time(P, nbytes, k, params)
+    if topology == "serial":
+        return serial_time(P, nbytes, params)
+    if topology == "tree":
+        return tree_time(P, nbytes, params, V)
+    if topology == "allgather":
+        return allgather_time(P, nbytes, params, V)
+    if topology == "exscan":
+        return exscan_time(P, nbytes, params, V, exscan_algorithm)
+    raise ValueError(f"topology must be ring/serial/tree/allgather/exscan, got {topology!r}")
+
+
+def choose(P: int, nbytes: float, K: int, params: LinkParams, V: int = 128) -> tuple[str, int | None]:
+    """The fastest of ring (with its best blocks), tree and allgather: ``(topology, blocks)``.
+
+    ``blocks`` is None unless the ring wins. Serial is never faster than the ring and exscan never
+    faster than the tree in this model, so neither is picked. Deterministic (same on every rank).
+    """
+    k = best_blocks(P, nbytes, K, params)
+    cands = [
+        ("ring", ring_time(P, nbytes, k, params)),
+        ("tree", tree_time(P, nbytes, params, V)),
+        ("allgather", allgather_time(P, nbytes, params, V)),
+    ]
+    topo = min(cands, key=lambda c: c[1])[0]
+    return topo, (k if topo == "ring" else None)
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def _pingpong(comm, peer: int, lead: bool, nbytes: int, repeats: int, dtype: Any) -> list[float]:
+    import numpy as np  # noqa: PLC0415
+
+    buf = np.zeros(max(1, nbytes // np.dtype(dtype).itemsize), dtype=dtype)
+    times = []
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        if lead:
+            comm.Send(buf, dest=peer, tag=7)
+            comm.Recv(buf, source=peer, tag=7)
+        else:
+            comm.Recv(buf, source=peer, tag=7)
+            comm.Send(buf, dest=peer, tag=7)
+        if r:  # the first round trip is warm-up
+            times.append((time.perf_counter() - t0) / 2)
+    return times
+
+
+def measure_combine(nbytes: int, repeats: int = 20, dtype: Any = "float32", V: int = 128) -> float:
+    """Median seconds of one in-place combine ``f = a * X; f += S`` on ``nbytes`` of state (numpy)."""
+    import numpy as np  # noqa: PLC0415
+
+    n = max(1, nbytes // np.dtype(dtype).itemsize)
+    rows = max(1, n // V)
+    X = np.ones((rows, V), dtype=dtype)
+    S = np.ones_like(X)
+    f = np.empty_like(X)
+    a = np.full(rows, 0.5, dtype=dtype)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        np.multiply(X, a[:, None], out=f)
+        np.add(f, S, out=f)
+        times.append(time.perf_counter() - t0)
+    return _median(times[1:])
+
+
+def calibrate(
+    comm,
+    sizes: tuple[int, ...] = (8, 4096, 1 << 20, 4 << 20),
+    repeats: int = 15,
+    dtype: Any = "float32",
+) -> LinkParams:
+    """Measure ``LinkParams`` on the running machine (collective over ``comm``; same result on every rank).
+
+    ``alpha``: half the round trip of the smallest message; ``beta``: the median over the larger
+    sizes of ``(t - alpha) / size``. Ranks are paired (0,1), (2,3), ... and all pairs ping-pong at
+    once (as in a ring step everybody communicates); the medians over repeats and over pairs are
+    used. ``gamma``/``delta``: timing the numpy combine at the largest and smallest size. One rank
+    alone measures ``alpha = beta = 0`` (no link).
+    """
+    sizes = tuple(sorted(int(s) for s in sizes))
+    if len(sizes) < 2 or sizes[0] <= 0:
+        raise ValueError(f"sizes needs at least two positive sizes, got {sizes}")
+    c = comm.Dup()
+    try:
+        P, rank = c.Get_size(), c.Get_rank()
+        alpha = beta = 0.0
+        if P >= 2:
+            peer = rank ^ 1
+            active = peer < P
+            res: dict[int, float] = {}
+            for s in sizes:
+                c.Barrier()
+                if active:
+                    res[s] = _median(_pingpong(c, peer, rank % 2 == 0, s, repeats, dtype))
+            mine = res if active else None
+            everyone = [r for r in c.allgather(mine) if r is not None]
+            med = {s: _median([r[s] for r in everyone]) for s in sizes}
+            alpha = med[sizes[0]]
+            big = [s for s in sizes[1:] if s >= 64 * 1024] or list(sizes[1:])
+            beta = max(0.0, _median([(med[s] - alpha) / (s - sizes[0]) for s in big]))
+        g_big = measure_combine(sizes[-1], repeats, dtype)
+        delta = measure_combine(64, repeats, dtype)
+        gamma = max(0.0, (g_big - delta) / sizes[-1])
+        vals = c.bcast((alpha, beta, gamma, delta) if rank == 0 else None, root=0)
+    finally:
+        c.Free()
+    return LinkParams(*vals, name="calibrated")
+
+
+def with_name(params: LinkParams, name: str) -> LinkParams:
+    """``params`` renamed."""
+    return replace(params, name=name)
