@@ -622,12 +622,14 @@ __global__ void __launch_bounds__(GLA_NT) gla_state_correction(T* __restrict__ o
                                                    int, int);
 #define GLA_INST_SEG(A, B) \
   template __global__ void seg_finish<A, B>(const A*, const float*, B*, int, int, int, int, int, int, int);
-GLA_INST_T(float)
-GLA_INST_T(bf16)
-GLA_INST_T(f16)
-GLA_INST_SEG(float, float)
-GLA_INST_SEG(bf16, float)
+GLA_INST_T(f16)  // the 16-bit types carry the inline PTX conversions
 GLA_INST_SEG(f16, float)
 GLA_INST_SEG(float, bf16)
+#ifndef GLA_INSTANTIATE_FAST  // every instantiation the Python wrappers name
+GLA_INST_T(float)
+GLA_INST_T(bf16)
+GLA_INST_SEG(float, float)
+GLA_INST_SEG(bf16, float)
 GLA_INST_SEG(float, f16)
+#endif
 #endif

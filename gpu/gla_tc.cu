@@ -443,5 +443,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
   template __global__ void gla_tc_seg_output<T>(const T*, const T*, const T*, const T*, const float*, T*, float, int, \
                                                 int, int, int, int, int, int, float);
 GLA_INST_TC(bf16)
+#ifndef GLA_INSTANTIATE_FAST
 GLA_INST_TC(f16)
+#endif
 #endif

@@ -1,0 +1,184 @@
+"""GPU code checked without a GPU.
+
+1. every ``gpu/*.cu`` compiles with nvcc for sm_90 (``-c``, one instantiation per template; skipped with
+   a reason where nvcc is missing);
+2. the GLA kernels run in the CPU emulation of the CUDA model (``gpu/emu``) through the very wrappers
+   of :mod:`hpczeco.gpu.gla`, against the float64 references on fresh random inputs (skipped where g++
+   is missing): simt forward/backward (fp32, partial chunks, K and V off the tile sizes, initial state,
+   dht, strong decays), the tensor-core forward (bf16, both diagonal paths, several segments), the
+   ZeCO pieces;
+3. the Numba CUDA kernels under the CUDA simulator, in a subprocess (the simulator must be chosen
+   before numba is imported).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from hpczeco.gpu import build as gbuild
+from hpczeco.gpu import emu as gemu
+from hpczeco.gpu import gla as ggla
+
+from hpczeco.gla import recurrent_gla, recurrent_gla_bwd
+
+NVCC = gbuild.nvcc_path()
+CXX = gemu.compiler()
+
+
+def rel(a, b) -> float:
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    assert np.isfinite(a).all(), "non-finite values in the result"
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+@pytest.fixture(scope="module")
+def nvcc_jobs():
+    """nvcc compiles started in the background (they overlap with the emulation build)."""
+    if NVCC is None:
+        return None
+    return {p.name: gbuild.start(p, "sm_90", fast=True) for p in gbuild.cu_files()}
+
+
+@pytest.fixture(scope="module")
+def emu_rt(nvcc_jobs):
+    if CXX is None:
+        pytest.skip("no C++ compiler (g++) for the CUDA emulation")
+    names = [n for n in ggla.kernel_names() if not re.search(r"(?<!b)f16", n)]  # float + bf16 (fp16: on the GPU)
+    rt = gemu.EmuRuntime(ggla.kernel_source(), names)
+    old = ggla._set_runtime(rt)
+    yield rt
+    ggla._set_runtime(old)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA compile check skipped")
+@pytest.mark.parametrize("name", [p.name for p in gbuild.cu_files()])
+def test_nvcc_compiles(nvcc_jobs, name):
+    res = gbuild.finish(nvcc_jobs[name], timeout=170)
+    assert res.ok, f"{' '.join(res.cmd)}\n{res.output[-3000:]}"
+    if name.startswith("gla"):
+        assert res.kernels, "ptxas reported no kernels"
+        for k in res.kernels:  # no register array fell into local memory in the GLA kernels
+            assert k.spill_stores <= 64, f"{k.name}: {k.spill_stores} bytes of spill stores"
+
+
+def _inputs(rng, B, T, H, K, V, strong=False):
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)
+    q, k, v, do = f(B, T, H, K), f(B, T, H, K), f(B, T, H, V), f(B, T, H, V)
+    g = -rng.uniform(0.0, 0.4, (B, T, H, K))
+    if strong:  # g down to -8 per token on half the entries
+        g = np.where(rng.uniform(size=g.shape) < 0.5, -rng.uniform(4.0, 8.0, g.shape), g)
+    return q, k, v, g.astype(np.float32), do, f(B, H, K, V), f(B, H, K, V)
+
+
+def test_emulated_simt_forward_backward(emu_rt, rng):
+    B, T, H, K, V, C = 1, 70, 2, 40, 24, 32
+    q, k, v, g, do, h0, dht = _inputs(rng, B, T, H, K, V, strong=True)
+    o, ht = ggla.chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True, chunk_size=C)
+    f64 = lambda *xs: [x.astype(np.float64) for x in xs]
+    ro, rht = recurrent_gla(*f64(q, k, v, g), initial_state=h0.astype(np.float64), output_final_state=True)
+    assert o.dtype == np.float32 and ht.dtype == np.float32
+    assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
+    grads = ggla.chunk_gla_bwd(q, k, v, g, do, initial_state=h0, dht=dht, chunk_size=C)
+    ref = recurrent_gla_bwd(*f64(q, k, v, g, do), initial_state=h0.astype(np.float64), dht=dht.astype(np.float64))
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), grads, ref):
+        assert rel(a, b) < 1e-5, f"{name}: rel err {rel(a, b):.2e}"
+    # no initial state, no dht, bf16 (uint16 bits), chunk 64 with a partial chunk
+    T = 67
+    q, k, v, g, do, _, _ = _inputs(rng, B, T, 1, 36, 20)
+    Q, Kk, Vv, G, DO = (gemu.f32_to_bf16_bits(x) for x in (q, k, v, g, do))
+    q, k, v, g, do = (gemu.bf16_bits_to_f32(x) for x in (Q, Kk, Vv, G, DO))
+    o, _ = ggla.chunk_gla(Q, Kk, Vv, G, impl="simt")
+    assert o.dtype == np.uint16
+    assert rel(gemu.bf16_bits_to_f32(o), recurrent_gla(*f64(q, k, v, g))[0]) < 5e-3
+    grads = ggla.chunk_gla_bwd(Q, Kk, Vv, G, DO)
+    ref = recurrent_gla_bwd(*f64(q, k, v, g, do))
+    for name, a, b in zip(("dq", "dk", "dv", "dg"), grads[:4], ref[:4]):
+        assert rel(gemu.bf16_bits_to_f32(a), b) < 5e-3, name
+    assert rel(grads[4], ref[4]) < 1e-5
+
+
+@pytest.mark.parametrize("strong", [False, True], ids=["tc-diagonal", "elementwise-diagonal"])
+def test_emulated_tensor_core_forward(emu_rt, rng, strong, monkeypatch):
+    B, T, H, K, V = 1, 150, 1, 32, 48
+    q, k, v, g, _, h0, _ = _inputs(rng, B, T, H, K, V, strong=strong)
+    Q, Kk, Vv, G = (gemu.f32_to_bf16_bits(x) for x in (q, k, v, g))
+    q, k, v, g = (gemu.bf16_bits_to_f32(x) for x in (Q, Kk, Vv, G))
+    monkeypatch.setenv("HPCZECO_TC_NC", "2")  # 3 chunks -> 2 segments: the segment scan is exercised
+    emu_rt.launched.clear()
+    o, ht = ggla.chunk_gla(Q, Kk, Vv, G, initial_state=h0, output_final_state=True, impl="tc")
+    assert "gla_tc_seg_output<bf16>" in emu_rt.launched
+    f64 = [x.astype(np.float64) for x in (q, k, v, g, h0)]
+    ro, rht = recurrent_gla(*f64[:4], initial_state=f64[4], output_final_state=True)
+    assert rel(gemu.bf16_bits_to_f32(o), ro) < 1e-2
+    assert rel(ht, rht) < 1e-2
+
+
+def test_emulated_zeco_pieces(emu_rt, rng):
+    B, T, H, K, V = 1, 50, 2, 20, 12
+    q, _, _, g, do, S, _ = _inputs(rng, B, T, H, K, V)
+    G = ggla.decay_cumsum(g, chunk_size=16)
+    G64 = np.cumsum(g.astype(np.float64), axis=1)
+    assert rel(G, G64) < 1e-6
+    o = rng.standard_normal((B, T, H, V)).astype(np.float32)
+    ref = o + 0.3 * np.einsum("bthk,bhkv->bthv", q * np.exp(G64), S)
+    ggla.state_correction(o, q, G, S, scale=0.3)
+    assert rel(o, ref) < 1e-5
+    U = ggla.initial_state_grad(q, g, do, scale=0.3, chunk_size=16)
+    assert rel(U, 0.3 * np.einsum("bthk,bthv->bhkv", q * np.exp(G64), do)) < 1e-5
+    with pytest.raises(TypeError, match="float64"):
+        ggla.chunk_gla(q.astype(np.float64), q.astype(np.float64), do.astype(np.float64), g.astype(np.float64))
+    with pytest.raises(ValueError, match="chunk_size"):
+        ggla.chunk_gla(q, q, do, g, chunk_size=128)
+
+
+_NUMBA_SCRIPT = textwrap.dedent(
+    """
+    import numpy as np
+    from hpczeco.gpu import numba_kernels as nk
+    assert nk.SIMULATOR
+    rng = np.random.default_rng(SEED)
+    for dt in (np.float32, np.float64):
+        B, T, H, K, V = 1, 70, 2, 5, 3
+        g = -rng.uniform(0, 1, (B, T, H, K)).astype(dt)
+        G = nk.decay_cumsum(g)
+        G64 = np.cumsum(g.astype(np.float64), 1)
+        assert np.abs(G - G64).max() < 1e-4, "decay_cumsum"
+        q = rng.standard_normal((B, T, H, K)).astype(dt)
+        o = rng.standard_normal((B, T, H, V)).astype(dt)
+        S = rng.standard_normal((B, H, K, V)).astype(dt)
+        ref = o + 0.5 * np.einsum("bthk,bhkv->bthv", q * np.exp(G64), S)
+        nk.state_correction(o, q, G.astype(dt), S, scale=0.5)
+        err = np.abs(o - ref).max() / np.abs(ref).max()
+        assert err < 1e-5, ("state_correction", err)
+        a = rng.uniform(0.1, 1, (B, H, K)).astype(dt)
+        L = rng.standard_normal((B, H, K, V)).astype(dt)
+        assert np.allclose(nk.final_state(np.log(a), S, L), a[..., None] * S + L, rtol=1e-5), "final_state"
+        out = np.empty_like(S)
+        nk.scan_combine(a, S, L, out=out)
+        assert np.allclose(out, a[..., None] * S + L, rtol=1e-6), "scan_combine"
+    print("numba-sim-ok")
+    """
+)
+
+
+def test_numba_kernels_in_simulator(rng):
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    script = _NUMBA_SCRIPT.replace("SEED", str(int(rng.integers(1 << 30))))
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=170)
+    assert res.returncode == 0 and "numba-sim-ok" in res.stdout, res.stderr[-3000:]
+
+
+def test_numba_shim_restores_row_stack(monkeypatch):
+    from hpczeco.gpu import _numba_shim
+
+    monkeypatch.delattr(np, "row_stack", raising=False)
+    assert _numba_shim.apply() is True
+    assert np.row_stack is np.vstack
+    assert _numba_shim.apply() is False
