@@ -164,7 +164,7 @@ def collect(comm=None) -> dict[str, Any]:
         h5 = {"h5py": h5py.version.version, "hdf5": h5py.version.hdf5_version}
     except Exception as exc:  # noqa: BLE001
         h5 = {"h5py": f"not importable ({type(exc).__name__})", "hdf5": "?"}
-    lib_version = MPI.Get_library_version().strip()
+    lib_version = MPI.Get_library_version().replace("\x00", "").strip()
     info = {
         "hpczeco": hpczeco.__version__,
         "python": f"{platform.python_version()} ({sys.executable})",

@@ -96,6 +96,8 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("need --lr > 0, 0 <= --beta1, --beta2 < 1, --eps > 0, --clip >= 0")
     if args.resume and not args.ckpt_dir:
         ap.error("--resume needs --ckpt-dir")
+    if args.device == "gpu" and args.dtype == "float64":
+        ap.error("--device gpu takes --dtype float32 (the GPU GLA kernels have no float64); use the CPU for float64")
     if args.d_model % args.heads:
         ap.error(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
 
