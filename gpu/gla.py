@@ -98,6 +98,7 @@ class _CupyRuntime:
             name_expressions=kernel_names(),
         )
         self._fns: dict[str, Any] = {}
+        self._smem: dict[str, int] = {}
 
     def fn(self, name: str):
         f = self._fns.get(name)
@@ -107,9 +108,9 @@ class _CupyRuntime:
 
     def launch(self, name: str, grid, block, args, shared_mem: int = 0) -> None:
         f = self.fn(name)
-        if shared_mem > 48 * 1024 and getattr(f, "_hpczeco_smem", 0) < shared_mem:
-            f.max_dynamic_shared_size_bytes = shared_mem
-            f._hpczeco_smem = shared_mem
+        if shared_mem > 48 * 1024 and self._smem.get(name, 0) < shared_mem:
+            f.max_dynamic_shared_size_bytes = shared_mem  # opt in above the default 48 KB
+            self._smem[name] = shared_mem
         conv = tuple(np.uint64(0) if a is None else a for a in args)
         f(tuple(int(x) for x in grid), tuple(int(x) for x in block), conv, shared_mem=shared_mem)
 

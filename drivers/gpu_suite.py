@@ -1,0 +1,827 @@
+"""The GPU machine's one script: checks, timings and a table (single GPU; ``--multi`` under mpirun).
+
+Single GPU (``python3 drivers/gpu_suite.py --out DIR`` or ``python3 -m hpczeco.drivers.gpu_suite``):
+
+1. correctness of :mod:`hpczeco.gpu.gla` against the float64 CPU references (``hpczeco.gla.recurrent_gla``,
+   ``recurrent_gla_bwd``) on fresh random inputs: fp32 (tol 1e-4) and bf16/fp16 (tol 1e-2 relative),
+   strong decays (g down to -8), T not a multiple of the chunk, K != V, initial_state, dht; the ZeCO
+   pieces (CuPy kernels and Numba kernels); the tensor-core forward against the simt one and against
+   flash-linear-attention at the benchmark shape;
+2. timings (CUDA events, warm-up, median of ``--repeats``) at B=1, T=32768, H=16, K=V=128 bf16: our
+   forward (tensor-core variants and simt) and forward+backward beside flash-linear-attention's
+   ``chunk_gla`` (imported guarded), a device copy for the bandwidth ceiling, and the memory floor.
+
+Two GPUs (``mpirun -n 2 ... python3 drivers/gpu_suite.py --multi --out DIR``, one rank per GPU by local
+rank): every device transport (CUDA-aware MPI if declared/detected, host-staged, NCCL): scan results of
+every topology against a host fold; All-Scan at 1 MiB and 16 MiB states beside one raw message of
+the same bytes; the ZeCO layer on 2 GPUs (if ``hpczeco.ZeCOGLA`` exists) against one GPU.
+
+Every check prints ``PASS``/``FAIL`` with its measured error and the run goes on after a failure;
+results go to ``DIR/gpu_suite[_multi].json``; a short table is printed last. Exit status 1 if any check
+failed. Run from the repository root; as a plain script it maps the package layout itself (no install).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+
+def _bootstrap() -> None:
+    """Make ``import hpczeco`` work from a checkout without installing (package-dir mapping by symlinks)."""
+    try:
+        import hpczeco.gpu  # noqa: F401, PLC0415
+
+        return
+    except ImportError:
+        pass
+    root = Path(__file__).resolve().parent.parent
+    shadow = Path(tempfile.mkdtemp(prefix="hpczeco-shadow-")) / "hpczeco"
+    shadow.mkdir()
+    for item in (root / "hpczeco").iterdir():
+        (shadow / item.name).symlink_to(item)
+    for sub in ("collectives", "gpu", "drivers"):
+        (shadow / sub).symlink_to(root / sub)
+    sys.path.insert(0, str(shadow.parent))
+    for name in [m for m in sys.modules if m == "hpczeco" or m.startswith("hpczeco.")]:
+        del sys.modules[name]
+
+
+if __name__ == "__main__" and not __package__:
+    _bootstrap()
+
+import numpy as np  # noqa: E402
+
+# ------------------------------------------------------------------------------------------- harness
+
+
+class Suite:
+    """Runs named checks; each records PASS/FAIL with its error and never stops the run."""
+
+    def __init__(self, out: Path, tag: str, rank: int = 0):
+        self.out, self.tag, self.rank = out, tag, rank
+        self.results: list[dict] = []
+        self.timings: list[dict] = []
+        self.info: dict[str, Any] = {}
+        self.t0 = time.time()
+
+    def say(self, *a: Any) -> None:
+        if self.rank == 0:
+            print(*a, flush=True)
+
+    def check(self, name: str, fn, tol: float | None = None) -> Any:
+        """``fn() -> (error, detail)``; PASS when error <= tol (or fn returns True/None with tol None)."""
+        t = time.time()
+        try:
+            res = fn()
+            err, detail = res if isinstance(res, tuple) else (res, "")
+            if tol is None:
+                ok = err is None or err is True
+            else:
+                ok = err is not None and bool(np.isfinite(err)) and err <= tol
+            rec = {
+                "check": name,
+                "ok": bool(ok),
+                "error": None if isinstance(err, bool) else err,
+                "tol": tol,
+                "detail": str(detail),
+                "seconds": round(time.time() - t, 3),
+            }
+        except Exception as exc:  # noqa: BLE001 - report and continue
+            rec = {
+                "check": name,
+                "ok": False,
+                "error": None,
+                "tol": tol,
+                "detail": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc()[-3000:],
+                "seconds": round(time.time() - t, 3),
+            }
+        self.results.append(rec)
+        e = rec["error"]
+        es = f"{e:.3e}" if isinstance(e, float) else ("" if e is None else str(e))
+        self.say(f"{'PASS' if rec['ok'] else 'FAIL'}  {name:58s} err {es:>10s}  tol {tol}  {rec['detail'][:200]}")
+        if "traceback" in rec:
+            self.say(rec["traceback"])
+        return rec
+
+    def timing(self, name: str, ms: float | None, **extra: Any) -> None:
+        rec = {"name": name, "median_ms": ms, **extra}
+        self.timings.append(rec)
+        ms_s = "n/a" if ms is None else f"{ms:9.3f} ms"
+        more = "  ".join(f"{k}={v}" for k, v in extra.items())
+        self.say(f"TIME  {name:58s} {ms_s}  {more}")
+
+    def dump(self, fname: str) -> Path:
+        self.out.mkdir(parents=True, exist_ok=True)
+        p = self.out / fname
+        data = {
+            "info": self.info,
+            "checks": self.results,
+            "timings": self.timings,
+            "wall_seconds": round(time.time() - self.t0, 1),
+        }
+        p.write_text(json.dumps(data, indent=1, default=str))
+        return p
+
+    def table(self) -> None:
+        n_ok = sum(r["ok"] for r in self.results)
+        self.say("")
+        self.say(
+            f"===== {self.tag}: {n_ok}/{len(self.results)} checks passed, wall {time.time() - self.t0:.0f} s ====="
+        )
+        for r in self.results:
+            if not r["ok"]:
+                self.say(f"  FAILED: {r['check']}: {r['detail'][:160]}")
+        for t in self.timings:
+            ms = "n/a" if t["median_ms"] is None else f"{t['median_ms']:.3f} ms"
+            extra = {k: v for k, v in t.items() if k not in ("name", "median_ms")}
+            self.say(f"  {t['name']:52s} {ms:>12s}  " + "  ".join(f"{k}={v}" for k, v in extra.items()))
+
+
+def rel(a: Any, b: Any) -> float:
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    if not np.isfinite(a).all():
+        return float("inf")
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_float(b: Any) -> np.ndarray:
+    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+class DT:
+    """One input precision: host rounding, device upload/download."""
+
+    def __init__(self, name: str, cp):
+        self.name, self.cp = name, cp
+
+    def round(self, x: np.ndarray) -> np.ndarray:
+        if self.name == "bf16":
+            return bf16_float(bf16_bits(x))
+        if self.name == "fp16":
+            return x.astype(np.float16).astype(np.float32)
+        return x.astype(np.float32)
+
+    def up(self, x: np.ndarray):
+        if self.name == "bf16":
+            return self.cp.asarray(bf16_bits(x))
+        if self.name == "fp16":
+            return self.cp.asarray(x.astype(np.float16))
+        return self.cp.asarray(x.astype(np.float32))
+
+    def down(self, x) -> np.ndarray:
+        h = x.get() if hasattr(x, "get") else np.asarray(x)
+        if self.name == "bf16" and h.dtype == np.uint16:
+            return bf16_float(h)
+        return h.astype(np.float32)
+
+
+def make_inputs(rng, B, T, H, K, V, strong=False):
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)
+    q, k, v, do = f(B, T, H, K), f(B, T, H, K), f(B, T, H, V), f(B, T, H, V)
+    g = np.log(1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, H, K)) - 2.0)))  # logsigmoid: (-inf, 0)
+    if strong:
+        g = np.where(rng.uniform(size=g.shape) < 0.5, -rng.uniform(4.0, 8.0, g.shape), g)
+    return dict(q=q, k=k, v=v, g=g.astype(np.float32), do=do, h0=f(B, H, K, V), dht=f(B, H, K, V))
+
+
+def cuda_time(cp, fn, repeats: int, warmup: int = 3, sets: int = 1) -> float:
+    """Median milliseconds of ``fn(i % sets)`` timed with CUDA events around each call."""
+    for i in range(warmup):
+        fn(i % sets)
+    cp.cuda.Device().synchronize()
+    times = []
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    for i in range(repeats):
+        start.record()
+        fn(i % sets)
+        stop.record()
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop))
+    return float(np.median(times))
+
+
+# ------------------------------------------------------------------------------------------- single GPU
+
+
+def single(args) -> int:
+    import cupy as cp  # noqa: PLC0415
+    from hpczeco.gpu import gla as G  # noqa: PLC0415
+
+    from hpczeco.gla import recurrent_gla, recurrent_gla_bwd  # noqa: PLC0415
+
+    out = Path(args.out)
+    S = Suite(out, "gpu_suite (single GPU)")
+    seed = int(args.seed if args.seed is not None else time.time_ns() % 2**31)
+    rng = np.random.default_rng(seed)
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    S.info.update(
+        seed=seed,
+        cupy=cp.__version__,
+        device=props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"]),
+        sms=dev.attributes["MultiProcessorCount"],
+        l2_bytes=props.get("l2CacheSize"),
+        smem_optin=props.get("sharedMemPerBlockOptin"),
+        date=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    )
+    try:
+        import numba  # noqa: PLC0415
+
+        S.info["numba"] = numba.__version__
+    except Exception as exc:  # noqa: BLE001
+        S.info["numba"] = f"unavailable: {exc}"
+    S.say(f"gpu_suite: seed {seed}  {S.info}")
+
+    # -- compile (first call builds the RawModule with NVRTC)
+    def _compile():
+        t = time.time()
+        rt = G._runtime()
+        for n in G.kernel_names():
+            rt.fn(n)
+        return True, f"{len(G.kernel_names())} kernels in {time.time() - t:.1f} s"
+
+    S.check("compile RawModule (NVRTC, -std=c++17)", _compile)
+
+    # -- correctness vs float64 CPU references
+    def fwd_case(dt_name, B, T, H, K, V, strong, impl, use_h0, tol):
+        dt = DT(dt_name, cp)
+        x = make_inputs(rng, B, T, H, K, V, strong)
+        xs = {n: dt.round(x[n]) for n in ("q", "k", "v", "g")}
+        h0 = x["h0"] if use_h0 else None
+        o, ht = G.chunk_gla(
+            *(dt.up(x[n]) for n in ("q", "k", "v", "g")),
+            initial_state=None if h0 is None else cp.asarray(h0),
+            output_final_state=True,
+            impl=impl,
+        )
+        ro, rht = recurrent_gla(
+            *(xs[n].astype(np.float64) for n in ("q", "k", "v", "g")),
+            initial_state=None if h0 is None else h0.astype(np.float64),
+            output_final_state=True,
+        )
+        eo, eh = rel(dt.down(o), ro), rel(ht.get(), rht)
+        return max(eo, eh), f"o {eo:.2e} ht {eh:.2e}"
+
+    def bwd_case(dt_name, B, T, H, K, V, strong, use_h0, tol):
+        dt = DT(dt_name, cp)
+        x = make_inputs(rng, B, T, H, K, V, strong)
+        xs = {n: dt.round(x[n]) for n in ("q", "k", "v", "g", "do")}
+        h0 = cp.asarray(x["h0"]) if use_h0 else None
+        dht = cp.asarray(x["dht"]) if use_h0 else None
+        got = G.chunk_gla_bwd(*(dt.up(x[n]) for n in ("q", "k", "v", "g", "do")), initial_state=h0, dht=dht)
+        ref = recurrent_gla_bwd(
+            *(xs[n].astype(np.float64) for n in ("q", "k", "v", "g", "do")),
+            initial_state=None if h0 is None else x["h0"].astype(np.float64),
+            dht=None if dht is None else x["dht"].astype(np.float64),
+        )
+        errs = {
+            n: rel(dt.down(a) if n != "dh0" else a.get(), b)
+            for n, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), got, ref)
+        }
+        return max(errs.values()), " ".join(f"{n} {e:.2e}" for n, e in errs.items())
+
+    cases = [
+        ("fp32", 2, 300, 3, 64, 48, False, "simt", True, 1e-4),
+        ("fp32", 1, 200, 2, 128, 128, True, "simt", True, 1e-4),
+        ("fp32", 1, 77, 2, 40, 72, False, "simt", False, 1e-4),
+        ("bf16", 1, 1000, 2, 128, 128, False, "tc", True, 1e-2),
+        ("bf16", 1, 515, 2, 128, 128, True, "tc", True, 1e-2),
+        ("bf16", 2, 300, 2, 64, 128, False, "tc", False, 1e-2),
+        ("bf16", 1, 300, 2, 128, 64, False, "tc", True, 1e-2),
+        ("bf16", 1, 300, 2, 96, 80, False, "simt", True, 1e-2),
+        ("fp16", 1, 400, 2, 128, 128, False, "tc", True, 1e-2),
+        ("fp16", 1, 400, 2, 64, 64, True, "tc", True, 1e-2),
+    ]
+    for dt_name, B, T, H, K, V, strong, impl, use_h0, tol in cases:
+        nm = (
+            f"fwd {dt_name} {impl} B{B} T{T} H{H} K{K} V{V}"
+            + (" strong-g" if strong else "")
+            + (" h0" if use_h0 else "")
+        )
+        S.check(nm, lambda a=(dt_name, B, T, H, K, V, strong, impl, use_h0, tol): fwd_case(*a), tol)
+    bcases = [
+        ("fp32", 2, 300, 3, 64, 48, False, True, 1e-4),
+        ("fp32", 1, 200, 2, 128, 128, True, True, 1e-4),
+        ("fp32", 1, 77, 1, 40, 72, False, False, 1e-4),
+        ("bf16", 1, 300, 2, 128, 128, False, True, 1e-2),
+        ("bf16", 1, 130, 2, 64, 96, True, True, 1e-2),
+        ("fp16", 1, 200, 2, 128, 128, False, True, 1e-2),
+    ]
+    for dt_name, B, T, H, K, V, strong, use_h0, tol in bcases:
+        nm = f"bwd {dt_name} B{B} T{T} H{H} K{K} V{V}" + (" strong-g" if strong else "") + (" h0+dht" if use_h0 else "")
+        S.check(nm, lambda a=(dt_name, B, T, H, K, V, strong, use_h0, tol): bwd_case(*a), tol)
+
+    def zeco_pieces(dt_name):
+        dt = DT(dt_name, cp)
+        B, T, H, K, V = 1, 333, 2, 128, 96
+        x = make_inputs(rng, B, T, H, K, V)
+        xs = {n: dt.round(x[n]) for n in ("q", "g", "do")}
+        Gc = G.decay_cumsum(dt.up(x["g"]))
+        G64 = np.cumsum(xs["g"].astype(np.float64), axis=1)
+        e1 = rel(Gc.get(), G64)
+        o0 = dt.round(rng.standard_normal((B, T, H, V)).astype(np.float32))
+        o = dt.up(o0)
+        Sin = x["h0"]
+        G.state_correction(o, dt.up(x["q"]), Gc, cp.asarray(Sin), scale=0.1)
+        ref = o0 + 0.1 * np.einsum("bthk,bhkv->bthv", xs["q"] * np.exp(G64), Sin)
+        e2 = rel(dt.down(o), ref)
+        U = G.initial_state_grad(dt.up(x["q"]), dt.up(x["g"]), dt.up(x["do"]), scale=0.1)
+        e3 = rel(U.get(), 0.1 * np.einsum("bthk,bthv->bhkv", xs["q"] * np.exp(G64), xs["do"]))
+        return max(e1, e2, e3), f"cumsum {e1:.2e} correction {e2:.2e} U {e3:.2e}"
+
+    S.check("zeco pieces (CuPy kernels) fp32", lambda: zeco_pieces("fp32"), 1e-4)
+    S.check("zeco pieces (CuPy kernels) bf16", lambda: zeco_pieces("bf16"), 1e-2)
+
+    def numba_pieces():
+        from hpczeco.gpu import numba_kernels as nk  # noqa: PLC0415
+
+        B, T, H, K, V = 1, 333, 2, 128, 96
+        x = make_inputs(rng, B, T, H, K, V)
+        g = cp.asarray(x["g"])
+        Gc = nk.decay_cumsum(g)
+        G64 = np.cumsum(x["g"].astype(np.float64), axis=1)
+        e1 = rel(Gc.get(), G64)
+        o0 = rng.standard_normal((B, T, H, V)).astype(np.float32)
+        o = cp.asarray(o0)
+        nk.state_correction(o, cp.asarray(x["q"]), Gc, cp.asarray(x["h0"]), scale=0.1)
+        e2 = rel(o.get(), o0 + 0.1 * np.einsum("bthk,bhkv->bthv", x["q"] * np.exp(G64), x["h0"]))
+        a = rng.uniform(0.2, 1.0, (B, H, K)).astype(np.float32)
+        L = x["dht"]
+        f = nk.final_state(cp.asarray(np.log(a)), cp.asarray(x["h0"]), cp.asarray(L))
+        c = nk.scan_combine(cp.asarray(a), cp.asarray(x["h0"]), cp.asarray(L))
+        e3 = rel(f.get(), a[..., None] * x["h0"] + L)
+        e4 = rel(c.get(), a[..., None] * x["h0"] + L)
+        cp.cuda.get_current_stream().synchronize()
+        return max(e1, e2, e3, e4), f"cumsum {e1:.2e} correction {e2:.2e} final {e3:.2e} combine {e4:.2e}"
+
+    S.check("zeco pieces (Numba CUDA kernels) fp32", numba_pieces, 1e-4)
+
+    # -- benchmark shape
+    B, T, H, K, V = 1, args.T, 16, 128, 128
+    fl = G.memory_floor(B, T, H, K, V, itemsize=2, bandwidth=4.3e12)
+    flops = B * H * (-(-T // 64)) * (2 * 64 * 64 * K + 2 * 64 * 64 * V + 2 * 64 * K * V * 2)
+    S.info["bench_shape"] = dict(B=B, T=T, H=H, K=K, V=V, dtype="bf16")
+    S.info["memory_floor"] = fl
+    S.info["flops_forward_chunked"] = flops
+    S.say(
+        f"memory floor (q,k,v,g,o bf16 once, 4.3 TB/s): {fl['bytes'] / 1e6:.1f} MB -> {fl['seconds'] * 1e3:.3f} ms; "
+        f"forward matmul work {flops / 1e9:.1f} GFLOP"
+    )
+    dt = DT("bf16", cp)
+    sets = []
+    for _ in range(2):
+        x = {
+            n: rng.standard_normal((B, T, H, K if n in ("q", "k") else V)).astype(np.float32)
+            for n in ("q", "k", "v", "do")
+        }
+        x["g"] = np.log(1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, H, K)) - 2.0))).astype(np.float32)
+        sets.append({n: dt.up(a) for n, a in x.items()})
+        del x
+    scale = K**-0.5
+
+    # device copy: the achieved bandwidth ceiling
+    try:
+        bufs = [cp.full(1 << 30, 7, dtype=cp.uint8), cp.empty(1 << 30, dtype=cp.uint8)]
+        ms = cuda_time(cp, lambda i: cp.copyto(bufs[1], bufs[0]), 10)
+        S.timing("device copy 1 GiB (read+write)", ms, GBps=round(2 * (1 << 30) / ms / 1e6, 1))
+        S.info["copy_GBps"] = 2 * (1 << 30) / ms / 1e6
+        bufs.clear()
+    except Exception as exc:  # noqa: BLE001
+        S.say(f"copy timing failed: {exc}")
+
+    ref_big = {}
+
+    def big_tc_vs_simt():
+        s0 = sets[0]
+        o_tc, h_tc = G.chunk_gla(s0["q"], s0["k"], s0["v"], s0["g"], scale=scale, output_final_state=True, impl="tc")
+        o_si, h_si = G.chunk_gla(s0["q"], s0["k"], s0["v"], s0["g"], scale=scale, output_final_state=True, impl="simt")
+        a, b = bf16_float(o_tc.get()), bf16_float(o_si.get())
+        ref_big["o"] = b
+        eo = rel(a, b)
+        eh = rel(h_tc.get(), h_si.get())
+        fin = bool(np.isfinite(a).all())
+        return (max(eo, eh) if fin else float("inf")), f"o {eo:.2e} ht {eh:.2e} finite {fin}"
+
+    S.check(f"tc vs simt forward at T={T} H={H} K=V=128 bf16", big_tc_vs_simt, 1e-2)
+
+    # flash-linear-attention
+    fla = None
+    try:
+        import torch  # noqa: PLC0415
+        from fla.ops.gla import chunk_gla as fla_chunk_gla  # noqa: PLC0415
+
+        fla = fla_chunk_gla
+        import fla as fla_mod  # noqa: PLC0415
+
+        S.info["fla"] = getattr(fla_mod, "__version__", "?")
+        S.info["torch"] = torch.__version__
+    except Exception as exc:  # noqa: BLE001
+        S.info["fla"] = f"import failed: {type(exc).__name__}: {exc}"
+        S.say(f"flash-linear-attention not available ({exc}); continuing without it")
+
+    def to_torch(a):
+        t = torch.from_dlpack(a.view(cp.int16))
+        return t.view(torch.bfloat16)
+
+    if fla is not None:
+        tsets = [{n: to_torch(a) for n, a in s.items()} for s in sets]
+
+        def fla_vs_ours():
+            t0 = tsets[0]
+            o, _ = fla(t0["q"], t0["k"], t0["v"], t0["g"], scale=scale, output_final_state=False)
+            torch.cuda.synchronize()
+            of = o.float().cpu().numpy()
+            ours = ref_big.get("o")
+            if ours is None:
+                s0 = sets[0]
+                ours = bf16_float(G.chunk_gla(s0["q"], s0["k"], s0["v"], s0["g"], scale=scale)[0].get())
+            return rel(ours, of), "rel(ours, fla)"
+
+        S.check("ours vs flash-linear-attention chunk_gla (bf16, bench shape)", fla_vs_ours, 2e-2)
+
+    # timings
+    reps = args.repeats
+    for nc in args.nc:
+        os.environ["HPCZECO_TC_NC"] = str(nc)
+        try:
+            ms = cuda_time(
+                cp,
+                lambda i: G.chunk_gla(sets[i]["q"], sets[i]["k"], sets[i]["v"], sets[i]["g"], scale=scale, impl="tc"),
+                reps,
+                sets=2,
+            )
+            S.timing(
+                f"ours fwd tc (NC={nc})",
+                ms,
+                Mtok_s=round(B * T / ms / 1e3, 1),
+                x_floor=round(ms / (fl["seconds"] * 1e3), 2),
+            )
+        except Exception as exc:  # noqa: BLE001
+            S.timing(f"ours fwd tc (NC={nc})", None, error=str(exc)[:200])
+    os.environ.pop("HPCZECO_TC_NC", None)
+    from hpczeco.gpu import gla_tc  # noqa: PLC0415
+
+    S.info["auto_NC"] = gla_tc.chunks_per_segment(G._runtime(), B * H, -(-T // 64))
+    best_ms = None
+    try:
+        best_ms = cuda_time(
+            cp, lambda i: G.chunk_gla(sets[i]["q"], sets[i]["k"], sets[i]["v"], sets[i]["g"], scale=scale), reps, sets=2
+        )
+        S.timing(
+            f"ours fwd auto (NC={S.info['auto_NC']})",
+            best_ms,
+            Mtok_s=round(B * T / best_ms / 1e3, 1),
+            x_floor=round(best_ms / (fl["seconds"] * 1e3), 2),
+        )
+        best_ms2 = cuda_time(
+            cp, lambda i: G.chunk_gla(sets[i]["q"], sets[i]["k"], sets[i]["v"], sets[i]["g"], scale=scale), reps, sets=2
+        )
+        S.timing("ours fwd auto (repeat, for spread)", best_ms2)
+    except Exception as exc:  # noqa: BLE001
+        S.timing("ours fwd auto", None, error=str(exc)[:200])
+    try:
+        ms = cuda_time(
+            cp,
+            lambda i: G.chunk_gla(sets[i]["q"], sets[i]["k"], sets[i]["v"], sets[i]["g"], scale=scale, impl="simt"),
+            max(5, reps // 4),
+            sets=2,
+        )
+        S.timing("ours fwd simt", ms)
+    except Exception as exc:  # noqa: BLE001
+        S.timing("ours fwd simt", None, error=str(exc)[:200])
+
+    def ours_fb(i):
+        s = sets[i]
+        G.chunk_gla(s["q"], s["k"], s["v"], s["g"], scale=scale)
+        G.chunk_gla_bwd(s["q"], s["k"], s["v"], s["g"], s["do"], scale=scale)
+
+    try:
+        ms = cuda_time(cp, ours_fb, max(5, reps // 2), warmup=2, sets=2)
+        S.timing("ours fwd+bwd", ms)
+    except Exception as exc:  # noqa: BLE001
+        S.timing("ours fwd+bwd", None, error=str(exc)[:200])
+
+    if fla is not None:
+        try:
+            t_start = time.time()
+            ms = cuda_time(
+                cp,
+                lambda i: fla(
+                    tsets[i]["q"], tsets[i]["k"], tsets[i]["v"], tsets[i]["g"], scale=scale, output_final_state=False
+                ),
+                reps,
+                warmup=3,
+                sets=2,
+            )
+            S.timing("fla 0.6 chunk_gla fwd", ms, warm_s=round(time.time() - t_start, 1))
+            if best_ms is not None:
+                S.info["fwd_speedup_vs_fla"] = ms / best_ms
+        except Exception as exc:  # noqa: BLE001
+            S.timing("fla 0.6 chunk_gla fwd", None, error=str(exc)[:200])
+        try:
+            gsets = []
+            for ts in tsets:
+                d = {n: ts[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v", "g")}
+                d["do"] = ts["do"]
+                gsets.append(d)
+
+            def fla_fb(i):
+                d = gsets[i]
+                o, _ = fla(d["q"], d["k"], d["v"], d["g"], scale=scale, output_final_state=False)
+                torch.autograd.backward(o, d["do"])
+
+            ms = cuda_time(cp, fla_fb, max(5, reps // 2), warmup=2, sets=2)
+            S.timing("fla 0.6 chunk_gla fwd+bwd", ms)
+        except Exception as exc:  # noqa: BLE001
+            S.timing("fla 0.6 chunk_gla fwd+bwd", None, error=str(exc)[:200])
+
+    p = S.dump("gpu_suite.json")
+    S.table()
+    S.say(f"results: {p}")
+    return 0 if all(r["ok"] for r in S.results) else 1
+
+
+# ------------------------------------------------------------------------------------------- two GPUs
+
+
+def multi(args) -> int:
+    from mpi4py import MPI  # noqa: PLC0415
+
+    comm = MPI.COMM_WORLD
+    rank, P = comm.Get_rank(), comm.Get_size()
+    import cupy as cp  # noqa: PLC0415
+
+    lr = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("MPI_LOCALRANKID", rank)))
+    ndev = cp.cuda.runtime.getDeviceCount()
+    cp.cuda.Device(lr % ndev).use()
+
+    from hpczeco.collectives import device as D  # noqa: PLC0415
+    from hpczeco.collectives.scan import TOPOLOGIES, fold_reference, scan  # noqa: PLC0415
+
+    out = Path(args.out)
+    S = Suite(out, f"gpu_suite --multi ({P} ranks)", rank)
+    seed = comm.bcast(int(args.seed if args.seed is not None else time.time_ns() % 2**31), root=0)
+    rng = np.random.default_rng(seed)
+    S.info.update(
+        seed=seed,
+        ranks=P,
+        devices=comm.gather(lr % ndev, root=0),
+        mpi=MPI.Get_library_version()[:80],
+        mpix_cuda_support=D.mpi_cuda_support(),
+        cuda_aware_env=os.environ.get(D.CUDA_AWARE_ENV),
+        cuda_aware_known=D.cuda_aware_known(),
+        nccl=D.nccl_available(),
+    )
+    S.say(f"gpu_suite --multi: seed {seed} {S.info}")
+
+    def agreed(fn):
+        """Run fn on every rank; the check's error is the max over ranks (a failure anywhere fails all)."""
+
+        def run():
+            try:
+                err, detail = fn()
+            except Exception as exc:  # noqa: BLE001
+                err, detail = float("inf"), f"{type(exc).__name__}: {exc} | {traceback.format_exc()[-600:]}"
+            errs = comm.allgather((float(err), str(detail)))
+            worst = max(range(P), key=lambda r: errs[r][0])
+            return errs[worst][0], f"worst rank {worst}: {errs[worst][1]}"
+
+        return run
+
+    kinds = ["staged", "nccl"] + (["cuda-aware"] if D.cuda_aware_known() else [])
+    transports = {}
+    for kind in kinds:
+
+        def mk(kind=kind):
+            transports[kind] = D.get_device_transport(comm, kind)
+            return 0.0, type(transports[kind]).__name__
+
+        S.check(f"transport {kind}: create", agreed(mk), 0.0)
+    if "cuda-aware" not in kinds:
+        S.say(f"cuda-aware MPI not declared ({D.CUDA_AWARE_ENV} unset, MPIX query {D.mpi_cuda_support()}): skipped")
+    S.info["auto_kind"] = D.resolve_kind(comm, "auto")
+
+    # raw transport checks: ring exchange and allgather
+    for kind, tr in transports.items():
+
+        def raw(tr=tr):
+            n = 12345
+            mine = cp.arange(n, dtype=cp.float32) + 1000 * rank
+            got = cp.empty(n, dtype=cp.float32)
+            reqs = [tr.irecv(got, (rank - 1) % P, 7), tr.isend(mine, (rank + 1) % P, 7)]
+            for r in reqs:
+                r.wait()
+            e1 = float(cp.abs(got - (cp.arange(n, dtype=cp.float32) + 1000 * ((rank - 1) % P))).max().get())
+            allg = cp.empty((P, n), dtype=cp.float32)
+            tr.allgather(mine, allg)
+            exp = cp.arange(n, dtype=cp.float32)[None, :] + 1000 * cp.arange(P, dtype=cp.float32)[:, None]
+            e2 = float(cp.abs(allg - exp).max().get())
+            return max(e1, e2), f"exchange {e1} allgather {e2}"
+
+        S.check(f"transport {kind}: exchange + allgather", agreed(raw), 0.0)
+
+    # scan correctness, every topology, vs host fold
+    Bs, Hs, Ks, Vs = 2, 3, 16, 24
+    for kind, tr in transports.items():
+        for topo in [t for t in TOPOLOGIES if t != "auto"] + ["auto"]:
+            for reverse in (False, True):
+                for blocks in (None, 5) if topo == "ring" else (None,):
+
+                    def sc(tr=tr, topo=topo, reverse=reverse, blocks=blocks):
+                        a_all = rng.uniform(0.3, 1.0, (P, Bs, Hs, Ks)).astype(np.float32)
+                        S_all = rng.standard_normal((P, Bs, Hs, Ks, Vs)).astype(np.float32)
+                        init = rng.standard_normal((Bs, Hs, Ks, Vs)).astype(np.float32)
+                        first = P - 1 if reverse else 0
+                        got = scan(
+                            cp.asarray(a_all[rank]),
+                            cp.asarray(S_all[rank]),
+                            comm,
+                            topology=topo,
+                            blocks=blocks,
+                            reverse=reverse,
+                            initial=cp.asarray(init) if rank == first else None,
+                            transport=tr,
+                        )
+                        order = list(range(P))[::-1] if reverse else list(range(P))
+                        ref = fold_reference(
+                            [(a_all[r].astype(np.float64), S_all[r].astype(np.float64)) for r in order],
+                            initial=init.astype(np.float64),
+                        )
+                        want = ref[order.index(rank)]
+                        return rel(got.get(), want), f"{type(got).__module__.split('.')[0]} result"
+
+                    nm = f"scan {kind} {topo}" + (" reverse" if reverse else "")
+                    nm += "" if blocks is None else f" blocks={blocks}"
+                    S.check(nm, agreed(sc), 1e-5)
+
+    # timings: All-Scan ring vs one raw message of the same bytes
+    def wall_ms(fn, reps=20, warmup=3):
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(reps):
+            cp.cuda.Device().synchronize()
+            comm.Barrier()
+            t = time.perf_counter()
+            fn()
+            cp.cuda.Device().synchronize()
+            times.append(time.perf_counter() - t)
+        mine = np.array(times, dtype=np.float64)
+        worst = np.empty_like(mine)
+        comm.Allreduce(mine, worst, op=MPI.MAX)  # per repetition, the slowest rank
+        return float(np.median(worst) * 1e3)
+
+    for mib in (1, 16):
+        nel = mib * (1 << 20) // 4
+        Kb, Vb = 128, 128
+        lead = nel // (Kb * Vb)
+        Sx = cp.asarray(rng.standard_normal((lead, Kb, Vb)).astype(np.float32))
+        ax = cp.asarray(rng.uniform(0.5, 1.0, (lead, Kb)).astype(np.float32))
+        for kind, tr in transports.items():
+            try:
+                buf = cp.empty_like(Sx)
+
+                def raw_msg(tr=tr, buf=buf, Sx=Sx):
+                    if rank == 0:
+                        tr.isend(Sx, 1, 99).wait()
+                    elif rank == 1:
+                        tr.irecv(buf, 0, 99).wait()
+
+                t_raw = wall_ms(raw_msg)
+                res = {}
+                for topo, blocks in (("ring", 1), ("ring", 4), ("ring", None), ("tree", None)):
+
+                    def run_scan(tr=tr, topo=topo, blocks=blocks, ax=ax, Sx=Sx):
+                        scan(ax, Sx, comm, topology=topo, blocks=blocks, transport=tr)
+
+                    res[(topo, blocks)] = wall_ms(run_scan)
+                S.timing(f"raw message {mib} MiB [{kind}]", t_raw, GBps=round(mib * 1.048576 / t_raw, 1))
+                for (topo, blocks), ms in res.items():
+                    S.timing(f"scan {topo} blocks={blocks} {mib} MiB [{kind}]", ms, x_raw=round(ms / t_raw, 2))
+            except Exception as exc:  # noqa: BLE001
+                S.timing(f"scan timings {mib} MiB [{kind}]", None, error=f"{type(exc).__name__}: {exc}"[:200])
+
+    # ZeCO layer on P GPUs vs one GPU
+    try:
+        import hpczeco  # noqa: PLC0415
+
+        ZeCOGLA = hpczeco.ZeCOGLA
+    except Exception as exc:  # noqa: BLE001
+        ZeCOGLA = None
+        S.say(f"hpczeco.ZeCOGLA not available ({exc}): ZeCO step skipped")
+    if ZeCOGLA is not None:
+        from hpczeco.gpu import gla as G  # noqa: PLC0415
+
+        L, H, K, V = args.T, 16, 128, 128
+        bf16_ok = True
+        try:
+            cp.zeros(2, dtype="bfloat16")
+            zdt = "bfloat16"
+        except Exception:  # noqa: BLE001
+            bf16_ok, zdt = False, "float16"
+        S.info["zeco_dtype"] = zdt + ("" if bf16_ok else " (CuPy has no bfloat16 dtype here: ml_dtypes missing)")
+        kind = S.info["auto_kind"] if args.zeco_transport == "auto" else args.zeco_transport
+
+        def full_inputs():
+            r = np.random.default_rng(seed + 1)
+            f = lambda *s: r.standard_normal(s).astype(np.float32)
+            q, k, v, do = f(1, P * L, H, K), f(1, P * L, H, K), f(1, P * L, H, V), f(1, P * L, H, V)
+            g = np.log(1.0 / (1.0 + np.exp(-r.standard_normal((1, P * L, H, K)) - 2.0))).astype(np.float32)
+            return {n: cp.asarray(a).astype(zdt) for n, a in dict(q=q, k=k, v=v, g=g, do=do).items()}
+
+        try:
+            full = full_inputs()
+            sl = slice(rank * L, (rank + 1) * L)
+            mine = {n: cp.ascontiguousarray(a[:, sl]) for n, a in full.items()}
+            layer = ZeCOGLA(comm, scan="ring", chunk_size=64, transport=transports.get(kind, kind))
+
+            def zeco_ok():
+                o = layer.forward(mine["q"], mine["k"], mine["v"], mine["g"])
+                grads = layer.backward(mine["do"])
+                o_full, _ = G.chunk_gla(full["q"], full["k"], full["v"], full["g"])
+                g_full = G.chunk_gla_bwd(full["q"], full["k"], full["v"], full["g"], full["do"])
+                f32 = lambda x: cp.asnumpy(x.astype(cp.float32))
+                eo = rel(f32(o), f32(o_full[:, sl]))
+                eg = [rel(f32(a), f32(b[:, sl])) for a, b in zip(grads[:4], g_full[:4])]
+                return max([eo] + eg), f"o {eo:.2e} dq/dk/dv/dg " + " ".join(f"{e:.2e}" for e in eg)
+
+            S.check(f"ZeCO {P} GPUs vs one GPU on the whole sequence ({zdt}, transport {kind})", agreed(zeco_ok), 2e-2)
+            del full
+
+            def zeco_step():
+                layer.forward(mine["q"], mine["k"], mine["v"], mine["g"])
+                layer.backward(mine["do"])
+
+            def single_step():
+                G.chunk_gla(mine["q"], mine["k"], mine["v"], mine["g"])
+                G.chunk_gla_bwd(mine["q"], mine["k"], mine["v"], mine["g"], mine["do"])
+
+            t_zeco = wall_ms(zeco_step, reps=args.zeco_repeats, warmup=2)
+            t_one = wall_ms(single_step, reps=args.zeco_repeats, warmup=2)
+            S.timing(
+                f"ZeCO fwd+bwd {P} GPUs x {L} tokens ({zdt}, {kind})",
+                t_zeco,
+                ratio=round(t_zeco / t_one, 3),
+                target="<=1.05",
+            )
+            S.timing(f"one GPU fwd+bwd {L} tokens ({zdt})", t_one)
+        except Exception as exc:  # noqa: BLE001
+            S.check("ZeCO layer run", lambda exc=exc: (float("inf"), f"{type(exc).__name__}: {exc}"), 0.0)
+            if rank == 0:
+                traceback.print_exc()
+
+    ok = all(r["ok"] for r in S.results)
+    if rank == 0:
+        p = S.dump("gpu_suite_multi.json")
+        S.table()
+        S.say(f"results: {p}")
+    comm.Barrier()
+    return 0 if ok else 1
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/gpu_suite", help="folder for the JSON results")
+    p.add_argument("--multi", action="store_true", help="the multi-GPU part (run under mpirun, one rank per GPU)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock, printed)")
+    p.add_argument("--repeats", type=int, default=20, help="timed repetitions (median)")
+    p.add_argument("--T", type=int, default=32768, help="tokens (per GPU with --multi) of the timed shape")
+    p.add_argument("--nc", type=int, nargs="*", default=[4, 8, 16], help="tensor-core chunks per segment to time")
+    p.add_argument("--zeco-repeats", type=int, default=10)
+    p.add_argument("--zeco-transport", default="auto", choices=["auto", "cuda-aware", "staged", "nccl"])
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str = "python3 -m hpczeco.drivers.gpu_suite") -> int:
+    args = build_parser(prog).parse_args(argv)
+    try:
+        import cupy  # noqa: PLC0415
+
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001
+        print(f"gpu_suite: no usable CuPy/GPU here ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
+    print(f"gpu_suite: {n} CUDA device(s), CuPy {cupy.__version__}", flush=True)
+    return multi(args) if args.multi else single(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
