@@ -140,9 +140,13 @@ def chunk_gla(
 
 
 def _num_threads(units: int) -> int:
-    env = os.environ.get("HPCZECO_GLA_THREADS", "")
-    n = int(env) if env.strip().isdigit() and int(env) > 0 else len(os.sched_getaffinity(0))
-    return max(1, min(n, units))
+    """Worker threads: ``HPCZECO_GLA_THREADS``, else ``OMP_NUM_THREADS``, else the usable cores; at most
+    one per (batch, head) sequence. Under MPI with several ranks per node set one of them (e.g. 1)."""
+    for var in ("HPCZECO_GLA_THREADS", "OMP_NUM_THREADS"):
+        env = os.environ.get(var, "").strip()
+        if env.isdigit() and int(env) > 0:
+            return max(1, min(int(env), units))
+    return max(1, min(len(os.sched_getaffinity(0)), units))
 
 
 def _run_units(B: int, H: int, fn) -> None:
@@ -206,8 +210,12 @@ def _fwd_units(units, q, k, v, g, s, h0, geo: _Geom, out, final) -> None:
                 _pairwise_A(q, k, g, b, h, n0, bad[:gc], geo, s, L)
             np.matmul(Kd[:gc].transpose(0, 2, 1), R[:gc, :Cp], out=U[:gc])
             _kn.state_fwd(U, X, oA, gc, S, R, Cp)
-            np.matmul(L[:gc], R[:gc], out=Ot[:gc])
-            _kn.write_rows(Ot, out, b, h, n0, gc, T, C)
+            t0, t1 = n0 * C, (n0 + gc) * C
+            if Cp == C and t1 <= T:  # whole chunks: BLAS writes the strided rows of out[b, :, h] directly
+                np.matmul(L[:gc], R[:gc], out=np.reshape(out[b, t0:t1, h], (gc, C, V), copy=False))
+            else:
+                np.matmul(L[:gc], R[:gc], out=Ot[:gc])
+                _kn.write_rows(Ot, out, b, h, n0, gc, T, C)
         final[b, h] = S
 
 
