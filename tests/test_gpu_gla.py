@@ -1,0 +1,79 @@
+"""GPU GLA kernels (CuPy) against the float64 references; skipped with a reason without CuPy and a GPU.
+
+The same kernels run without a GPU in tests/test_cuda_build.py (CPU emulation); drivers/gpu_suite.py
+covers larger shapes and the timings.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hpczeco.backend import cupy_available
+from hpczeco.gla import recurrent_gla, recurrent_gla_bwd
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cupy_available(), reason="needs CuPy and a CUDA GPU")]
+
+
+def rel(a, b) -> float:
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    assert np.isfinite(a).all()
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def _inputs(rng, B, T, H, K, V, strong=False):
+    f = lambda *s: rng.standard_normal(s).astype(np.float32)
+    g = -rng.uniform(0.0, 0.5, (B, T, H, K))
+    if strong:
+        g = np.where(rng.uniform(size=g.shape) < 0.5, -rng.uniform(4.0, 8.0, g.shape), g)
+    return f(B, T, H, K), f(B, T, H, K), f(B, T, H, V), g.astype(np.float32), f(B, T, H, V), f(B, H, K, V)
+
+
+@pytest.mark.parametrize("strong", [False, True])
+def test_fp32_forward_backward(rng, strong):
+    import cupy as cp
+    from hpczeco.gpu import gla as G
+
+    q, k, v, g, do, h0 = _inputs(rng, 2, 150, 2, 48, 40, strong)
+    dht = rng.standard_normal(h0.shape).astype(np.float32)
+    o, ht = G.chunk_gla(*(cp.asarray(x) for x in (q, k, v, g)), initial_state=cp.asarray(h0), output_final_state=True)
+    f64 = [x.astype(np.float64) for x in (q, k, v, g, do, h0, dht)]
+    ro, rht = recurrent_gla(*f64[:4], initial_state=f64[5], output_final_state=True)
+    assert rel(o.get(), ro) < 1e-4 and rel(ht.get(), rht) < 1e-4
+    got = G.chunk_gla_bwd(*(cp.asarray(x) for x in (q, k, v, g, do)), initial_state=cp.asarray(h0), dht=cp.asarray(dht))
+    ref = recurrent_gla_bwd(*f64[:5], initial_state=f64[5], dht=f64[6])
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), got, ref):
+        assert rel(a.get(), b) < 1e-4, name
+
+
+@pytest.mark.parametrize("strong", [False, True])
+def test_bf16_tensor_core_forward(rng, strong):
+    import cupy as cp
+    from hpczeco.gpu import gla as G
+    from hpczeco.gpu.emu import bf16_bits_to_f32, f32_to_bf16_bits
+
+    q, k, v, g, _, h0 = _inputs(rng, 1, 333, 2, 128, 64, strong)
+    bits = [f32_to_bf16_bits(x) for x in (q, k, v, g)]
+    o, ht = G.chunk_gla(
+        *(cp.asarray(b) for b in bits), initial_state=cp.asarray(h0), output_final_state=True, impl="tc"
+    )
+    xs = [bf16_bits_to_f32(b).astype(np.float64) for b in bits]
+    ro, rht = recurrent_gla(*xs, initial_state=h0.astype(np.float64), output_final_state=True)
+    assert rel(bf16_bits_to_f32(o.get()), ro) < 1e-2
+    assert rel(ht.get(), rht) < 1e-2
+
+
+def test_numba_kernels_on_cupy(rng):
+    import cupy as cp
+    from hpczeco.gpu import numba_kernels as nk
+
+    B, T, H, K, V = 1, 100, 2, 32, 16
+    q, _, _, g, _, S = _inputs(rng, B, T, H, K, V)
+    Gc = nk.decay_cumsum(cp.asarray(g))
+    G64 = np.cumsum(g.astype(np.float64), axis=1)
+    assert rel(Gc.get(), G64) < 1e-5
+    o0 = rng.standard_normal((B, T, H, V)).astype(np.float32)
+    o = cp.asarray(o0)
+    nk.state_correction(o, cp.asarray(q), Gc, cp.asarray(S), scale=0.2)
+    assert rel(o.get(), o0 + 0.2 * np.einsum("bthk,bhkv->bthv", q * np.exp(G64), S)) < 1e-5
