@@ -79,6 +79,11 @@ def _machine() -> dict:
     except OSError:
         pass
     info["date_utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+    info["blas_threads_env"] = {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    try:
+        info["loadavg_start"] = os.getloadavg()
+    except OSError:
+        pass
     return info
 
 
@@ -373,7 +378,8 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench daaf") -> int
     model = PrefillModel(ModelConfig(d_model=args.d_model, n_heads=args.heads, head_dim=args.head_dim,
                                      n_layers=args.layers, seed=args.seed))
     # warm-up (excluded): both paths on a short text
-    tok_w, _, _ = mixed_tokens(2048, args.source_share, 1024, args.seed)
+    n_warm = min(2048, min(_ints(args.lengths)))
+    tok_w, _, _ = mixed_tokens(n_warm, args.source_share, min(args.segment, n_warm), args.seed)
     pw = plan(tok_w, window=args.window, threshold=args.threshold, local_window=args.local_window)
     model.prefill(tok_w, "daaf", pw)
     model.prefill(tok_w, "dense")
@@ -391,12 +397,13 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench daaf") -> int
         log(f"T={T}:")
         result["lengths"].append(bench_length(T, args, model, log))
     share_sweep = []
+    n_sweep = min(8192, max(_ints(args.lengths)))
     for share in (0.05, 0.1, 0.2, 0.4):
-        tok, _, _ = mixed_tokens(8192, share, args.segment, args.seed)
+        tok, _, _ = mixed_tokens(n_sweep, share, args.segment, args.seed)
         p = plan(tok, window=args.window, threshold=args.threshold, local_window=args.local_window)
-        share_sweep.append({"source_share": share, "policy": p.policy, "global_fraction": p.global_fraction,
-                            "work_saved": p.work_saved})
-    result["share_sweep_8k"] = share_sweep
+        share_sweep.append({"T": n_sweep, "source_share": share, "policy": p.policy,
+                            "global_fraction": p.global_fraction, "work_saved": p.work_saved})
+    result["share_sweep"] = share_sweep
     result["controller"] = controller_rounds(args, model, log)
     if not args.skip_serve:
         log("serving:")

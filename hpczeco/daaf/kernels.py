@@ -15,8 +15,8 @@ import numpy as np
 
 __all__ = ["State", "new_state", "merge_scores", "finalize", "causal_rows", "local_rows", "key_block_for"]
 
-#: elements of one score block [B, H, rows, keys] (about 16 MB in float32)
-SCORE_BLOCK_ELEMS = 1 << 22
+#: elements of one score block [B, H, rows, keys] (about 1 MB in float32: cache-sized)
+SCORE_BLOCK_ELEMS = 1 << 18
 
 
 class State:
@@ -34,17 +34,19 @@ def new_state(B: int, H: int, n: int, Dv: int, dtype) -> State:
 
 def merge_scores(st: State, s: np.ndarray, v: np.ndarray) -> None:
     """Fold scores ``s`` ``[B, H, n, k]`` (scaled; ``-inf`` where not allowed) and values ``v``
-    ``[B, H, k, Dv]`` into ``st`` in place. Rows with no allowed key so far keep ``m = -inf``."""
+    ``[B, H, k, Dv]`` into ``st`` in place. ``s`` is overwritten (it becomes the probabilities).
+    Rows with no allowed key so far keep ``m = -inf``."""
     if s.shape[-1] == 0:
         return
     m_new = np.maximum(st.m, s.max(axis=-1))
     m_safe = np.where(np.isneginf(m_new), 0.0, m_new).astype(s.dtype, copy=False)
     alpha = np.exp(st.m - m_safe)
-    p = np.exp(s - m_safe[..., None])
+    s -= m_safe[..., None]
+    np.exp(s, out=s)
     st.l *= alpha
-    st.l += p.sum(axis=-1)
+    st.l += s.sum(axis=-1)
     st.acc *= alpha[..., None]
-    st.acc += p @ v
+    st.acc += s @ v
     st.m = m_new
 
 
@@ -80,13 +82,13 @@ def causal_rows(
         return st
     kb = key_block or key_block_for(B, H, n)
     first_masked = int(qpos[0]) - k_pos0 + 1  # keys j < first_masked are allowed for every row
+    qs = qr * np.asarray(scale, dtype=qr.dtype)
     for a in range(0, stop, kb):
         b = min(stop, a + kb)
-        s = qr @ kh[:, :, a:b].swapaxes(-1, -2)
-        s *= scale
+        s = qs @ kh[:, :, a:b].swapaxes(-1, -2)
         if b > first_masked:
             jpos = k_pos0 + np.arange(a, b)
-            s = np.where(jpos[None, :] <= qpos[:, None], s, -np.inf)
+            np.copyto(s, -np.inf, where=jpos[None, :] > qpos[:, None])
         merge_scores(st, s, vh[:, :, a:b])
     return st
 
@@ -126,17 +128,15 @@ def local_rows(
     # key-region prefix first (positions < lo): all allowed
     npre = int(np.searchsorted(gpos, lo, side="left"))
     kb = key_block or key_block_for(B, H, n)
+    qs = qr * np.asarray(scale, dtype=qr.dtype)
     for c in range(0, npre, kb):
         d = min(npre, c + kb)
-        s = qr @ kg[:, :, c:d].swapaxes(-1, -2)
-        s *= scale
-        merge_scores(st, s, vg[:, :, c:d])
+        merge_scores(st, qs @ kg[:, :, c:d].swapaxes(-1, -2), vg[:, :, c:d])
     # the local span, with the band | key-region mask
-    s = qr @ kh[:, :, a:b].swapaxes(-1, -2)
-    s *= scale
+    s = qs @ kh[:, :, a:b].swapaxes(-1, -2)
     jpos = np.arange(lo, hi)
     dist = qpos[:, None] - jpos[None, :]
     allowed = (dist >= 0) & ((dist <= W) | kglobal[a:b][None, :])
-    s = np.where(allowed, s, -np.inf)
+    np.copyto(s, -np.inf, where=~allowed)
     merge_scores(st, s, vh[:, :, a:b])
     return st
