@@ -41,6 +41,8 @@ hz_setup() {
     fi
     "$HZ_PY" -c "import hpczeco" 2>/dev/null || hz_die "$HZ_PY cannot import hpczeco (run 'make install' in $HPCZECO_REPO)"
     HPCZECO_CONFIG=${HPCZECO_CONFIG:-$HPCZECO_REPO/jobs/configs/$default_config.env}
+    # a relative config path is taken from the submit folder, else from the repository
+    [[ -f "$HPCZECO_CONFIG" || "$HPCZECO_CONFIG" == /* ]] || HPCZECO_CONFIG="$HPCZECO_REPO/$HPCZECO_CONFIG"
     [[ -f "$HPCZECO_CONFIG" ]] || hz_die "config $HPCZECO_CONFIG not found"
     # shellcheck disable=SC1090
     source "$HPCZECO_CONFIG"

@@ -60,19 +60,14 @@ def _job_state(env: dict, job: str) -> tuple[str, str]:
     return fields.get("JobState", ""), fields.get("ExitCode", "")
 
 
-def _submit(env: dict, folder: Path, name: str, ntasks: int, **variables: str) -> str:
-    """Submit the real jobs/slurm_cpu.sbatch and wait for it (bounded); returns the job's output."""
-    out_file = folder / f"{name}.out"
-    exports = ",".join(["ALL", f"HPCZECO_REPO={REPO}", f"HPCZECO_CONFIG={REPO / 'jobs/configs/smoke.env'}"]
-                       + [f"{k}={v}" for k, v in variables.items()])
-    cmd = ["sbatch", "--parsable", f"--ntasks-per-node={ntasks}", f"--output={out_file}", f"--export={exports}",
-           f"--time={JOB_TIMEOUT // 60 + 1}", str(REPO / "jobs" / "slurm_cpu.sbatch")]
-    sub = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60, cwd=folder)
-    assert sub.returncode == 0, f"sbatch {name} refused: {sub.stderr}"
-    job = sub.stdout.strip().split(";")[0]
+_ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", "")
+
+
+def _wait(env: dict, job: str, name: str, out_file: Path) -> str:
+    """Wait (bounded) until Slurm job ``job`` ends; assert it COMPLETED with exit 0; return its output."""
     deadline = time.monotonic() + JOB_TIMEOUT
     state, code = _job_state(env, job)
-    while state in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED", ""):
+    while state in _ACTIVE:
         if time.monotonic() > deadline:
             subprocess.run(["scancel", job], env=env, timeout=30)
             pytest.fail(f"job {name} ({job}) still {state} after {JOB_TIMEOUT}s; output so far:\n"
@@ -82,6 +77,23 @@ def _submit(env: dict, folder: Path, name: str, ntasks: int, **variables: str) -
     text = out_file.read_text() if out_file.exists() else ""
     assert state == "COMPLETED" and code == "0:0", f"job {name} ({job}): {state} exit {code}\n--- output ---\n{text}"
     return text
+
+
+def _sbatch(env: dict, folder: Path, args: list[str]) -> str:
+    cmd = ["sbatch", "--parsable", f"--time={JOB_TIMEOUT // 60 + 1}", *args]
+    sub = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60, cwd=folder)
+    assert sub.returncode == 0, f"sbatch refused {args}: {sub.stderr}"
+    return sub.stdout.strip().split(";")[0]
+
+
+def _submit(env: dict, folder: Path, name: str, ntasks: int, **variables: str) -> str:
+    """Submit the real jobs/slurm_cpu.sbatch and wait for it (bounded); returns the job's output."""
+    out_file = folder / f"{name}.out"
+    exports = ",".join(["ALL", f"HPCZECO_REPO={REPO}", f"HPCZECO_CONFIG={REPO / 'jobs/configs/smoke.env'}"]
+                       + [f"{k}={v}" for k, v in variables.items()])
+    job = _sbatch(env, folder, [f"--ntasks-per-node={ntasks}", f"--output={out_file}", f"--export={exports}",
+                                str(REPO / "jobs" / "slurm_cpu.sbatch")])
+    return _wait(env, job, name, out_file)
 
 
 def test_cpu_job_trains_checkpoints_and_resumes_with_srun(slurm):
@@ -107,3 +119,23 @@ def test_cpu_job_trains_checkpoints_and_resumes_with_srun(slurm):
     assert "hpczeco train: steps 5..6 on 2 rank(s)" in text, text
     step, _, attrs = load_latest(out / "ckpt")
     assert step == 6 and attrs["nranks"] == 2 and attrs["data_pos"] == 6
+
+
+def test_scan_job_array_one_rank_count_per_task(slurm):
+    """jobs/ring_vs_tree_array.sbatch: array index -> P, every task's results in one folder."""
+    env, folder = slurm
+    config = folder / "scan.env"  # values with commas cannot travel through sbatch --export
+    config.write_text('SCAN_RANKS="2 3"\nSCAN_TOPOLOGIES=ring,tree\nSCAN_SIZES=4K\nSCAN_BLOCKS=2\n'
+                      "SCAN_REPEATS=3\nSCAN_DTYPE=float32\nSCAN_EXTRA=--no-plot\n")
+    out = folder / "scan"
+    exports = f"ALL,HPCZECO_REPO={REPO},HPCZECO_CONFIG={config},HPCZECO_OUT={out}"
+    job = _sbatch(env, folder, ["--array=0-1", "--ntasks=3", f"--output={folder}/scan-%a.out", f"--export={exports}",
+                                str(REPO / "jobs" / "ring_vs_tree_array.sbatch")])
+    for idx, P in ((0, 2), (1, 3)):
+        text = _wait(env, f"{job}_{idx}", f"scan task {idx}", folder / f"scan-{idx}.out")
+        assert f"== hpczeco bench scan on P={P} ranks (array index {idx})" in text, text
+        result = json.loads((out / f"scan_P{P}.json").read_text())
+        assert f"scan_P{P}.csv" in text and (out / f"scan_P{P}.csv").exists()
+        assert result["P"] == P
+        assert {r["topology"] for r in result["results"]} >= {"ring", "tree"}
+        assert all(r["median_s"] > 0 and r["P"] == P for r in result["results"])
