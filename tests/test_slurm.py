@@ -27,6 +27,7 @@ JOB_TIMEOUT = 180
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(2 * JOB_TIMEOUT + 120),
     pytest.mark.skipif(shutil.which("sbatch") is None or shutil.which("slurmctld") is None,
                        reason="Slurm not installed (sbatch/slurmctld not on PATH): "
                        "apt-get install --no-install-recommends slurm-wlm"),
