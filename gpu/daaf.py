@@ -10,9 +10,12 @@ Kernels (``impl``):
 * ``"tc"``: flash-attention style, tensor cores (mma.sync bf16/fp16, fp32 accumulation), ``D == Dv``
   in {64, 128}; a block owns 64 query rows and visits only the 64-key tiles it needs: key-region
   keys gathered by index, then the local range (a tile holding a key-region query: full causal).
-* ``"tc3"``: the same, compiled for 3 resident blocks per SM (register cap; D = 128 only).
+* ``"tc2"``: the same with 128 query rows per block: each warp owns two 16-row tiles that share every
+  K/V fragment read from shared memory (half the shared-memory traffic per mma, more registers).
+* ``"tc3"``: ``"tc"`` compiled for 3 resident blocks per SM (register cap; D = 128 only).
 * ``"simple"``: one warp per query row, fp32 online softmax, any ``D, Dv <= 256``, float32 too.
-* ``"auto"``: ``"tc"`` where it applies (16-bit inputs, D == Dv in {64, 128}), else ``"simple"``.
+* ``"auto"``: :data:`AUTO_TC` (``"tc"``) where it applies (16-bit inputs, D == Dv in {64, 128}), else
+  ``"simple"``.
 
 16-bit inputs: CuPy ``float16``, CuPy ``bfloat16`` (CuPy with ml_dtypes), or raw 16-bit integer
 arrays with ``storage="bfloat16"``/``"float16"`` (bf16 bits without ml_dtypes). PyTorch tensors go
@@ -30,6 +33,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "AUTO_TC",
     "IMPLS",
     "KERNEL_SOURCE",
     "DevicePlan",
@@ -50,8 +54,10 @@ __all__ = [
 ]
 
 KERNEL_SOURCE = Path(__file__).with_name("daaf_attention.cu")
-IMPLS = ("auto", "tc", "tc3", "simple")
-TC_BLOCK_Q = 64  # query rows per block (DAAF_TC_BR)
+IMPLS = ("auto", "tc", "tc2", "tc3", "simple")
+AUTO_TC = "tc"  # the tensor-core variant "auto" picks
+TC_MTILES = {"tc": 1, "tc2": 2, "tc3": 1}  # 16-row m-tiles per warp
+TC_BLOCK_Q = 64  # query rows per block per m-tile (DAAF_TC_BR)
 TC_BLOCK_K = 64  # keys per tile (DAAF_TC_BC)
 TC_THREADS = 128
 TC_DIMS = (64, 128)
@@ -108,9 +114,10 @@ def reference_attention(q: Any, k: Any, v: Any, global_mask: Any, local_window: 
     return np.einsum("bhtj,bjhe->bthe", p, v)
 
 
-def tc_smem_bytes(D: int) -> int:
-    """Dynamic shared memory of the tensor-core kernel: 2 stages x (K + V) tiles of 64 padded rows."""
-    return 4 * TC_BLOCK_K * (D + 8) * 2
+def tc_smem_bytes(D: int, mtiles: int = 1) -> int:
+    """Dynamic shared memory of a tensor-core kernel: 2 stages x (K + V) tiles of 64 padded rows, plus
+    the Q tile when ``mtiles == 2`` (DaafTcShape::SMEM_BYTES)."""
+    return 4 * TC_BLOCK_K * (D + 8) * 2 + (0 if mtiles == 1 else TC_BLOCK_Q * mtiles * (D + 8) * 2)
 
 
 def resolve_impl(impl: str, elem: str, D: int, Dv: int) -> str:
@@ -119,8 +126,8 @@ def resolve_impl(impl: str, elem: str, D: int, Dv: int) -> str:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     tc_ok = elem in ("f16", "bf16") and D == Dv and D in TC_DIMS
     if impl == "auto":
-        return "tc" if tc_ok else "simple"
-    if impl in ("tc", "tc3") and not tc_ok:
+        return AUTO_TC if tc_ok else "simple"
+    if impl in TC_MTILES and not tc_ok:
         raise ValueError(f"impl={impl!r} needs float16/bfloat16 inputs with D == Dv in {TC_DIMS}; got {elem}, "
                          f"D={D}, Dv={Dv} (use impl='simple' or 'auto')")
     if impl == "tc3" and D != 128:
@@ -160,13 +167,14 @@ def _kernel_on(device_id: int, name: str):
     with cupy.cuda.Device(device_id):
         kern = _module(device_id).get_function(name)
         if name.startswith("daaf_tc"):
-            kern.max_dynamic_shared_size_bytes = tc_smem_bytes(int(name.rsplit("_d", 1)[1]))
+            kind = name.split("_")[1]
+            kern.max_dynamic_shared_size_bytes = tc_smem_bytes(int(name.rsplit("_d", 1)[1]), TC_MTILES[kind])
     return kern
 
 
 def kernel_names() -> list[str]:
     out = [f"daaf_simple_{e}" for e in ("f32", "f16", "bf16")]
-    out += [f"daaf_tc_{e}_d{d}" for d in TC_DIMS for e in ("bf16", "f16")]
+    out += [f"daaf_{kind}_{e}_d{d}" for kind in ("tc", "tc2") for d in TC_DIMS for e in ("bf16", "f16")]
     out += [f"daaf_tc3_{e}_d128" for e in ("bf16", "f16")]
     return out
 
@@ -371,10 +379,11 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
                 np.int32(Dv), np.int32(plan.n_global), np.int32(plan.local_window), np.float32(scale))
         return Prepared(_kernel(name), grid, (32 * SIMPLE_ROWS_PER_BLOCK,), args, 0, out, kind, name)
     name = f"daaf_{kind}_{elem}_d{D}"
-    grid = ((T + TC_BLOCK_Q - 1) // TC_BLOCK_Q, H, B)
+    rows_per_block = TC_BLOCK_Q * TC_MTILES[kind]
+    grid = ((T + rows_per_block - 1) // rows_per_block, H, B)
     args = (q, k, v, out, plan._gidx_arg, plan.gmask, np.int32(T), np.int32(H), np.int32(plan.n_global),
             np.int32(plan.local_window), np.float32(scale * math.log2(math.e)), np.int32(1 if reverse else 0))
-    return Prepared(_kernel(name), grid, (TC_THREADS,), args, tc_smem_bytes(D), out, kind, name)
+    return Prepared(_kernel(name), grid, (TC_THREADS,), args, tc_smem_bytes(D, TC_MTILES[kind]), out, kind, name)
 
 
 def attention(q, k, v, global_idx: Any, local_window: int, scale: float | None = None,
@@ -427,9 +436,10 @@ class _TorchPrepared:
 
 def prepare_torch(q, k, v, global_idx: Any, local_window: int, scale: float | None = None,
                   is_global_query_mask: Any = None, *, impl: str = "auto", validate: bool = True,
-                  reverse: bool = True):
+                  reverse: bool = True, plan: DevicePlan | None = None):
     """:func:`prepare` for PyTorch CUDA tensors ``[B, T, H, D]`` (zero-copy DLPack views; launches on
-    torch's current stream). Calling the result returns the output tensor (the same tensor each call)."""
+    torch's current stream). Calling the result returns the output tensor (the same tensor each call).
+    ``plan``: a :class:`DevicePlan` to reuse (e.g. across layers)."""
     import torch  # noqa: PLC0415
 
     cupy = _cupy()
@@ -445,12 +455,13 @@ def prepare_torch(q, k, v, global_idx: Any, local_window: int, scale: float | No
     with cupy.cuda.Device(dev), cupy.cuda.ExternalStream(stream_ptr):
         cq, ck, cv, co = view(q), view(k), view(v), view(out_t)
         p = prepare(cq, ck, cv, global_idx, local_window, scale, is_global_query_mask, impl=impl,
-                    storage=storage, validate=validate, out=co, reverse=reverse)
+                    storage=storage, validate=validate, out=co, reverse=reverse, plan=plan)
     return _TorchPrepared(p, out_t, stream_ptr, dev, (q, k, v))
 
 
 def attention_torch(q, k, v, global_idx: Any, local_window: int, scale: float | None = None,
-                    is_global_query_mask: Any = None, *, impl: str = "auto", validate: bool = True):
+                    is_global_query_mask: Any = None, *, impl: str = "auto", validate: bool = True,
+                    plan: DevicePlan | None = None):
     """DAAF attention for PyTorch CUDA tensors (bf16/fp16/fp32) ``[B, T, H, D]`` -> ``[B, T, H, Dv]``."""
     return prepare_torch(q, k, v, global_idx, local_window, scale, is_global_query_mask, impl=impl,
-                         validate=validate)()
+                         validate=validate, plan=plan)()

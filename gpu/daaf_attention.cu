@@ -232,26 +232,40 @@ struct alignas(16) DaafVec16 { u32 x, y, z, w; };
 
 // ------------------------------------------------------------------ tensor-core kernel
 
-constexpr int DAAF_TC_BR = 64;       // query rows per block (16 per warp)
+constexpr int DAAF_TC_BR = 64;       // query rows per block per m-tile (16 per warp)
 constexpr int DAAF_TC_BC = 64;       // keys per tile
 constexpr int DAAF_TC_THREADS = 128; // 4 warps
 
-template <bool BF, int D>
+// MT: 16-row m-tiles per warp (block of 64 * MT query rows). MT = 1 keeps the Q fragments in
+// registers (the Q tile passes through the stage-1 buffer); MT = 2 keeps Q in its own shared
+// buffer and reads its fragments per k-step, so that every K/V fragment from shared memory feeds
+// two mma instead of one (half the shared-memory traffic per mma, more registers).
+template <int D, int MT>
+struct DaafTcShape {
+    static constexpr int LDS = D + 8;                       // padded shared row (elements)
+    static constexpr int TILE = DAAF_TC_BC * LDS;           // elements of one K or V tile
+    static constexpr int BR = DAAF_TC_BR * MT;              // query rows per block
+    static constexpr int SMEM_BYTES = 4 * TILE * 2 + (MT == 1 ? 0 : BR * LDS * 2);
+};
+
+template <bool BF, int D, int MT>
 __device__ __forceinline__ void daaf_tc_body(
     const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ o,
     const int* __restrict__ gidx, const unsigned char* __restrict__ gmask,
     int T, int H, int n_global, int W, float scale_log2, int reverse)
 {
-    constexpr int BR = DAAF_TC_BR, BC = DAAF_TC_BC, NTH = DAAF_TC_THREADS;
-    constexpr int LDS = D + 8;        // padded shared row (elements): ldmatrix rows hit distinct banks
-    constexpr int TILE = BC * LDS;    // elements of one K or V tile
+    typedef DaafTcShape<D, MT> S;
+    constexpr int BR = S::BR, BC = DAAF_TC_BC, NTH = DAAF_TC_THREADS;
+    constexpr int LDS = S::LDS;       // ldmatrix rows of a warp hit distinct banks
+    constexpr int TILE = S::TILE;
     constexpr int KS = D / 16;        // k-steps of S = Q K^T
     constexpr int NDT = D / 8;        // 8-wide column tiles of O
     constexpr int CPR = D / 8;        // 16-byte chunks per row
-    static_assert(BR == BC, "the Q tile reuses a K/V stage buffer");
-    static_assert((BC * CPR) % NTH == 0, "tile loads must divide evenly among the threads");
+    static_assert(MT == 1 || MT == 2, "one or two m-tiles per warp");
+    static_assert(BR <= 2 * BC, "the output tile is staged in one K/V stage");
+    static_assert(NTH % CPR == 0 && BC % (NTH / CPR) == 0, "tile loads must divide evenly among the threads");
 
-    // dynamic shared memory: [stage 0: K | V][stage 1: K | V], each TILE elements
+    // dynamic shared memory: [stage 0: K | V][stage 1: K | V][Q tile, MT = 2], each K/V TILE elements
 #ifdef DAAF_EMU
     DaafVec16* const daaf_smem = daaf_emu_dynamic_smem();
 #else
@@ -331,8 +345,8 @@ __device__ __forceinline__ void daaf_tc_body(
         daaf_cp_async_commit();
     };
 
-    // Q tile -> the stage-1 K buffer -> registers (A fragments), then the buffer is free again
-    const u32 sQ = sbase + STAGEB;
+    // the Q tile: MT = 1 through the stage-1 buffer into registers; MT = 2 into its own buffer
+    const u32 sQ = sbase + (MT == 1 ? STAGEB : 2 * STAGEB);
 #pragma unroll
     for (int it = 0; it < BR / RPI; ++it) {
         const int t = t0 + it * RPI + ld_r;
@@ -343,23 +357,37 @@ __device__ __forceinline__ void daaf_tc_body(
     issue_tile(0, 0);
     daaf_cp_async_wait<1>();  // the Q group has landed
     __syncthreads();
-    u32 qf[KS][4];
-    const u32 q_ld = sQ + (16 * warp + (lane & 15)) * ROWB + (lane >> 4) * 16;
+    // A-fragment address of m-tile mt (rows mt * 64 + 16 * warp + 0..15), k-step kk: q_ld[mt] + kk * 32
+    u32 q_ld[MT];
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) daaf_ldsm_x4(q_ld + kk * 32, qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
-    __syncthreads();
+    for (int mt = 0; mt < MT; ++mt) q_ld[mt] = sQ + (mt * 64 + 16 * warp + (lane & 15)) * ROWB + (lane >> 4) * 16;
+    u32 qf[MT == 1 ? KS : 1][4];
+    if constexpr (MT == 1) {
+#pragma unroll
+        for (int kk = 0; kk < KS; ++kk) daaf_ldsm_x4(q_ld[0] + kk * 32, qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
+        __syncthreads();  // the stage-1 buffer is refilled below
+    }
     // per-lane parts of the ldmatrix addresses for K (plain) and V (transposed)
     const u32 k_ld = ((lane >> 4) * 8 + (lane & 7)) * ROWB + ((lane >> 3) & 1) * 16;
     const u32 v_ld = TILEB + ((lane & 7) + ((lane >> 3) & 1) * 8) * ROWB + (lane >> 4) * 16;
 
-    // this thread's two query rows (fragment rows g and g + 8 of the warp's 16)
-    const int r0 = t0 + 16 * warp + g, r1 = r0 + 8;
-    const bool gq0 = r0 <= t1 && gmask[r0] != 0;
-    const bool gq1 = r1 <= t1 && gmask[r1] != 0;
-    float m0 = DAAF_NEG_INF, m1 = DAAF_NEG_INF, l0 = 0.f, l1 = 0.f;
-    float acc[NDT][4];
+    // this thread's query rows: fragment rows g and g + 8 of each of the warp's m-tiles
+    int row[MT][2];
+    bool gq[MT][2];
+    float m_[MT][2], l_[MT][2];
+    float acc[MT][NDT][4];
 #pragma unroll
-    for (int n = 0; n < NDT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            row[mt][hh] = t0 + mt * 64 + 16 * warp + g + 8 * hh;
+            gq[mt][hh] = row[mt][hh] <= t1 && gmask[row[mt][hh]] != 0;
+            m_[mt][hh] = DAAF_NEG_INF;
+            l_[mt][hh] = 0.f;
+        }
+#pragma unroll
+        for (int n = 0; n < NDT; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.f;
+    }
 
     for (int i = 0; i < n_tiles; ++i) {
         const int st = i & 1;
@@ -372,18 +400,32 @@ __device__ __forceinline__ void daaf_tc_body(
         __syncthreads();
         const u32 cS = sbase + st * STAGEB;
 
-        // S = Q K^T : 16 rows x 64 keys per warp
-        float s[8][4];
+        // S = Q K^T : per m-tile 16 rows x 64 keys
+        float s[MT][8][4];
 #pragma unroll
-        for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int n = 0; n < 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < KS; ++kk) {
+            u32 qa[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                if constexpr (MT == 1) {
+                    qa[mt][0] = qf[kk][0]; qa[mt][1] = qf[kk][1]; qa[mt][2] = qf[kk][2]; qa[mt][3] = qf[kk][3];
+                } else {
+                    daaf_ldsm_x4(q_ld[mt] + kk * 32, qa[mt][0], qa[mt][1], qa[mt][2], qa[mt][3]);
+                }
+            }
 #pragma unroll
             for (int np = 0; np < 4; ++np) {
                 u32 b0, b1, b2, b3;
                 daaf_ldsm_x4(cS + k_ld + np * 16 * ROWB + kk * 32, b0, b1, b2, b3);
-                daaf_mma<BF>(s[2 * np], qf[kk], b0, b1);
-                daaf_mma<BF>(s[2 * np + 1], qf[kk], b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    daaf_mma<BF>(s[mt][2 * np], qa[mt], b0, b1);
+                    daaf_mma<BF>(s[mt][2 * np + 1], qa[mt], b2, b3);
+                }
             }
         }
 
@@ -405,79 +447,93 @@ __device__ __forceinline__ void daaf_tc_body(
                     const int col = 8 * n + 2 * tig + e;
                     const int j = s_kpos[st][col];
                     const bool gj = s_kglob[st][col] != 0;
-                    const bool ok0 = j >= 0 && j <= r0 && (r0 - j <= W || gj || gq0);
-                    const bool ok1 = j >= 0 && j <= r1 && (r1 - j <= W || gj || gq1);
-                    if (!ok0) s[n][e] = DAAF_NEG_INF;
-                    if (!ok1) s[n][2 + e] = DAAF_NEG_INF;
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+                        for (int hh = 0; hh < 2; ++hh) {
+                            const int r = row[mt][hh];
+                            const bool ok = j >= 0 && j <= r && (r - j <= W || gj || gq[mt][hh]);
+                            if (!ok) s[mt][n][2 * hh + e] = DAAF_NEG_INF;
+                        }
+                    }
                 }
             }
         }
 
-        // online softmax (base 2), rows r0 and r1; a row is spread over the 4 threads of a quad
-        float mx0 = m0, mx1 = m1;
+        // online softmax (base 2); a row is spread over the 4 threads of a quad
 #pragma unroll
-        for (int n = 0; n < 8; ++n) {
-            s[n][0] *= scale_log2; s[n][1] *= scale_log2; s[n][2] *= scale_log2; s[n][3] *= scale_log2;
-            mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-            mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
-        }
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-        const float base0 = mx0 == DAAF_NEG_INF ? 0.f : mx0;  // a row with nothing allowed yet
-        const float base1 = mx1 == DAAF_NEG_INF ? 0.f : mx1;
-        const float al0 = daaf_ex2(m0 - base0), al1 = daaf_ex2(m1 - base1);
-        m0 = mx0;
-        m1 = mx1;
-        float ls0 = 0.f, ls1 = 0.f;
+        for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int n = 0; n < 8; ++n) {
-            s[n][0] = daaf_ex2(s[n][0] - base0);
-            s[n][1] = daaf_ex2(s[n][1] - base0);
-            s[n][2] = daaf_ex2(s[n][2] - base1);
-            s[n][3] = daaf_ex2(s[n][3] - base1);
-            ls0 += s[n][0] + s[n][1];
-            ls1 += s[n][2] + s[n][3];
-        }
-        l0 = l0 * al0 + ls0;  // per-thread partial row sums; the quad adds them up at the end
-        l1 = l1 * al1 + ls1;
+            for (int hh = 0; hh < 2; ++hh) {
+                float mx = m_[mt][hh];
 #pragma unroll
-        for (int n = 0; n < NDT; ++n) {
-            acc[n][0] *= al0; acc[n][1] *= al0; acc[n][2] *= al1; acc[n][3] *= al1;
+                for (int n = 0; n < 8; ++n) {
+                    s[mt][n][2 * hh] *= scale_log2;
+                    s[mt][n][2 * hh + 1] *= scale_log2;
+                    mx = fmaxf(mx, fmaxf(s[mt][n][2 * hh], s[mt][n][2 * hh + 1]));
+                }
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float bse = mx == DAAF_NEG_INF ? 0.f : mx;  // a row with nothing allowed yet
+                const float al = daaf_ex2(m_[mt][hh] - bse);
+                m_[mt][hh] = mx;
+                float ls = 0.f;
+#pragma unroll
+                for (int n = 0; n < 8; ++n) {
+                    s[mt][n][2 * hh] = daaf_ex2(s[mt][n][2 * hh] - bse);
+                    s[mt][n][2 * hh + 1] = daaf_ex2(s[mt][n][2 * hh + 1] - bse);
+                    ls += s[mt][n][2 * hh] + s[mt][n][2 * hh + 1];
+                }
+                l_[mt][hh] = l_[mt][hh] * al + ls;  // per-thread partial sums; the quad adds them at the end
+#pragma unroll
+                for (int n = 0; n < NDT; ++n) {
+                    acc[mt][n][2 * hh] *= al;
+                    acc[mt][n][2 * hh + 1] *= al;
+                }
+            }
         }
 
-        // O += P V : P (16 x 64) from registers as A fragments, V tile via ldmatrix.trans
+        // O += P V : P (16 x 64 per m-tile) from registers as A fragments, V tile via ldmatrix.trans
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
-            const u32 a[4] = {daaf_pack2<BF>(s[2 * kk][0], s[2 * kk][1]), daaf_pack2<BF>(s[2 * kk][2], s[2 * kk][3]),
-                              daaf_pack2<BF>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                              daaf_pack2<BF>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            u32 a[MT][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                a[mt][0] = daaf_pack2<BF>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                a[mt][1] = daaf_pack2<BF>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                a[mt][2] = daaf_pack2<BF>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                a[mt][3] = daaf_pack2<BF>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+            }
 #pragma unroll
             for (int dp = 0; dp < NDT / 2; ++dp) {
                 u32 b0, b1, b2, b3;
                 daaf_ldsm_x4_t(cS + v_ld + kk * 16 * ROWB + dp * 32, b0, b1, b2, b3);
-                daaf_mma<BF>(acc[2 * dp], a, b0, b1);
-                daaf_mma<BF>(acc[2 * dp + 1], a, b2, b3);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    daaf_mma<BF>(acc[mt][2 * dp], a[mt], b0, b1);
+                    daaf_mma<BF>(acc[mt][2 * dp + 1], a[mt], b2, b3);
+                }
             }
         }
         __syncthreads();  // stage st is refilled by the next iteration's issue
     }
 
-    // epilogue: normalise, stage the 64 x D tile in shared memory, 16-byte coalesced stores
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float i0 = l0 > 0.f ? 1.f / l0 : 0.f;  // l == 0 only on padding rows
-    const float i1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    // epilogue: normalise, stage the BR x D tile in shared memory (stage 0), 16-byte coalesced stores
     u16* const sO = smem;
-    const int lr = 16 * warp + g;
 #pragma unroll
-    for (int n = 0; n < NDT; ++n) {
-        *reinterpret_cast<u32*>(sO + lr * LDS + 8 * n + 2 * tig) = daaf_pack2<BF>(acc[n][0] * i0, acc[n][1] * i0);
-        *reinterpret_cast<u32*>(sO + (lr + 8) * LDS + 8 * n + 2 * tig) =
-            daaf_pack2<BF>(acc[n][2] * i1, acc[n][3] * i1);
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+            float l = l_[mt][hh];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const float inv = l > 0.f ? 1.f / l : 0.f;  // l == 0 only on padding rows
+            const int lr = mt * 64 + 16 * warp + g + 8 * hh;
+#pragma unroll
+            for (int n = 0; n < NDT; ++n)
+                *reinterpret_cast<u32*>(sO + lr * LDS + 8 * n + 2 * tig) =
+                    daaf_pack2<BF>(acc[mt][n][2 * hh] * inv, acc[mt][n][2 * hh + 1] * inv);
+        }
     }
     __syncthreads();
 #pragma unroll
@@ -491,18 +547,24 @@ __device__ __forceinline__ void daaf_tc_body(
 }
 
 // LB: the launch bounds (threads per block, and optionally the resident blocks per SM to fit)
-#define DAAF_TC_KERNEL(NAME, BF, D, LB)                                                                       \
+#define DAAF_TC_KERNEL(NAME, BF, D, MT, LB)                                                                   \
     extern "C" __global__ void LB NAME(                                                                       \
         const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ o, \
         const int* __restrict__ gidx, const unsigned char* __restrict__ gmask, int T, int H, int n_global,     \
         int W, float scale_log2, int reverse) {                                                               \
-        daaf_tc_body<BF, D>(q, k, v, o, gidx, gmask, T, H, n_global, W, scale_log2, reverse);                 \
+        daaf_tc_body<BF, D, MT>(q, k, v, o, gidx, gmask, T, H, n_global, W, scale_log2, reverse);             \
     }
 
-DAAF_TC_KERNEL(daaf_tc_bf16_d128, true, 128, __launch_bounds__(DAAF_TC_THREADS))
-DAAF_TC_KERNEL(daaf_tc_f16_d128, false, 128, __launch_bounds__(DAAF_TC_THREADS))
-DAAF_TC_KERNEL(daaf_tc_bf16_d64, true, 64, __launch_bounds__(DAAF_TC_THREADS))
-DAAF_TC_KERNEL(daaf_tc_f16_d64, false, 64, __launch_bounds__(DAAF_TC_THREADS))
-// the same with a register cap for 3 resident blocks per SM (168 registers: a few bytes spill at D=128)
-DAAF_TC_KERNEL(daaf_tc3_bf16_d128, true, 128, __launch_bounds__(DAAF_TC_THREADS, 3))
-DAAF_TC_KERNEL(daaf_tc3_f16_d128, false, 128, __launch_bounds__(DAAF_TC_THREADS, 3))
+// "tc": 64 query rows per block, Q fragments in registers
+DAAF_TC_KERNEL(daaf_tc_bf16_d128, true, 128, 1, __launch_bounds__(DAAF_TC_THREADS))
+DAAF_TC_KERNEL(daaf_tc_f16_d128, false, 128, 1, __launch_bounds__(DAAF_TC_THREADS))
+DAAF_TC_KERNEL(daaf_tc_bf16_d64, true, 64, 1, __launch_bounds__(DAAF_TC_THREADS))
+DAAF_TC_KERNEL(daaf_tc_f16_d64, false, 64, 1, __launch_bounds__(DAAF_TC_THREADS))
+// "tc3": the same with a register cap for 3 resident blocks per SM (168 registers: a few bytes spill at D=128)
+DAAF_TC_KERNEL(daaf_tc3_bf16_d128, true, 128, 1, __launch_bounds__(DAAF_TC_THREADS, 3))
+DAAF_TC_KERNEL(daaf_tc3_f16_d128, false, 128, 1, __launch_bounds__(DAAF_TC_THREADS, 3))
+// "tc2": 128 query rows per block (two m-tiles per warp share each K/V fragment), Q read from shared memory
+DAAF_TC_KERNEL(daaf_tc2_bf16_d128, true, 128, 2, __launch_bounds__(DAAF_TC_THREADS))
+DAAF_TC_KERNEL(daaf_tc2_f16_d128, false, 128, 2, __launch_bounds__(DAAF_TC_THREADS))
+DAAF_TC_KERNEL(daaf_tc2_bf16_d64, true, 64, 2, __launch_bounds__(DAAF_TC_THREADS))
+DAAF_TC_KERNEL(daaf_tc2_f16_d64, false, 64, 2, __launch_bounds__(DAAF_TC_THREADS))

@@ -4,19 +4,24 @@
 #include "daaf_emu.h"
 #include "daaf_attention.cu"
 
-extern "C" int daaf_emu_tc(int bf, int D, const u16* q, const u16* k, const u16* v, u16* o, const int* gidx,
+// mt: 1 ("tc", 64 query rows per block) or 2 ("tc2", 128)
+extern "C" int daaf_emu_tc(int bf, int D, int mt, const u16* q, const u16* k, const u16* v, u16* o, const int* gidx,
                            const unsigned char* gmask, int B, int T, int H, int n_global, int W, float scale_log2,
                            int reverse) {
-    const unsigned nqt = (unsigned)((T + DAAF_TC_BR - 1) / DAAF_TC_BR);
-    const size_t smem = 4u * DAAF_TC_BC * (D + 8) * sizeof(u16);
+    const int br = DAAF_TC_BR * mt;
+    const unsigned nqt = (unsigned)((T + br - 1) / br);
     const daaf_dim3 grid{nqt, (unsigned)H, (unsigned)B}, block{DAAF_TC_THREADS, 1, 1};
-    auto run = [&](auto kernel) {
+    auto run = [&](auto kernel, size_t smem) {
         daaf_emu_launch(grid, block, smem, [&] { kernel(q, k, v, o, gidx, gmask, T, H, n_global, W, scale_log2, reverse); });
     };
-    if (bf && D == 128) run(daaf_tc_bf16_d128);
-    else if (!bf && D == 128) run(daaf_tc_f16_d128);
-    else if (bf && D == 64) run(daaf_tc_bf16_d64);
-    else if (!bf && D == 64) run(daaf_tc_f16_d64);
+    if (mt == 1 && bf && D == 128) run(daaf_tc_bf16_d128, DaafTcShape<128, 1>::SMEM_BYTES);
+    else if (mt == 1 && !bf && D == 128) run(daaf_tc_f16_d128, DaafTcShape<128, 1>::SMEM_BYTES);
+    else if (mt == 1 && bf && D == 64) run(daaf_tc_bf16_d64, DaafTcShape<64, 1>::SMEM_BYTES);
+    else if (mt == 1 && !bf && D == 64) run(daaf_tc_f16_d64, DaafTcShape<64, 1>::SMEM_BYTES);
+    else if (mt == 2 && bf && D == 128) run(daaf_tc2_bf16_d128, DaafTcShape<128, 2>::SMEM_BYTES);
+    else if (mt == 2 && !bf && D == 128) run(daaf_tc2_f16_d128, DaafTcShape<128, 2>::SMEM_BYTES);
+    else if (mt == 2 && bf && D == 64) run(daaf_tc2_bf16_d64, DaafTcShape<64, 2>::SMEM_BYTES);
+    else if (mt == 2 && !bf && D == 64) run(daaf_tc2_f16_d64, DaafTcShape<64, 2>::SMEM_BYTES);
     else return 1;
     return 0;
 }
