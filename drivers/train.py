@@ -80,7 +80,9 @@ def build_parser(prog: str = "hpczeco train") -> argparse.ArgumentParser:
     c.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (and always at the end)")
     c.add_argument("--keep", type=int, default=3, help="checkpoints to keep (default 3)")
     c.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --ckpt-dir")
-    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar (batch jobs)")
+    c.add_argument("--print-every", type=int, default=10,
+                   help="without a progress bar, print a line every N steps (0: never; default 10)")
     c.add_argument("--quiet", action="store_true", help="print only the summary")
     return ap
 
@@ -110,7 +112,8 @@ class TrainResult:
     params: dict[str, np.ndarray] = field(default_factory=dict)
     step: int = 0
     start_step: int = 0
-    tokens_per_s: float = 0.0
+    tokens_per_s: float = 0.0  # median over steps (the first excluded when there are several), rank 0's clock
+    wall_s: float = 0.0  # the whole loop, checkpoints included
     checkpoint: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
 
@@ -319,6 +322,7 @@ def run(argv: list[str] | None, comm, prog: str = "hpczeco train") -> TrainResul
     b1, b2 = args.beta1, args.beta2
     loss = float("nan")
     t_run = time.perf_counter()
+    rates: list[float] = []
     last_saved = step0 if args.resume else -1
     try:
         for step in range(step0 + 1, args.steps + 1):
@@ -358,15 +362,17 @@ def run(argv: list[str] | None, comm, prog: str = "hpczeco train") -> TrainResul
             rate = n_total / dt if dt > 0 else float("inf")
             emit({"event": "step", "step": step, "loss": loss, "grad_norm": gnorm, "lr": lr, "tokens": n_total,
                   "tokens_seen": sampler.drawn * args.seq, "step_s": dt, "tokens_per_s": rate, "ranks": P})
+            rates.append(rate)
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}")
                 bar.update(1)
+            elif args.print_every and (step % args.print_every == 0 or step == args.steps):
+                say(f"  step {step:6d}  loss {loss:.4f}  grad norm {gnorm:.3g}  {rate:,.0f} tokens/s")
             if writer is not None and args.ckpt_every and step % args.ckpt_every == 0:
                 result.checkpoint = save(step, loss)
                 last_saved = step
-        elapsed = time.perf_counter() - t_run
-        ran = result.step - step0
-        result.tokens_per_s = ran * n_total / elapsed if ran and elapsed > 0 else 0.0
+        result.wall_s = time.perf_counter() - t_run
+        result.tokens_per_s = float(np.median(rates[1:] if len(rates) > 1 else rates)) if rates else 0.0
         if writer is not None and last_saved != result.step:
             result.checkpoint = save(result.step, loss)
     finally:
@@ -374,15 +380,15 @@ def run(argv: list[str] | None, comm, prog: str = "hpczeco train") -> TrainResul
             bar.close()
     result.params = {n: a.copy() for n, a in params.views.items()}
     emit({"event": "end", "step": result.step, "loss": loss, "tokens_per_s": result.tokens_per_s,
-          "checkpoint": result.checkpoint})
+          "wall_s": result.wall_s, "checkpoint": result.checkpoint})
     if log is not None:
         log.close()
     if rank == 0:
         if result.losses:
             first, last = result.losses[min(result.losses)], result.losses[max(result.losses)]
+            ckpt = f", checkpoint {result.checkpoint}" if result.checkpoint else ""
             print(f"hpczeco train: steps {step0 + 1}..{result.step} on {P} rank(s): loss {first:.4f} -> {last:.4f}, "
-                  f"{result.tokens_per_s:,.0f} tokens/s" + (f", checkpoint {result.checkpoint}" if result.checkpoint
-                                                            else ""), flush=True)
+                  f"{result.tokens_per_s:,.0f} tokens/s (median step), {result.wall_s:.1f} s{ckpt}", flush=True)
         else:
             print(f"hpczeco train: already at step {step0} (--steps {args.steps}); nothing to do", flush=True)
     return result
