@@ -254,16 +254,17 @@ def prep_state_operands(k, v, b, h, n0, G, T, C, ns, c, X, Kd, R):
 
 
 @nb.njit(cache=True, nogil=True)
-def state_store(U, X, oA, G, S, Sst, n0):
-    """``Sst[n0 + gi] = S`` (state entering the chunk), then ``S = exp(b_C) S + U[gi]``."""
-    K, V = S.shape
+def state_chain(U, X, oA, G, Sst, n0):
+    """``Sst[n0 + gi + 1] = exp(b_C) Sst[n0 + gi] + U[gi]`` for ``gi < G`` (``Sst [N + 1, K, V]``)."""
+    K, V = Sst.shape[1], Sst.shape[2]
     for gi in range(G):
+        s0 = Sst[n0 + gi]
+        s1 = Sst[n0 + gi + 1]
+        u = U[gi]
         for kk in range(K):
             a = X[gi, oA, kk]
             for vv in range(V):
-                s = S[kk, vv]
-                Sst[n0 + gi, kk, vv] = s
-                S[kk, vv] = a * s + U[gi, kk, vv]
+                s1[kk, vv] = a * s0[kk, vv] + u[kk, vv]
 
 
 @nb.njit(cache=True, nogil=True)

@@ -119,9 +119,15 @@ def chunk_gla(
     if _any_device(q, k, v, g, initial_state):
         validate_gla_inputs(q, k, v, g, initial_state=initial_state)
         return _gpu_module().chunk_gla(
-            q, k, v, g, scale=scale, initial_state=initial_state,
-            output_final_state=output_final_state, chunk_size=chunk_size,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            g,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            chunk_size=chunk_size,
+        )
     B, T, H, K, V, s, chunk_size, cdt = _check_common(q, k, v, g, scale, initial_state, chunk_size)
     h0 = None if initial_state is None else np.asarray(initial_state, dtype=cdt)
     in_dtype = q.dtype
@@ -150,14 +156,17 @@ def _num_threads(units: int) -> int:
 
 
 def _run_units(B: int, H: int, fn) -> None:
-    """Run ``fn(list of (b, h))`` over all sequences, split round-robin over threads (kernels release the GIL)."""
+    """Run ``fn(list of (b, h))`` over all sequences, split into contiguous blocks over threads (the kernels
+    release the GIL). Each ``fn`` walks time in its outer loop and its sequences inside, so the rows of
+    ``[B, T, H, D]`` inputs are read from memory once, not once per head."""
     units = [(b, h) for b in range(B) for h in range(H)]
     nt = _num_threads(len(units))
     if nt == 1:
         fn(units)
         return
+    bounds = [len(units) * i // nt for i in range(nt + 1)]
     with ThreadPoolExecutor(nt) as ex:
-        for f in [ex.submit(fn, units[i::nt]) for i in range(nt)]:
+        for f in [ex.submit(fn, units[bounds[i] : bounds[i + 1]]) for i in range(nt)]:
             f.result()
 
 
@@ -190,11 +199,12 @@ def _fwd_units(units, q, k, v, g, s, h0, geo: _Geom, out, final) -> None:
     R = np.empty((G, Cp + K, V), dt)
     U = np.empty((G, K, V), dt)
     Ot = np.empty((G, Cp, V), dt)
-    S = np.empty((K, V), dt)
-    for b, h in units:
-        S[...] = 0 if h0 is None else h0[b, h]
-        for n0 in range(0, geo.N, G):
-            gc = min(G, geo.N - n0)
+    S = np.empty((len(units), K, V), dt)
+    for u, (b, h) in enumerate(units):
+        S[u] = 0 if h0 is None else h0[b, h]
+    for n0 in range(0, geo.N, G):
+        gc = min(G, geo.N - n0)
+        for u, (b, h) in enumerate(units):
             _kn.prep_exponents(g, b, h, n0, gc, T, C, ns, c, limit, X, bad)
             np.exp(X[:gc], out=X[:gc])
             _kn.prep_fwd_operands(q, k, v, b, h, n0, gc, T, C, ns, c, s, X, bad, Qp, KX, L, Kd, R)
@@ -209,14 +219,15 @@ def _fwd_units(units, q, k, v, g, s, h0, geo: _Geom, out, final) -> None:
             if bad[:gc].any():
                 _pairwise_A(q, k, g, b, h, n0, bad[:gc], geo, s, L)
             np.matmul(Kd[:gc].transpose(0, 2, 1), R[:gc, :Cp], out=U[:gc])
-            _kn.state_fwd(U, X, oA, gc, S, R, Cp)
+            _kn.state_fwd(U, X, oA, gc, S[u], R, Cp)
             t0, t1 = n0 * C, (n0 + gc) * C
             if Cp == C and t1 <= T:  # whole chunks: BLAS writes the strided rows of out[b, :, h] directly
                 np.matmul(L[:gc], R[:gc], out=np.reshape(out[b, t0:t1, h], (gc, C, V), copy=False))
             else:
                 np.matmul(L[:gc], R[:gc], out=Ot[:gc])
                 _kn.write_rows(Ot, out, b, h, n0, gc, T, C)
-        final[b, h] = S
+    for u, (b, h) in enumerate(units):
+        final[b, h] = S[u]
 
 
 # --------------------------------------------------------------------------------------------- backward
@@ -288,53 +299,65 @@ def _bwd_units(units, q, k, v, g, do, s, h0, dH_last, geo: _Geom, dq, dk, dv, dg
     LA, dA = np.empty((G, Cp, Cp), dt), np.empty((G, Cp, Cp), dt)
     dd = np.empty((G, Cp), dt)
     U, W, dHe = (np.empty((G, K, V), dt) for _ in range(3))
-    Sst = np.empty((N + 1, K, V), dt)
-    S = np.empty((K, V), dt)
-    dH = np.empty((K, V), dt)
-    for b, h in units:
-        # pass 1: the state entering every chunk
-        S[...] = 0 if h0 is None else h0[b, h]
-        for n0 in range(0, N, G):
-            gc = min(G, N - n0)
+    nu = len(units)
+    Sst = np.empty((nu, N + 1, K, V), dt)  # state entering every chunk (and the final state), per sequence
+    dH = np.empty((nu, K, V), dt)
+    # pass 1: the state entering every chunk (time outer, sequences inner: input rows read once)
+    for u, (b, h) in enumerate(units):
+        Sst[u, 0] = 0 if h0 is None else h0[b, h]
+    for n0 in range(0, N, G):
+        gc = min(G, N - n0)
+        for u, (b, h) in enumerate(units):
             _kn.prep_exponents(g, b, h, n0, gc, T, C, ns, c, limit, X, bad)
             np.exp(X[:gc], out=X[:gc])
             _kn.prep_state_operands(k, v, b, h, n0, gc, T, C, ns, c, X, Kd, R)
             np.matmul(Kd[:gc].transpose(0, 2, 1), R[:gc, :Cp], out=U[:gc])
-            _kn.state_store(U, X, oA, gc, S, Sst, n0)
-        Sst[N] = S
-        # pass 2: reverse time, group by group
-        dH[...] = dH_last[b, h]
-        for n0 in range(((N - 1) // G) * G, -1, -G):
-            gc = min(G, N - n0)
+            _kn.state_chain(U, X, oA, gc, Sst[u], n0)
+    # pass 2: reverse time, group by group
+    for u, (b, h) in enumerate(units):
+        dH[u] = dH_last[b, h]
+    for n0 in range(((N - 1) // G) * G, -1, -G):
+        gc = min(G, N - n0)
+        for u, (b, h) in enumerate(units):
             _kn.prep_exponents(g, b, h, n0, gc, T, C, ns, c, limit, X, bad)
             np.exp(X[:gc], out=X[:gc])
             _kn.prep_bwd_operands(q, k, v, do, b, h, n0, gc, T, C, ns, c, s, X, bad, Qp, Qe, KX, QX, Kd, Vb, dOb, LA)
             np.matmul(Qe[:gc].transpose(0, 2, 1), dOb[:gc], out=W[:gc])
-            _kn.state_bwd(W, X, oA, gc, dH, dHe)
+            _kn.state_bwd(W, X, oA, gc, dH[u], dHe)
             for i in range(ns):  # A (scaled, lower triangular) as in the forward
                 off = c * i * (i + 1) // 2
-                np.matmul(Qp[:gc, i * c : (i + 1) * c], KX[:gc, off : off + (i + 1) * c].transpose(0, 2, 1),
-                          out=LA[:gc, i * c : (i + 1) * c, : (i + 1) * c])  # fmt: skip
+                np.matmul(
+                    Qp[:gc, i * c : (i + 1) * c],
+                    KX[:gc, off : off + (i + 1) * c].transpose(0, 2, 1),
+                    out=LA[:gc, i * c : (i + 1) * c, : (i + 1) * c],
+                )
             _kn.mask_diag(LA, gc, ns, c)
             pw = _pairwise_A(q, k, g, b, h, n0, bad[:gc], geo, s, LA) if bad[:gc].any() else None
             np.matmul(dOb[:gc], Vb[:gc].transpose(0, 2, 1), out=dA[:gc])  # dO V^T (unscaled)
             _kn.mask_dA(dA, dd, gc, ns, c)
             np.matmul(LA[:gc].transpose(0, 2, 1), dOb[:gc], out=DV[:gc])
             np.matmul(Kd[:gc], dHe[:gc], out=DV2[:gc])
-            np.matmul(dOb[:gc], Sst[n0 : n0 + gc].transpose(0, 2, 1), out=M1[:gc])
+            np.matmul(dOb[:gc], Sst[u, n0 : n0 + gc].transpose(0, 2, 1), out=M1[:gc])
             for i in range(ns):
                 off = c * i * (i + 1) // 2
-                np.matmul(dA[:gc, i * c : (i + 1) * c, : (i + 1) * c], KX[:gc, off : off + (i + 1) * c],
-                          out=DQ[:gc, i * c : (i + 1) * c])  # fmt: skip
+                np.matmul(
+                    dA[:gc, i * c : (i + 1) * c, : (i + 1) * c],
+                    KX[:gc, off : off + (i + 1) * c],
+                    out=DQ[:gc, i * c : (i + 1) * c],
+                )
                 oq = _kn.qx_offset(i, ns, c)
-                np.matmul(dA[:gc, i * c :, i * c : (i + 1) * c].transpose(0, 2, 1), QX[:gc, oq : oq + (ns - i) * c],
-                          out=DK[:gc, i * c : (i + 1) * c])  # fmt: skip
+                np.matmul(
+                    dA[:gc, i * c :, i * c : (i + 1) * c].transpose(0, 2, 1),
+                    QX[:gc, oq : oq + (ns - i) * c],
+                    out=DK[:gc, i * c : (i + 1) * c],
+                )
             np.matmul(Vb[:gc], dHe[:gc].transpose(0, 2, 1), out=VdH[:gc])
             _kn.bwd_combine(X, gc, ns, c, s, M1, DQ, DK, VdH)
             if pw is not None:
                 _pairwise_dqdk(pw, c, s, dA, DQ, DK)
-            _kn.bwd_finish(q, k, b, h, n0, gc, T, C, s, X, oA, DQ, DK, VdH, dd, DV, DV2, Sst, dHe, dq, dk, dv, dg)
-        dh0[b, h] = dH
+            _kn.bwd_finish(q, k, b, h, n0, gc, T, C, s, X, oA, DQ, DK, VdH, dd, DV, DV2, Sst[u], dHe, dq, dk, dv, dg)
+    for u, (b, h) in enumerate(units):
+        dh0[b, h] = dH[u]
 
 
 def _pairwise_A(q, k, g, b, h, n0, bad, geo: _Geom, s, L):
