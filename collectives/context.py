@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
 
 __all__ = ["CommContext", "get_context", "RELAY_TAGS", "SCAN_TAG_BASE"]
@@ -44,6 +45,7 @@ class CommContext:
         self.seq = 0
         self._reversed: MPI.Comm | None = None
         self._transports: dict[Any, Any] = {}
+        self._host: Any = None
         self.cache: dict[Any, Any] = {}
 
     def next_tag(self) -> int:
@@ -60,6 +62,8 @@ class CommContext:
 
     def transport(self, like: Any = None, kind: str | None = None):
         """The (cached) transport for buffers like ``like`` on ``pcomm`` (collective on first use)."""
+        if kind is None and (like is None or type(like) is np.ndarray) and self._host is not None:
+            return self._host
         from hpczeco.backend import is_device_array
 
         from .transport import TRANSPORT_ENV, get_transport
@@ -69,6 +73,8 @@ class CommContext:
         if tr is None:
             tr = get_transport(self.pcomm, like=like, kind=kind)
             self._transports[key] = tr
+            if key == ("host",):
+                self._host = tr
         return tr
 
     def free(self) -> None:

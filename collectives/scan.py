@@ -75,6 +75,7 @@ from hpczeco.backend import get_array_module, is_device_array, to_numpy
 
 from .agree import collective_check
 from .context import RELAY_TAGS, CommContext, get_context
+from .kernels import axpy_rows
 from .transport import Transport
 
 __all__ = [
@@ -121,11 +122,21 @@ def _piece_bounds(rows: int, n: int) -> list[int]:
 
 
 def _memory(x: Any) -> str:
-    return "device" if is_device_array(x) else "host"
+    return "host" if type(x) is np.ndarray else ("device" if is_device_array(x) else "host")
 
 
 def _is_array(x: Any) -> bool:
     return isinstance(x, np.ndarray) or is_device_array(x)
+
+
+_DT_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float64): "float64"}
+
+
+def _dtype_name(x: Any) -> str:
+    dt = getattr(x, "dtype", None)
+    if dt is None:
+        return type(x).__name__
+    return _DT_NAMES.get(dt) or str(dt)
 
 
 def _check_inputs(a, S, initial, topology, blocks, reverse, first: bool, progress: str) -> None:
@@ -141,16 +152,17 @@ def _check_inputs(a, S, initial, topology, blocks, reverse, first: bool, progres
     for name, x in (("a", a), ("S", S)):
         if not _is_array(x):
             raise TypeError(f"{name} must be a numpy or cupy array, got {type(x).__name__}")
-        if str(x.dtype) not in _DTYPES:
+        if x.dtype not in _DT_NAMES:
             raise TypeError(f"{name} must be float32 or float64, got {x.dtype}")
     if a.dtype != S.dtype:
         raise TypeError(f"a and S must share one dtype, got a={a.dtype}, S={S.dtype}")
-    if _memory(a) != _memory(S):
+    mem = _memory(S)
+    if _memory(a) != mem:
         raise TypeError(f"a and S must both be host (numpy) or both device (cupy) arrays, got a on {_memory(a)}, "
-                        f"S on {_memory(S)}")
+                        f"S on {mem}")
     if a.ndim < 1:
         raise ValueError(f"a must have shape [..., K], got a scalar of shape {list(a.shape)}")
-    if S.ndim != a.ndim + 1 or tuple(S.shape[:-1]) != tuple(a.shape):
+    if S.ndim != a.ndim + 1 or S.shape[:-1] != a.shape:
         raise ValueError(f"S has shape {list(S.shape)}, expected {list(a.shape) + ['V']} (a's shape [..., K] plus V)")
     K = int(a.shape[-1])
     if a.size == 0 or S.shape[-1] == 0:
@@ -164,23 +176,26 @@ def _check_inputs(a, S, initial, topology, blocks, reverse, first: bool, progres
             raise TypeError(f"initial must be a numpy or cupy array or None, got {type(initial).__name__}")
         if initial.dtype != S.dtype:
             raise TypeError(f"initial must have S's dtype {S.dtype}, got {initial.dtype}")
-        if _memory(initial) != _memory(S):
-            raise TypeError(f"initial must live where S does ({_memory(S)}), got a {_memory(initial)} array")
-        if tuple(initial.shape) != tuple(S.shape):
+        if _memory(initial) != mem:
+            raise TypeError(f"initial must live where S does ({mem}), got a {_memory(initial)} array")
+        if initial.shape != S.shape:
             raise ValueError(f"initial has shape {list(initial.shape)}, expected S's shape {list(S.shape)}")
         _check_finite("initial", initial)
     # min/max propagate NaN: two reductions instead of an isfinite() temporary
     amin, amax = float(a.min()), float(a.max())
-    if np.isnan(amin) or np.isnan(amax):
+    if amin != amin or amax != amax:
         raise ValueError("a contains NaN")
     if not (amin >= 0.0 and amax <= 1.0):
         raise ValueError(f"a holds decays outside [0, 1] (min {amin:g}, max {amax:g})")
     _check_finite("S", S)
 
 
+_INF = float("inf")
+
+
 def _check_finite(name: str, x: Any) -> None:
     lo, hi = float(x.min()), float(x.max())
-    if not (np.isfinite(lo) and np.isfinite(hi)):
+    if not (-_INF < lo and hi < _INF):  # False for NaN too
         raise ValueError(f"{name} contains NaN or Inf")
 
 
@@ -330,9 +345,7 @@ class _Plan:
     def effective_state(self) -> Any:
         """This rank's outgoing state when it is first: ``a * initial + S`` (``S`` itself without initial)."""
         if self.pos == 0 and self.init2 is not None:
-            out = self.xp.multiply(self.init2, self.a2[:, None])
-            self.xp.add(out, self.S2, out=out)
-            return out
+            return axpy_rows(self.init2, self.a2, self.S2, self.empty((self.R, self.V)))
         return self.S2
 
     def empty(self, shape: tuple[int, ...]) -> Any:
@@ -346,8 +359,7 @@ class _Plan:
         pa, pS = _views(buf, self.R, self.V)
         pa[...] = self.a2
         if self.pos == 0 and self.init2 is not None:
-            self.xp.multiply(self.init2, self.a2[:, None], out=pS)
-            self.xp.add(pS, self.S2, out=pS)
+            axpy_rows(self.init2, self.a2, self.S2, pS)
         else:
             pS[...] = self.S2
         return buf
@@ -391,11 +403,9 @@ class _RingHandle(ScanHandle):
     def _forward(self, j: int) -> None:
         if self.last:
             return
-        p, xp = self.p, self.p.xp
+        p = self.p
         r0, r1 = self.bounds[j], self.bounds[j + 1]
-        f = self.fwd[r0:r1]
-        xp.multiply(self.out[r0:r1], p.a2[r0:r1, None], out=f)
-        xp.add(f, p.S2[r0:r1], out=f)
+        f = axpy_rows(self.out[r0:r1], p.a2[r0:r1], p.S2[r0:r1], self.fwd[r0:r1])
         self.sends.append(p.tr.isend(f, self.nxt, p.tag))
 
     def _progress(self) -> bool:
@@ -466,16 +476,14 @@ class _TreeHandle(ScanHandle):
             new = self._buffer("spare")
             na, nS = _views(new, R, V)
             pa, pS = _views(self.partial, R, V)
-            xp.multiply(tS, pa[:, None], out=nS)
-            xp.add(nS, pS, out=nS)
+            axpy_rows(tS, pa, pS, nS)
             xp.multiply(ta, pa, out=na)
             self.spare, self.partial = self.partial, new
         if self.result is None:
             self.result = T
-        else:  # result <- T o result (T is scratch afterwards)
+        else:  # result <- T o result (T is free afterwards)
             ra, rS = _views(self.result, R, V)
-            xp.multiply(tS, ra[:, None], out=tS)
-            xp.add(rS, tS, out=rS)
+            axpy_rows(tS, ra, rS, rS)
             xp.multiply(ra, ta, out=ra)
             self.tmp = T
 
@@ -522,14 +530,13 @@ class _AllgatherHandle(ScanHandle):
         self.req.wait()
 
     def _finish(self) -> Any:
-        p, xp = self.p, self.p.xp
+        p = self.p
         if p.pos == 0:
             return p.first_result()
         out = _views(self.recv[p.rank_of(0)], p.R, p.V)[1].copy()
         for q in range(1, p.pos):
             qa, qS = _views(self.recv[p.rank_of(q)], p.R, p.V)
-            xp.multiply(out, qa[:, None], out=out)
-            xp.add(out, qS, out=out)
+            axpy_rows(out, qa, qS, out)
         return out.reshape(p.shape)
 
 
@@ -547,22 +554,17 @@ def _exscan_op(R: int, V: int, dtype: np.dtype) -> tuple[MPI.Op, MPI.Datatype]:
     if hit is not None:
         return hit
     dt = np.dtype(dtype)
-    scratch: list[np.ndarray] = []
 
     def fn(inbuf, inoutbuf, datatype) -> None:  # noqa: ARG001
         x = np.frombuffer(inbuf, dtype=dt)
         y = np.frombuffer(inoutbuf, dtype=dt)
         count = x.size // (R * (V + 1))
-        if not scratch:
-            scratch.append(np.empty((R, V), dtype=dt))
-        tmp = scratch[0]
         for c in range(count):  # MPI may hand several elements at once
             xs = x[c * R * (V + 1) : (c + 1) * R * (V + 1)]
             ys = y[c * R * (V + 1) : (c + 1) * R * (V + 1)]
             xa, xS = _views(xs, R, V)
             ya, yS = _views(ys, R, V)
-            np.multiply(xS, ya[:, None], out=tmp)  # y <- x o y = (xa ya, ya xS + yS)
-            np.add(yS, tmp, out=yS)
+            axpy_rows(xS, ya, yS, yS)  # y <- x o y = (xa ya, ya xS + yS)
             np.multiply(ya, xa, out=ya)
 
     base = MPI.DOUBLE if dt == np.float64 else MPI.FLOAT
@@ -645,12 +647,12 @@ def scan_start(
     except (ValueError, TypeError) as exc:
         error, topo, nblocks = exc, None, None
     agree = {
-        "a.shape": list(getattr(a, "shape", ())),
-        "S.shape": list(getattr(S, "shape", ())),
-        "dtype": str(getattr(S, "dtype", type(S).__name__)),
+        "a.shape": tuple(getattr(a, "shape", ())),
+        "S.shape": tuple(getattr(S, "shape", ())),
+        "dtype": _dtype_name(S),
         "memory": _memory(S),
         "topology": topology,
-        "blocks": blocks,
+        "blocks": None if blocks is None or isinstance(blocks, (bool, np.bool_)) else blocks,
         "reverse": reverse,
         "topology/blocks used": (topo, nblocks),
         "transport": None if transport is None else transport.name,

@@ -13,8 +13,9 @@ Formulas (critical path; ``P`` ranks, ``k`` ring pieces, ``L = ceil(log2 P)``):
 
       T = (P + k - 2)(alpha + m beta / k) + (P + k - 3)(delta + m gamma / k)      [combines only if P > 2]
 
-  minimised near ``k* = sqrt((P - 2) m (beta + gamma) / (alpha + delta))`` (clamped to 1..K;
-  :func:`best_blocks` checks the integers around it).
+  minimised at ``k* = sqrt(m ((P - 2) beta + (P - 3) gamma) / (alpha + delta))`` -- the paper's
+  ``sqrt((P - 2) m beta / alpha)`` when combines are free (clamped to 1..K; :func:`best_blocks`
+  takes the better integer next to it).
 * serial relay (LASP-1): ``(P - 1)(alpha + m beta) + (P - 2)(delta + m gamma)`` (the ring with k = 1).
 * tree (recursive doubling): ``L`` rounds, each one send and one receive of ``m'`` and up to two
   combines, plus packing the pair once: ``L (alpha + m' beta + 2 (delta + m' gamma)) + m' gamma / 2``.
@@ -30,12 +31,13 @@ Presets (:data:`PRESETS`; rough, for predictions on machines you are not running
 * ``nvlink4``: ``alpha = 10 us`` (MPI-level point-to-point on GPU buffers including the CUDA-aware
   path's synchronisation; NCCL/UCX measurements are 5-20 us), ``1/beta = 200 GB/s`` (achieved
   GPU-GPU bandwidth over NVLink 4; the H100 NVLink peak is 450 GB/s per direction), combine at HBM
-  speed (``gamma`` from ~3 TB/s over 3 bytes moved per state byte) and ``delta = 5 us`` (a kernel launch).
+  speed (``gamma`` from ~3 TB/s over 3 bytes moved per state byte) and ``delta = 2 us`` (a kernel launch).
 * ``ib-ndr``: ``alpha = 3 us`` (InfiniBand NDR MPI latency is 1-5 us), ``1/beta = 50 GB/s``
   (400 Gb/s), GPU combine as above.
 * ``shm``: one node's shared memory through MPI from Python: ``alpha = 3 us``, ``1/beta = 8 GB/s``,
-  numpy combine ``gamma = 0.4 ns/B``, ``delta = 3 us`` -- the order of what :func:`calibrate`
-  measures on a workstation; calibrate for real numbers.
+  host combine ``gamma = 0.05 ns/B``, ``delta = 1 us`` -- the order of what :func:`calibrate`
+  measured on this project's CPU machine (MPICH 5, 2 cores: 2.1 us, 9 GB/s, 0.05 ns/B with the
+  fused Numba combine); calibrate for real numbers.
 
 :func:`calibrate` measures the running machine: ``alpha``/``beta`` by ping-pong between rank pairs
 (all pairs at once, median of repeats), ``gamma``/``delta`` by timing the combine.
@@ -66,6 +68,8 @@ __all__ = [
     "predict",
     "choose",
     "calibrate",
+    "predict_hier",
+    "measure_combine",
     "LINK_ENV",
 ]
 
@@ -100,9 +104,9 @@ class LinkParams:
 
 _HBM_GAMMA = 3.0 / 3.0e12  # 3 bytes moved per state byte at ~3 TB/s
 PRESETS: dict[str, LinkParams] = {
-    "nvlink4": LinkParams(alpha=10e-6, beta=1 / 200e9, gamma=_HBM_GAMMA, delta=5e-6, name="nvlink4"),
-    "ib-ndr": LinkParams(alpha=3e-6, beta=1 / 50e9, gamma=_HBM_GAMMA, delta=5e-6, name="ib-ndr"),
-    "shm": LinkParams(alpha=3e-6, beta=1 / 8e9, gamma=0.4e-9, delta=3e-6, name="shm"),
+    "nvlink4": LinkParams(alpha=10e-6, beta=1 / 200e9, gamma=_HBM_GAMMA, delta=2e-6, name="nvlink4"),
+    "ib-ndr": LinkParams(alpha=3e-6, beta=1 / 50e9, gamma=_HBM_GAMMA, delta=2e-6, name="ib-ndr"),
+    "shm": LinkParams(alpha=3e-6, beta=1 / 8e9, gamma=0.05e-9, delta=1e-6, name="shm"),
 }
 
 _DEFAULT: LinkParams | None = None
@@ -182,15 +186,18 @@ def ring_time(P: int, nbytes: float, k: int, params: LinkParams) -> float:
 def _best_blocks(P: int, nbytes: float, K: int, params: LinkParams) -> int:
     if P <= 2 or K <= 1:
         return 1
+    # ring_time = const + k (alpha + delta) + m ((P - 2) beta + (P - 3) gamma) / k: convex in k
     a = params.alpha + params.delta
-    b = params.beta + params.gamma
-    kstar = math.sqrt((P - 2) * nbytes * b / a) if a > 0 else float(K)
+    b = (P - 2) * params.beta + (P - 3) * params.gamma
+    kstar = math.sqrt(nbytes * b / a) if a > 0 else float(K)
     cands = {1, K, max(1, min(K, math.floor(kstar))), max(1, min(K, math.ceil(kstar)))}
     return min(sorted(cands), key=lambda k: ring_time(P, nbytes, k, params))
 
 
 def best_blocks(P: int, nbytes: float, K: int, params: LinkParams) -> int:
-    """The ring's best piece count in 1..K (near ``sqrt((P-2) m (beta+gamma) / (alpha+delta))``)."""
+    """The ring's best piece count in 1..K: the integer next to
+    ``k* = sqrt(m ((P-2) beta + (P-3) gamma) / (alpha + delta))`` (the paper's ``sqrt((P-2) m beta / alpha)``
+    when combines are free); 1 for ``P <= 2``."""
     _check(P, nbytes)
     if K < 1:
         raise ValueError(f"K must be >= 1, got {K}")
@@ -310,22 +317,33 @@ def _pingpong(comm, peer: int, lead: bool, nbytes: int, repeats: int, dtype: Any
 
 
 def measure_combine(nbytes: int, repeats: int = 20, dtype: Any = "float32", V: int = 128) -> float:
-    """Median seconds of one in-place combine ``f = a * X; f += S`` on ``nbytes`` of state (numpy)."""
+    """Median seconds of one combine ``f = a * X + S`` on ``nbytes`` of state, with the kernel the scans
+    use (:func:`hpczeco.collectives.kernels.axpy_rows`: fused Numba loop on the host)."""
     import numpy as np  # noqa: PLC0415
 
+    from hpczeco.collectives.kernels import axpy_rows  # noqa: PLC0415
+
     n = max(1, nbytes // np.dtype(dtype).itemsize)
+    V = min(V, n)
     rows = max(1, n // V)
     X = np.ones((rows, V), dtype=dtype)
     S = np.ones_like(X)
     f = np.empty_like(X)
     a = np.full(rows, 0.5, dtype=dtype)
+    axpy_rows(X, a, S, f)  # compile / warm up
     times = []
-    for _ in range(repeats + 1):
+    for _ in range(repeats):
         t0 = time.perf_counter()
-        np.multiply(X, a[:, None], out=f)
-        np.add(f, S, out=f)
+        axpy_rows(X, a, S, f)
         times.append(time.perf_counter() - t0)
-    return _median(times[1:])
+    return _median(times)
+
+
+def _sleep_barrier(comm) -> None:
+    """A barrier that yields the CPU while waiting (oversubscribed ranks do not steal the pingers' cores)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(50e-6)
 
 
 def calibrate(
@@ -336,11 +354,12 @@ def calibrate(
 ) -> LinkParams:
     """Measure ``LinkParams`` on the running machine (collective over ``comm``; same result on every rank).
 
-    ``alpha``: half the round trip of the smallest message; ``beta``: the median over the larger
-    sizes of ``(t - alpha) / size``. Ranks are paired (0,1), (2,3), ... and all pairs ping-pong at
-    once (as in a ring step everybody communicates); the medians over repeats and over pairs are
-    used. ``gamma``/``delta``: timing the numpy combine at the largest and smallest size. One rank
-    alone measures ``alpha = beta = 0`` (no link).
+    ``alpha``: half the round trip of the smallest message; ``beta``: the median over the sizes of
+    64 KiB and more (else all larger ones) of ``(t - alpha) / size``. Ranks are paired (0,1), (2,3),
+    ... and all pairs ping-pong at once (as in a ring step everybody communicates); a rank without
+    a partner waits in a sleeping barrier. Medians over repeats and over pairs; rank 0's numbers
+    are broadcast. ``gamma``/``delta``: timing the scans' combine kernel at the largest and a tiny
+    size. One rank alone measures ``alpha = beta = 0`` (no link).
     """
     sizes = tuple(sorted(int(s) for s in sizes))
     if len(sizes) < 2 or sizes[0] <= 0:
@@ -354,18 +373,21 @@ def calibrate(
             active = peer < P
             res: dict[int, float] = {}
             for s in sizes:
-                c.Barrier()
+                _sleep_barrier(c)
                 if active:
                     res[s] = _median(_pingpong(c, peer, rank % 2 == 0, s, repeats, dtype))
+            _sleep_barrier(c)
             mine = res if active else None
             everyone = [r for r in c.allgather(mine) if r is not None]
             med = {s: _median([r[s] for r in everyone]) for s in sizes}
             alpha = med[sizes[0]]
             big = [s for s in sizes[1:] if s >= 64 * 1024] or list(sizes[1:])
             beta = max(0.0, _median([(med[s] - alpha) / (s - sizes[0]) for s in big]))
-        g_big = measure_combine(sizes[-1], repeats, dtype)
-        delta = measure_combine(64, repeats, dtype)
-        gamma = max(0.0, (g_big - delta) / sizes[-1])
+        if rank == 0:
+            g_big = measure_combine(sizes[-1], repeats, dtype)
+            delta = measure_combine(64, repeats, dtype)
+            gamma = max(0.0, (g_big - delta) / sizes[-1])
+        _sleep_barrier(c)
         vals = c.bcast((alpha, beta, gamma, delta) if rank == 0 else None, root=0)
     finally:
         c.Free()
@@ -375,3 +397,54 @@ def calibrate(
 def with_name(params: LinkParams, name: str) -> LinkParams:
     """``params`` renamed."""
     return replace(params, name=name)
+
+
+# --------------------------------------------------------------------------- two-level machines
+
+
+def _hop(p: LinkParams, piece: float) -> float:
+    return p.alpha + piece * p.beta
+
+
+def predict_hier(
+    topology: str,
+    P: int,
+    nbytes: float,
+    intra: LinkParams,
+    inter: LinkParams,
+    per_node: int,
+    *,
+    blocks: int | None = None,
+    K: int = 128,
+    V: int = 128,
+) -> tuple[float, int | None]:
+    """``(seconds, blocks)`` on nodes of ``per_node`` ranks: ``intra`` links inside a node, ``inter`` across.
+
+    Ranks are numbered node by node. Ring: piece 0 crosses ``P - 1`` hops (``ceil(P/per_node) - 1``
+    of them between nodes) and ``P - 2`` combines; the other pieces trail at the slowest stage.
+    Tree and allgather: once ``P > per_node`` every round has a pair across nodes, so rounds cost
+    ``inter``. Combines use ``intra``'s ``gamma``/``delta`` (the compute is the same device).
+    """
+    if per_node < 1:
+        raise ValueError(f"per_node must be >= 1, got {per_node}")
+    if P <= per_node:
+        k = (best_blocks(P, nbytes, K, intra) if blocks is None else blocks) if topology == "ring" else None
+        return predict(topology, P, nbytes, intra, blocks=k, K=K, V=V), k
+    n_inter = -(-P // per_node) - 1
+    n_intra = P - 1 - n_inter
+    cmb = intra
+
+    def ring(k: int) -> float:
+        piece = nbytes / k
+        first = n_intra * _hop(intra, piece) + n_inter * _hop(inter, piece) + (P - 2) * (cmb.delta + piece * cmb.gamma)
+        stage = _hop(inter, piece) + cmb.delta + piece * cmb.gamma
+        return first + (k - 1) * stage
+
+    if topology in ("ring", "serial"):
+        if topology == "serial":
+            return ring(1), 1
+        if blocks is None:
+            blocks = min(range(1, K + 1), key=ring)
+        return ring(blocks), blocks
+    merged = LinkParams(inter.alpha, inter.beta, cmb.gamma, cmb.delta, name=f"{inter.name}+{intra.name}")
+    return predict(topology, P, nbytes, merged, K=K, V=V), None

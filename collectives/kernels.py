@@ -1,0 +1,73 @@
+"""The scan's one arithmetic kernel: ``out[r, :] = a[r] * X[r, :] + S[r, :]`` on ``[R, V]`` rows.
+
+Host (numpy) arrays use a fused Numba loop (one pass, no temporary, releases the GIL) when Numba
+is importable and the arrays are C-contiguous float32/float64 of one dtype; ``out`` may be ``X``
+or ``S`` (element-wise, each element is read before it is written). Anything else -- CuPy arrays,
+strided views, no Numba -- uses the arrays' own module (``xp.multiply``/``xp.add``), never numpy
+on device arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hpczeco.backend import get_array_module
+
+__all__ = ["axpy_rows", "numba_available"]
+
+_FUSED: Any = None  # None: not tried yet; False: unavailable
+
+
+def _load() -> Any:
+    global _FUSED
+    if _FUSED is None:
+        try:
+            import numba  # noqa: PLC0415 - imported on first use (slow import)
+
+            @numba.njit(cache=True, nogil=True, boundscheck=False)
+            def fused(X, a, S, out):  # pragma: no cover - compiled
+                R, V = X.shape
+                for r in range(R):
+                    ar = a[r]
+                    for v in range(V):
+                        out[r, v] = ar * X[r, v] + S[r, v]
+
+            _FUSED = fused
+        except Exception:  # numba missing or broken: numpy fallback
+            _FUSED = False
+    return _FUSED
+
+
+def numba_available() -> bool:
+    """True when the fused host kernel is used."""
+    return bool(_load())
+
+
+def _fusable(*arrays: np.ndarray) -> bool:
+    dt = arrays[0].dtype
+    for x in arrays:
+        if type(x) is not np.ndarray or x.dtype != dt or not x.flags.c_contiguous:
+            return False
+    return dt == np.float32 or dt == np.float64
+
+
+def axpy_rows(X: Any, a: Any, S: Any, out: Any) -> Any:
+    """``out = a[:, None] * X + S`` for ``X, S, out [R, V]`` and ``a [R]``; returns ``out``.
+
+    ``out`` may be the same array as ``X`` or ``S``.
+    """
+    if X.ndim == 2 and a.ndim == 1 and _fusable(X, S, out) and type(a) is np.ndarray and a.dtype == X.dtype:
+        fused = _load()
+        if fused:
+            fused(X, a, S, out)
+            return out
+    xp = get_array_module(X, S, out)
+    if out is S or (xp is np and np.shares_memory(out, S)):
+        tmp = xp.multiply(X, a[:, None])
+        xp.add(tmp, S, out=out)
+    else:
+        xp.multiply(X, a[:, None], out=out)
+        xp.add(out, S, out=out)
+    return out

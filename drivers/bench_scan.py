@@ -1,0 +1,367 @@
+"""`hpczeco bench scan`: ring All-Scan vs tree vs allgather / serial relay / MPI_Exscan, beside the cost model.
+
+Run under MPI, e.g. ``mpiexec -n 8 python -m hpczeco bench scan --out runs/scan``. For every state
+size (``--sizes``, default 4 KiB .. 64 MiB; state ``[H, K, V]`` with ``V=128``, ``K = min(128, rows)``,
+so 1 MiB float32 is ``H=16, K=V=128``) and every topology (the ring with the cost model's blocks
+and with a few fixed ``--blocks``, tree, allgather, serial, exscan) it times ``scan()``: every
+repeat starts at a barrier and counts the slowest rank (max over ranks); the median over
+``--repeats`` (after ``--warmup``) is reported next to the cost model's prediction from link
+parameters calibrated in the same run (``--no-calibrate``: ``--link`` instead). Rank 0 prints a
+table and writes ``scan_P{P}.json``, ``scan_P{P}.csv`` and ``scan_P{P}.png`` into ``--out``: one
+file set per rank count, so runs at several P share a folder (``hpczeco report`` merges them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as _dt
+import json
+import os
+import platform
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
+DEFAULT_TOPOLOGIES = "ring,tree,allgather,serial,exscan"
+
+
+def parse_size(text: str) -> int:
+    """``"4K"``, ``"1M"``, ``"64MiB"``, ``"4096"`` -> bytes."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    num = t[:-1] if t[-1:] in "KMG" else t
+    try:
+        val = int(float(num) * mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (e.g. 4K, 1M, 64M, 4096)") from None
+    if val <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return val
+
+
+def fmt_size(n: float) -> str:
+    for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            v = n / div
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def state_shape(nbytes: int, itemsize: int, V: int = 128, Kmax: int = 128) -> tuple[int, int, int]:
+    """``(H, K, V)`` of about ``nbytes``: ``rows = nbytes / (V * itemsize)``, ``K = min(Kmax, rows)``."""
+    rows = max(1, nbytes // (V * itemsize))
+    K = min(Kmax, rows)
+    H = max(1, rows // K)
+    return H, K, V
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter, epilog=__doc__)
+    ap.add_argument("--sizes", default=DEFAULT_SIZES, help="state sizes in bytes per rank (K/M suffixes)")
+    ap.add_argument("--topologies", default=DEFAULT_TOPOLOGIES,
+                    help="comma list of ring,tree,allgather,serial,exscan,auto")
+    ap.add_argument("--blocks", default="4,16,64",
+                    help="extra fixed ring piece counts (each <= K; the model's choice always runs as 'ring')")
+    ap.add_argument("--repeats", type=int, default=15, help="timed repeats per point (median reported)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed repeats before timing")
+    ap.add_argument("--time-limit", type=float, default=3.0,
+                    help="stop repeating a point after this many seconds (at least 3 timed repeats)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
+    ap.add_argument("--V", type=int, default=128, help="state columns V (value head dim)")
+    ap.add_argument("--K", type=int, default=128, help="largest key dim K (rows per head)")
+    cal = ap.add_mutually_exclusive_group()
+    cal.add_argument("--calibrate", dest="calibrate", action="store_true", default=True,
+                     help="measure alpha/beta/gamma on this machine first")
+    cal.add_argument("--no-calibrate", dest="calibrate", action="store_false", help="use --link instead")
+    ap.add_argument("--link", default="shm", help="link preset or 'alpha,beta[,gamma[,delta]]' without calibration")
+    ap.add_argument("--max-gather-mib", type=float, default=1024.0,
+                    help="skip allgather/exscan points whose P*state exceeds this per rank (memory)")
+    ap.add_argument("--overlap-ms", type=float, default=0.0,
+                    help="also measure overlap: ring scan_start, this much compute, wait; poll vs progress thread")
+    ap.add_argument("--overlap-size", default="4M", help="state size for --overlap-ms")
+    ap.add_argument("--out", default="runs/bench_scan", help="output folder (one scan_P{P}.* set per rank count)")
+    ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    return ap
+
+
+def machine_info() -> dict[str, Any]:
+    from mpi4py import MPI
+
+    info: dict[str, Any] = {
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "mpi": MPI.Get_library_version().strip().splitlines()[0],
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return info
+
+
+def exscan_algorithm() -> str:
+    """How this MPI implements MPI_Exscan for the model: Open MPI's coll/basic is linear."""
+    from mpi4py import MPI
+
+    return "linear" if "Open MPI" in MPI.Get_library_version() else "recursive_doubling"
+
+
+def time_point(comm, fn, repeats: int, warmup: int, limit: float) -> list[float]:
+    """Max-over-ranks seconds of ``fn()`` per repeat (barrier-synchronised start). Collective."""
+    from mpi4py import MPI
+
+    buf = np.zeros(1)
+    times: list[float] = []
+    spent = 0.0
+    for i in range(warmup + repeats):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        buf[0] = time.perf_counter() - t0
+        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+        spent += float(buf[0])  # the same on every rank: the stop decision is collective
+        if i >= warmup:
+            times.append(float(buf[0]))
+            if len(times) >= 3 and spent > limit:
+                break
+    return times
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from hpczeco.collectives import scan_start
+    from mpi4py import MPI
+
+    from hpczeco import costmodel
+
+    comm = MPI.COMM_WORLD
+    P, rank = comm.Get_size(), comm.Get_rank()
+    dtype = np.dtype(args.dtype)
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    topos = [t.strip() for t in args.topologies.split(",") if t.strip()]
+    bad = [t for t in topos if t not in ("ring", "tree", "allgather", "serial", "exscan", "auto")]
+    if bad:
+        raise SystemExit(f"unknown topologies {bad}")
+    fixed_blocks = [int(b) for b in args.blocks.split(",") if b.strip()] if "ring" in topos else []
+
+    if args.calibrate:
+        params = costmodel.calibrate(comm, sizes=(8, 64 << 10, 1 << 20, 4 << 20), dtype=args.dtype)
+    else:
+        params = costmodel.parse_link(args.link)
+    costmodel.set_default_params(params)  # blocks=None / "auto" use the same numbers as the predictions
+    alg = exscan_algorithm()
+    if rank == 0:
+        print(f"bench scan: P={P} ranks, {args.dtype}, {params.describe()}, exscan modelled as {alg}", flush=True)
+
+    rng = np.random.default_rng(1234 + rank)
+    results: list[dict[str, Any]] = []
+    for size in sizes:
+        H, K, V = state_shape(size, dtype.itemsize, args.V, args.K)
+        nbytes = H * K * V * dtype.itemsize
+        a = rng.uniform(0.5, 1.0, (H, K)).astype(dtype)
+        S = rng.standard_normal((H, K, V)).astype(dtype)
+        labels: list[tuple[str, str, int | None]] = []
+        for t in topos:
+            labels.append((t, t, None))
+            if t == "ring":
+                labels += [(f"ring/k={b}", "ring", b) for b in fixed_blocks if b <= K]
+        for label, topo, blocks in labels:
+            if topo in ("allgather", "exscan") and P * nbytes > args.max_gather_mib * (1 << 20):
+                if rank == 0:
+                    print(f"  skip {label} at {fmt_size(nbytes)}: P*state > --max-gather-mib", flush=True)
+                continue
+            used: dict[str, Any] = {}
+
+            def fn(topo=topo, blocks=blocks, used=used, a=a, S=S):
+                h = scan_start(a, S, comm, topology=topo, blocks=blocks)
+                h.wait()
+                used["topology"], used["blocks"] = h.topology, h.blocks
+
+            times = time_point(comm, fn, args.repeats, args.warmup, args.time_limit)
+            t_topo, t_blocks = used["topology"], used["blocks"]
+            model = costmodel.predict(t_topo, P, nbytes, params, blocks=t_blocks, K=K, V=V, exscan_algorithm=alg)
+            row = {
+                "P": P, "label": label, "topology": t_topo, "blocks": t_blocks, "nbytes": nbytes,
+                "shape": [H, K, V], "median_s": float(np.median(times)), "min_s": float(np.min(times)),
+                "mean_s": float(np.mean(times)), "repeats": len(times), "model_s": model,
+            }
+            results.append(row)
+            if rank == 0:
+                print(f"  {fmt_size(nbytes):>8s} {label:12s} k={t_blocks!s:>4s} median {row['median_s'] * 1e3:9.3f} ms"
+                      f"  model {model * 1e3:9.3f} ms  ({len(times)} reps)", flush=True)
+    overlap = overlap_experiment(comm, args, dtype) if args.overlap_ms > 0 else None
+    return {
+        "bench": "scan",
+        "P": P,
+        "dtype": args.dtype,
+        "oversubscribed": P > (os.cpu_count() or P),
+        "machine": machine_info(),
+        "params": params.as_dict(),
+        "calibrated": bool(args.calibrate),
+        "exscan_algorithm": alg,
+        "args": vars(args),
+        "results": results,
+        "overlap": overlap,
+    }
+
+
+def _busy(x: np.ndarray, y: np.ndarray, iters: int) -> None:
+    for _ in range(iters):
+        np.sin(x, out=y)  # releases the GIL
+
+
+def overlap_experiment(comm, args: argparse.Namespace, dtype: np.dtype) -> dict[str, Any]:
+    """Ring scan overlapped with local compute: ``scan_start``, compute, ``wait``.
+
+    Variants: "scan only", "compute only", "sequential" (scan, then compute), "poll" (start,
+    compute without calling test(), wait), "poll+test" (compute in 8 slices, test() between), and
+    "thread" (``progress="thread"``). Median of max-over-ranks times.
+    """
+    from hpczeco.collectives import scan_start
+
+    size = parse_size(args.overlap_size)
+    H, K, V = state_shape(size, dtype.itemsize, args.V, args.K)
+    rng = np.random.default_rng(7)
+    a = rng.uniform(0.5, 1.0, (H, K)).astype(dtype)
+    S = rng.standard_normal((H, K, V)).astype(dtype)
+    x = rng.standard_normal(1 << 16)
+    y = np.empty_like(x)
+    t0 = time.perf_counter()
+    _busy(x, y, 20)
+    per = (time.perf_counter() - t0) / 20
+    iters = max(8, int(args.overlap_ms * 1e-3 / per))
+    iters = int(comm.allreduce(iters) // comm.Get_size())
+    blocks = min(K, 16)
+
+    def scan_only():
+        scan_start(a, S, comm, topology="ring", blocks=blocks).wait()
+
+    def compute_only():
+        _busy(x, y, iters)
+
+    def sequential():
+        scan_only()
+        compute_only()
+
+    def poll():
+        h = scan_start(a, S, comm, topology="ring", blocks=blocks)
+        _busy(x, y, iters)
+        h.wait()
+
+    def poll_test():
+        h = scan_start(a, S, comm, topology="ring", blocks=blocks)
+        for _ in range(8):
+            _busy(x, y, iters // 8)
+            h.test()
+        h.wait()
+
+    def thread():
+        h = scan_start(a, S, comm, topology="ring", blocks=blocks, progress="thread")
+        _busy(x, y, iters)
+        h.wait()
+
+    out: dict[str, Any] = {"nbytes": H * K * V * dtype.itemsize, "blocks": blocks, "compute_iters": iters}
+    for name, fn in (("scan only", scan_only), ("compute only", compute_only), ("sequential", sequential),
+                     ("poll", poll), ("poll+test", poll_test), ("thread", thread)):
+        out[name] = float(np.median(time_point(comm, fn, args.repeats, args.warmup, args.time_limit)))
+    if comm.Get_rank() == 0:
+        print(f"\noverlap: ring k={blocks}, {fmt_size(out['nbytes'])} state, ~{args.overlap_ms} ms compute per rank")
+        for k in ("scan only", "compute only", "sequential", "poll", "poll+test", "thread"):
+            print(f"  {k:13s} {out[k] * 1e3:9.3f} ms")
+    return out
+
+
+def print_table(data: dict[str, Any]) -> None:
+    res = data["results"]
+    labels = list(dict.fromkeys(r["label"] for r in res))
+    sizes = sorted({r["nbytes"] for r in res})
+    by = {(r["label"], r["nbytes"]): r for r in res}
+    print(f"\nscan time, P={data['P']} ({data['dtype']}), median of max-over-ranks; ms measured / model")
+    head = f"{'state':>9s} " + " ".join(f"{lab:>19s}" for lab in labels)
+    print(head)
+    for s in sizes:
+        cells = []
+        for lab in labels:
+            r = by.get((lab, s))
+            cells.append(f"{r['median_s'] * 1e3:9.3f} /{r['model_s'] * 1e3:8.3f}" if r else f"{'-':>19s}")
+        print(f"{fmt_size(s):>9s} " + " ".join(cells))
+    # best per size
+    print("\nfastest per size: " + ", ".join(
+        f"{fmt_size(s)}: {min((r for r in res if r['nbytes'] == s), key=lambda r: r['median_s'])['label']}"
+        for s in sizes))
+
+
+def write_outputs(data: dict[str, Any], out: Path, plot: bool = True) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    P = data["P"]
+    paths = [out / f"scan_P{P}.json", out / f"scan_P{P}.csv"]
+    paths[0].write_text(json.dumps(data, indent=1))
+    keys = ["P", "label", "topology", "blocks", "nbytes", "median_s", "min_s", "mean_s", "repeats", "model_s"]
+    with open(paths[1], "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        for r in data["results"]:
+            w.writerow(r)
+    if plot:
+        png = out / f"scan_P{P}.png"
+        plot_sizes(data, png)
+        paths.append(png)
+    return paths
+
+
+def plot_sizes(data: dict[str, Any], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = data["results"]
+    labels = list(dict.fromkeys(r["label"] for r in res))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, lab in enumerate(labels):
+        rows = sorted((r for r in res if r["label"] == lab), key=lambda r: r["nbytes"])
+        x = [r["nbytes"] for r in rows]
+        color = f"C{i % 10}"
+        ax.plot(x, [r["median_s"] * 1e3 for r in rows], "o-", color=color, label=lab)
+        ax.plot(x, [r["model_s"] * 1e3 for r in rows], "--", color=color, alpha=0.7)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("state bytes per rank")
+    ax.set_ylabel("time per scan (ms)")
+    over = " (oversubscribed)" if data.get("oversubscribed") else ""
+    ax.set_title(f"exclusive scan over P={data['P']} ranks{over}; dashed: cost model")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None, prog: str = "hpczeco bench scan") -> int:
+    args = build_parser(prog).parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0:
+        raise SystemExit("--repeats must be >= 1 and --warmup >= 0")
+    from mpi4py import MPI
+
+    data = run(args)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print_table(data)
+        paths = write_outputs(data, Path(args.out), plot=not args.no_plot)
+        print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

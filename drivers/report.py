@@ -1,0 +1,267 @@
+"""`hpczeco report`: a Markdown report of ring All-Scan vs tree vs the baselines, with plots.
+
+Reads every ``scan_P*.json`` written by ``hpczeco bench scan`` in ``--in`` (runs at several P may
+share the folder). With none there it first runs a short bench itself (``mpiexec -n P`` for each
+``--np``; sizes ``--sizes``). Writes ``report.md`` with one table per P (measured median vs cost
+model), the fastest topology per size, ring/tree crossovers, the ring-vs-baseline ratios at 1 MiB,
+and PNG plots: time vs state size (one panel per P) and time vs P at a few sizes, where the model
+curves continue past the measured P (to ``--model-max-p``) with the calibration of the largest run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from hpczeco.drivers.bench_scan import fmt_size
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--in", dest="inp", default="runs/bench_scan", help="folder with scan_P*.json files")
+    ap.add_argument("--out", default="runs/report", help="folder for report.md and the PNGs")
+    ap.add_argument("--np", default="2,4", help="rank counts of the short bench run when --in has no results")
+    ap.add_argument("--sizes", default="4K,64K,1M", help="state sizes of that short bench")
+    ap.add_argument("--model-max-p", type=int, default=256, help="model curves up to this P")
+    ap.add_argument("--mpiexec", default=None, help="mpiexec to use for the short bench (default: found on PATH)")
+    return ap
+
+
+def load(folder: Path) -> list[dict[str, Any]]:
+    runs = []
+    for f in sorted(folder.glob("scan_P*.json")):
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            print(f"report: skipping {f}: {exc}", file=sys.stderr)
+            continue
+        if data.get("bench") == "scan" and data.get("results"):
+            data["_file"] = f.name
+            runs.append(data)
+    return sorted(runs, key=lambda d: d["P"])
+
+
+def _find_mpiexec(explicit: str | None) -> str | None:
+    if explicit:
+        return explicit
+    local = Path(sys.executable).parent / "mpiexec"
+    if local.exists():
+        return str(local)
+    return shutil.which("mpiexec") or shutil.which("mpirun")
+
+
+def run_short_bench(folder: Path, nps: list[int], sizes: str, mpiexec: str | None) -> None:
+    """``mpiexec -n P python -m hpczeco bench scan`` (short) for each P; in-process with one rank if no mpiexec."""
+    folder.mkdir(parents=True, exist_ok=True)
+    common = ["--sizes", sizes, "--repeats", "5", "--warmup", "2", "--time-limit", "1", "--blocks", "4",
+              "--out", str(folder)]
+    exe = _find_mpiexec(mpiexec)
+    if exe is None:
+        print("report: no mpiexec found; running the short bench in this process (P=1)", file=sys.stderr)
+        from hpczeco.drivers import bench_scan
+
+        bench_scan.main(common)
+        return
+    env = dict(os.environ)
+    env.setdefault("HYDRA_LAUNCHER", "fork")
+    env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "true")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
+    env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
+    for P in nps:
+        cmd = [exe, "-n", str(P), sys.executable, "-m", "hpczeco", "bench", "scan", *common]
+        print("report: " + " ".join(cmd), flush=True)
+        subprocess.run(cmd, env=env, check=True, timeout=900)
+
+
+def _by(run: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
+    return {(r["label"], r["nbytes"]): r for r in run["results"]}
+
+
+def table_md(run: dict[str, Any]) -> list[str]:
+    res = run["results"]
+    labels = list(dict.fromkeys(r["label"] for r in res))
+    sizes = sorted({r["nbytes"] for r in res})
+    by = _by(run)
+    lines = ["| state | " + " | ".join(labels) + " | fastest |", "|---|" + "---|" * (len(labels) + 1)]
+    for s in sizes:
+        cells = []
+        for lab in labels:
+            r = by.get((lab, s))
+            if r is None:
+                cells.append("-")
+            else:
+                k = f" (k={r['blocks']})" if r["topology"] == "ring" and lab == "ring" else ""
+                cells.append(f"{r['median_s'] * 1e3:.3f} / {r['model_s'] * 1e3:.3f}{k}")
+        best = min((r for r in res if r["nbytes"] == s), key=lambda r: r["median_s"])["label"]
+        lines.append(f"| {fmt_size(s)} | " + " | ".join(cells) + f" | {best} |")
+    return lines
+
+
+def crossover(run: dict[str, Any], a: str = "tree", b: str = "ring") -> str:
+    """Largest size at which ``a`` is still faster than ``b`` (measured)."""
+    by = _by(run)
+    sizes = sorted({r["nbytes"] for r in run["results"]})
+    wins = [s for s in sizes if (a, s) in by and (b, s) in by and by[(a, s)]["median_s"] < by[(b, s)]["median_s"]]
+    if not wins:
+        return f"{a} never faster than {b}"
+    return f"{a} faster than {b} at " + ", ".join(fmt_size(s) for s in wins)
+
+
+def ratios(run: dict[str, Any], size: int = 1 << 20) -> str:
+    by = _by(run)
+    ring = by.get(("ring", size))
+    if ring is None:
+        return "no 1 MiB point"
+    parts = [f"ring {ring['median_s'] * 1e3:.3f} ms (model {ring['model_s'] * 1e3:.3f}, "
+             f"measured/model {ring['median_s'] / ring['model_s']:.2f})" if ring["model_s"] > 0 else ""]
+    for other in ("tree", "allgather", "serial", "exscan"):
+        r = by.get((other, size))
+        if r:
+            parts.append(f"{other}/ring {r['median_s'] / ring['median_s']:.2f}x")
+    return "; ".join(p for p in parts if p)
+
+
+def plot_sizes(runs: list[dict[str, Any]], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(runs)
+    cols = min(3, n)
+    rws = -(-n // cols)
+    fig, axes = plt.subplots(rws, cols, figsize=(5.5 * cols, 4 * rws), squeeze=False)
+    for ax, run in zip(axes.flat, runs):
+        res = run["results"]
+        for i, lab in enumerate(dict.fromkeys(r["label"] for r in res)):
+            rows = sorted((r for r in res if r["label"] == lab), key=lambda r: r["nbytes"])
+            x = [r["nbytes"] for r in rows]
+            ax.plot(x, [r["median_s"] * 1e3 for r in rows], "o-", color=f"C{i % 10}", label=lab, ms=3)
+            ax.plot(x, [r["model_s"] * 1e3 for r in rows], "--", color=f"C{i % 10}", alpha=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"P={run['P']}" + (" (oversubscribed)" if run.get("oversubscribed") else ""), fontsize=10)
+        ax.set_xlabel("state bytes per rank")
+        ax.set_ylabel("ms per scan")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.suptitle("exclusive scan: measured (solid) vs cost model (dashed)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def plot_over_p(runs: list[dict[str, Any]], png: Path, max_p: int) -> list[int]:
+    """Time vs P at a few state sizes: measured points and model lines to ``max_p``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hpczeco import costmodel as cm
+
+    all_sizes = sorted({r["nbytes"] for run in runs for r in run["results"]})
+    wanted = [s for s in (16 << 10, 1 << 20, 16 << 20) if s in all_sizes]
+    wanted = wanted or all_sizes[:: max(1, len(all_sizes) // 3)][:3]
+    ref = runs[-1]
+    params = cm.LinkParams(**ref["params"])
+    alg = ref.get("exscan_algorithm", "recursive_doubling")
+    topos = ("ring", "tree", "allgather", "serial", "exscan")
+    Pmod = sorted({2 ** i for i in range(1, max(2, max_p).bit_length())} | {run["P"] for run in runs})
+    fig, axes = plt.subplots(1, len(wanted), figsize=(5.5 * len(wanted), 4), squeeze=False)
+    for ax, size in zip(axes.flat, wanted):
+        shape = next(r["shape"] for run in runs for r in run["results"] if r["nbytes"] == size)
+        K, V = shape[1], shape[2]
+        for i, t in enumerate(topos):
+            pts = [(run["P"], _by(run).get((t, size))) for run in runs]
+            pts = [(P, r["median_s"] * 1e3) for P, r in pts if r is not None]
+            if pts:
+                ax.plot(*zip(*pts), "o", color=f"C{i}", label=f"{t} measured")
+            ax.plot(Pmod, [cm.predict(t, P, size, params, K=K, V=V, exscan_algorithm=alg) * 1e3 for P in Pmod],
+                    "--", color=f"C{i}", alpha=0.7, label=f"{t} model")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks P")
+        ax.set_ylabel("ms per scan")
+        ax.set_title(f"state {fmt_size(size)} per rank", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6, ncol=2)
+    fig.suptitle(f"scan time over P; model with the P={ref['P']} calibration ({params.describe()})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return wanted
+
+
+def write_report(runs: list[dict[str, Any]], out: Path, max_p: int) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    plot_sizes(runs, out / "scan_sizes.png")
+    sizes_over_p = plot_over_p(runs, out / "scan_over_p.png", max_p)
+    m = runs[-1]["machine"]
+    lines = [
+        "# Exclusive scan over ranks: ring All-Scan vs tree vs baselines",
+        "",
+        f"Machine: {m.get('host')} ({m.get('cpu', '?')}, {m.get('cpus')} CPUs), {m.get('mpi')}, "
+        f"Python {m.get('python')}; runs from {', '.join(sorted({r['machine'].get('date', '?') for r in runs}))}.",
+        "",
+        "Times are the median over repeats of the slowest rank (barrier-synchronised start), in ms, as "
+        "`measured / model`; the model uses the link parameters calibrated in the same run.",
+        "",
+        "| P | oversubscribed | dtype | calibration | exscan modelled as |",
+        "|---|---|---|---|---|",
+    ]
+    from hpczeco import costmodel as cm
+
+    for run in runs:
+        desc = cm.LinkParams(**run["params"]).describe()
+        lines.append(f"| {run['P']} | {run.get('oversubscribed')} | {run['dtype']} | {desc} | "
+                     f"{run.get('exscan_algorithm')} |")
+    for run in runs:
+        lines += ["", f"## P = {run['P']}", ""] + table_md(run)
+        lines += ["", f"- {crossover(run)}", f"- at 1 MiB: {ratios(run)}"]
+    lines += [
+        "",
+        "## Plots",
+        "",
+        "![time vs state size](scan_sizes.png)",
+        "",
+        f"![time vs P at {', '.join(fmt_size(s) for s in sizes_over_p)}](scan_over_p.png)",
+        "",
+    ]
+    md = out / "report.md"
+    md.write_text("\n".join(lines))
+    return md
+
+
+def main(argv: list[str] | None = None, prog: str = "hpczeco report") -> int:
+    args = build_parser(prog).parse_args(argv)
+    inp = Path(args.inp)
+    runs = load(inp) if inp.exists() else []
+    if not runs:
+        try:
+            nps = [int(x) for x in args.np.split(",") if x.strip()]
+        except ValueError:
+            raise SystemExit(f"{prog}: --np must be a comma list of ints") from None
+        print(f"report: no scan_P*.json in {inp}; running a short bench first", flush=True)
+        run_short_bench(inp, nps, args.sizes, args.mpiexec)
+        runs = load(inp)
+        if not runs:
+            raise SystemExit(f"{prog}: the short bench wrote no results into {inp}")
+    md = write_report(runs, Path(args.out), args.model_max_p)
+    print(f"wrote {md} with {len(runs)} run(s): P = {', '.join(str(r['P']) for r in runs)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
