@@ -167,6 +167,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     rng = np.random.default_rng(1234 + rank)
     results: list[dict[str, Any]] = []
+
+    def snapshot(overlap: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {
+            "bench": "scan",
+            "P": P,
+            "dtype": args.dtype,
+            "oversubscribed": P > (os.cpu_count() or P),
+            "machine": machine_info(),
+            "params": params.as_dict(),
+            "calibrated": bool(args.calibrate),
+            "exscan_algorithm": alg,
+            "args": vars(args),
+            "results": results,
+            "overlap": overlap,
+        }
+
     for size in sizes:
         H, K, V = state_shape(size, dtype.itemsize, args.V, args.K)
         nbytes = H * K * V * dtype.itemsize
@@ -201,20 +217,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if rank == 0:
                 print(f"  {fmt_size(nbytes):>8s} {label:12s} k={t_blocks!s:>4s} median {row['median_s'] * 1e3:9.3f} ms"
                       f"  model {model * 1e3:9.3f} ms  ({len(times)} reps)", flush=True)
+        if rank == 0 and args.out:  # partial results survive a job that is cut short
+            write_outputs(snapshot(), Path(args.out), plot=False)
     overlap = overlap_experiment(comm, args, dtype) if args.overlap_ms > 0 else None
-    return {
-        "bench": "scan",
-        "P": P,
-        "dtype": args.dtype,
-        "oversubscribed": P > (os.cpu_count() or P),
-        "machine": machine_info(),
-        "params": params.as_dict(),
-        "calibrated": bool(args.calibrate),
-        "exscan_algorithm": alg,
-        "args": vars(args),
-        "results": results,
-        "overlap": overlap,
-    }
+    return snapshot(overlap)
 
 
 def _busy(x: np.ndarray, y: np.ndarray, iters: int) -> None:
