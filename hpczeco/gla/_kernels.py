@@ -113,8 +113,9 @@ def prep_fwd_operands(q, k, v, b, h, n0, G, T, C, ns, c, scale, X, bad, Qp, KX, 
 
     ``Qp [G, Cp, K]`` = scale q exp(b - r_I); ``KX [G, c ns(ns+1)/2, K]``: for row sub-chunk ``I`` at row
     ``c I(I+1)/2`` the k-side ``k exp(r_I - b)`` of sub-chunks ``0..I`` (diagonal rows zero where ``bad``);
-    ``L [G, Cp, Cp + K]``: columns ``[Cp, Cp+K)`` = scale q exp(b) and the never-written upper blocks of
-    ``[0, Cp)`` zeroed; ``Kd [G, Cp, K]`` = k exp(b_C - b); ``R [G, Cp + K, V]``: rows ``[0, Cp)`` = v.
+    ``L [G, Cp, Cp + K]``: columns ``[Cp, Cp+K)`` = scale q exp(b) (the blocks of ``[0, Cp)`` above the
+    diagonal are never written: ``L`` starts zeroed); ``Kd [G, Cp, K]`` = k exp(b_C - b);
+    ``R [G, Cp + K, V]``: rows ``[0, Cp)`` = v.
     """
     K = q.shape[3]
     V = v.shape[3]
@@ -171,8 +172,6 @@ def prep_fwd_operands(q, k, v, b, h, n0, G, T, C, ns, c, scale, X, bad, Qp, KX, 
                         fr = Xg[oF + i2 * (i2 + 1) // 2 + i]
                         for kk in range(K):
                             kxr[kk] = kp[kk] * fr[kk]
-                for j in range((i + 1) * c, cp):
-                    lr[j] = 0
 
 
 @nb.njit(cache=True, nogil=True)
@@ -268,11 +267,11 @@ def state_chain(U, X, oA, G, Sst, n0):
 
 
 @nb.njit(cache=True, nogil=True)
-def prep_bwd_operands(q, k, v, do, b, h, n0, G, T, C, ns, c, scale, X, bad, Qp, Qe, KX, QX, Kd, Vb, dOb, LA):
-    """Matmul operands of the backward: as :func:`prep_fwd_operands` (``Qp``, ``KX``, ``Kd``, ``LA`` upper
-    blocks zeroed) plus ``Qe`` = scale q exp(b), ``QX``: for column block ``J`` at row
-    :func:`qx_offset` the q-side ``scale q exp(b - e_J)`` of sub-chunks ``J..ns-1`` (diagonal rows zero
-    where ``bad``), ``Vb`` = v and ``dOb`` = do (``[G, Cp, V]``)."""
+def prep_bwd_operands(q, k, v, do, b, h, n0, G, T, C, ns, c, scale, X, bad, Qp, Qe, KX, QX, Kd, Vb, dOb):
+    """Matmul operands of the backward: as :func:`prep_fwd_operands` (``Qp``, ``KX``, ``Kd``) plus
+    ``Qe`` = scale q exp(b); ``QX``: for column block ``J`` at row :func:`qx_offset` the q-side
+    ``scale q exp(b - e_J)`` of sub-chunks ``J..ns-1`` (diagonal rows zero where ``bad``); ``Vb`` = v and
+    ``dOb`` = do (``[G, Cp, V]``)."""
     K = q.shape[3]
     V = v.shape[3]
     cp = ns * c
@@ -341,9 +340,6 @@ def prep_bwd_operands(q, k, v, do, b, h, n0, G, T, C, ns, c, scale, X, bad, Qp, 
                         fr = Xg[oF + i * (i + 1) // 2 + j]
                         for kk in range(K):
                             qxr[kk] = qpr[kk] * fr[kk]
-                lr = LA[gi, pos]
-                for j in range((i + 1) * c, cp):
-                    lr[j] = 0
 
 
 @nb.njit(cache=True, nogil=True)

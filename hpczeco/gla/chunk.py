@@ -1,17 +1,16 @@
-"""Chunked gated linear attention on the CPU (numpy): forward ``chunk_gla`` and backward ``chunk_gla_bwd``.
+"""Chunked gated linear attention on the CPU: forward ``chunk_gla`` and backward ``chunk_gla_bwd``.
 
 Semantics and layout as :mod:`hpczeco.gla.naive` (``q, k, g: [B, T, H, K]``, ``v, o: [B, T, H, V]``,
 states ``[B, H, K, V]``). CuPy inputs are handed to :mod:`hpczeco.gpu.gla` (same signatures).
 
-Algorithm (per batch and head; all chunks at once with batched matmuls, only the ``[B, H, K, V]``
-state recurrence loops over chunks). The sequence is cut into chunks of ``C`` tokens, each chunk into
-``ns`` sub-chunks of ``c <= 16`` tokens. With ``b`` the cumulative gate inside a chunk (inclusive),
-``r_I = b`` at the first token of sub-chunk ``I`` and ``e_J = b`` at the last token of sub-chunk ``J``::
+Chunked form. The sequence is cut into chunks of ``C`` tokens, each chunk into ``ns`` sub-chunks of
+``c <= 16`` tokens. With ``b`` the cumulative gate inside a chunk (inclusive), ``r_I = b`` at the
+first token of sub-chunk ``I`` and ``e_J = b`` at its last token::
 
     Q' = q * exp(b - r_I)        K' = k * exp(e_J - b)             (both factors <= 1)
     F_IJ = exp(r_I - e_J)        (<= 1 for J < I; the diagonal F_II = exp(span_I) >= 1)
     A[I, J] = scale * Q'_I (K'_J * F_IJ)^T   for J <= I, lower triangle on the diagonal blocks
-    O = A V + scale * (Q' * exp(r_I)) S_prev
+    O = A V + scale * (Q' * exp(r_I)) S_prev = [A | scale q exp(b)] @ [V ; S_prev]
     S_next = diag(exp(b_C)) S_prev + (K' * exp(b_C - e_J))^T V
 
 Every exponent is <= 0 except the diagonal-block factor ``exp(span_I)`` (``span_I`` = minus the gate
@@ -19,10 +18,28 @@ summed over a sub-chunk after its first token). Where ``span_I`` exceeds ``_SPAN
 float32, 300 in float64: strong decays such as g = -8 per token), that diagonal block is computed in
 the exact pairwise form ``sum_k q_ik k_jk exp(b_ik - b_jk)`` (masked exponents <= 0) instead, so no
 factor ever overflows. Partial chunks and sub-chunks are padded with no-op tokens (q = k = v = g = 0).
+Gate sums are taken inside sub-chunks (short sums) and across sub-chunks from their totals.
 
-The backward recomputes the chunk-start states, runs the reverse state recurrence for the gradient
-``dH`` flowing into each chunk's final state, and uses per chunk ``dg_t = sum_{tau >= t in chunk}
-(q dq - k dk)_tau + sum_v (S_end * dH)`` (exact: the chunk's end state and its gradient close the sum).
+Execution (streaming). Time runs in the outer loop, in groups of chunks (about ``_GROUP_TOKENS``
+tokens, so the scratch stays in cache), the (batch, head) sequences in the inner loop; sequences are
+split over threads (``HPCZECO_GLA_THREADS`` / ``OMP_NUM_THREADS`` / cores). Per group, numba kernels
+(:mod:`hpczeco.gla._kernels`, GIL released) build the exponents and the matmul operands, ``np.exp``
+exponentiates, BLAS does every product (``A`` row blocks, ``K^T V``, the fused ``[A | Qe] [V; S]``),
+and the ``[K, V]`` state is carried from group to group.
+
+Backward. Pass 1 (time forward) stores the state entering every chunk (``[N + 1, K, V]`` per
+sequence, never per token); pass 2 (time backward) carries ``dH``, the gradient into the current
+chunk's end state (``dH <- exp(b_C) dH + scale (q exp(b))^T dO``, starting from ``dht``; its final
+value is ``dh0``), recomputes ``A`` and, with ``dA = dO V^T``::
+
+    dv = A^T dO + K exp(b_C - b) dH                dq = scale exp(b) (dO S_prev^T) + [dA-weighted k-side]
+    dk = exp(b_C - b) (V dH^T) + [dA^T-weighted q-side]
+    dg_t = sum_v (diag(exp(g_t)) S_{t-1}) * dS_t
+         = sum_{tau >= t} (q dq' - k dk_intra')_tau + sum_{j < t} (k dk_inter)_j + exp(b_C) sum_v(S_prev dH)
+
+(sums inside the chunk; ``'`` = without the ``j == t`` terms, which cancel exactly). Unlike the plain
+identity ``dg = revcumsum(q dq - k dk) + sum_v(S_T dht)``, this form subtracts no large terms, so dg
+keeps its relative accuracy in float32 when the decays are strong and dg is tiny.
 """
 
 from __future__ import annotations
@@ -194,7 +211,7 @@ def _fwd_units(units, q, k, v, g, s, h0, geo: _Geom, out, final) -> None:
     bad = np.empty((G, ns), np.bool_)
     Qp = np.empty((G, Cp, K), dt)
     KX = np.empty((G, c * ns * (ns + 1) // 2, K), dt)
-    L = np.empty((G, Cp, Cp + K), dt)
+    L = np.zeros((G, Cp, Cp + K), dt)  # blocks above the diagonal stay zero
     Kd = np.empty((G, Cp, K), dt)
     R = np.empty((G, Cp + K, V), dt)
     U = np.empty((G, K, V), dt)
@@ -296,7 +313,7 @@ def _bwd_units(units, q, k, v, g, do, s, h0, dH_last, geo: _Geom, dq, dk, dv, dg
     KX, QX = np.empty((G, nx, K), dt), np.empty((G, nx, K), dt)
     R = np.empty((G, Cp + K, V), dt)
     Vb, dOb, DV, DV2 = (np.empty((G, Cp, V), dt) for _ in range(4))
-    LA, dA = np.empty((G, Cp, Cp), dt), np.empty((G, Cp, Cp), dt)
+    LA, dA = np.zeros((G, Cp, Cp), dt), np.empty((G, Cp, Cp), dt)  # LA: blocks above the diagonal stay zero
     dd = np.empty((G, Cp), dt)
     U, W, dHe = (np.empty((G, K, V), dt) for _ in range(3))
     nu = len(units)
@@ -321,7 +338,7 @@ def _bwd_units(units, q, k, v, g, do, s, h0, dH_last, geo: _Geom, dq, dk, dv, dg
         for u, (b, h) in enumerate(units):
             _kn.prep_exponents(g, b, h, n0, gc, T, C, ns, c, limit, X, bad)
             np.exp(X[:gc], out=X[:gc])
-            _kn.prep_bwd_operands(q, k, v, do, b, h, n0, gc, T, C, ns, c, s, X, bad, Qp, Qe, KX, QX, Kd, Vb, dOb, LA)
+            _kn.prep_bwd_operands(q, k, v, do, b, h, n0, gc, T, C, ns, c, s, X, bad, Qp, Qe, KX, QX, Kd, Vb, dOb)
             np.matmul(Qe[:gc].transpose(0, 2, 1), dOb[:gc], out=W[:gc])
             _kn.state_bwd(W, X, oA, gc, dH[u], dHe)
             for i in range(ns):  # A (scaled, lower triangular) as in the forward
