@@ -22,8 +22,9 @@
 #define TC_OFF_BS 0
 #define TC_OFF_VT (TC_OFF_BS + 64 * TC_BP * 4)
 #define TC_OFF_KT (TC_OFF_VT + 128 * TC_CP * 2)
-#define TC_SMEM_STATE (TC_OFF_KT + 128 * TC_CP * 2)
-#define TC_OFF_QH TC_SMEM_STATE
+#define TC_OFF_KR (TC_OFF_KT + 128 * TC_CP * 2)  // raw k tile of the state kernel
+#define TC_SMEM_STATE (TC_OFF_KR + 64 * TC_KP * 2)
+#define TC_OFF_QH (TC_OFF_KT + 128 * TC_CP * 2)  // the output kernel reuses the KR region
 #define TC_OFF_KH (TC_OFF_QH + 64 * TC_KP * 2)
 #define TC_OFF_KO (TC_OFF_KH + 64 * TC_KP * 2)
 #define TC_OFF_QI (TC_OFF_KO + 6 * 16 * TC_KP * 2)
@@ -40,6 +41,8 @@
 
 typedef unsigned short u16;
 typedef unsigned int u32;
+
+GLA_DEVICE int float_to_int_bits(float f) { return (int)float_to_bits(f); }
 
 #ifdef GLA_EMU
 // emulation of mma.sync.m16n8k16.row.col (fp32 accumulate): lanes exchange fragments through memory
@@ -145,28 +148,74 @@ GLA_DEVICE void frag_b(u32* b, const u16* baseT, int ld, int n0, int k0, int gid
   b[1] = ld32(baseT + (n0 + gid) * ld + k0 + 2 * tig + 8);
 }
 
-// load g (-> bs, fp32) and v (-> VT, transposed 16-bit) of one chunk; rows >= len are zero
+struct __align__(16) V16 {
+  u32 w[4];
+};
+GLA_DEVICE V16 ld16(const void* p) { return *reinterpret_cast<const V16*>(p); }
+GLA_DEVICE u16 half_of(const V16& x, int j) { return (u16)((x.w[j >> 1] >> (16 * (j & 1))) & 0xffffu); }
 template <typename T>
-GLA_DEVICE void tc_load_gv(const T* __restrict__ g, const T* __restrict__ v, float* bs, u16* VT, int b, int h,
-                           int t0, int len, int Tlen, int H, int K, int V) {
-  const int tid = threadIdx.x;
-  for (int e = tid; e < 64 * K; e += TC_THREADS) {
-    const int t = e / K, kk = e % K;
-    bs[t * TC_BP + kk] = t < len ? to_f(g[((i64)(b * Tlen + t0 + t) * H + h) * K + kk]) : 0.f;
+GLA_DEVICE float bits_to_f(u16 u) {
+  T x;
+  x.x = u;
+  return to_f(x);
+}
+
+// One chunk from global memory with 16-byte loads, all issued before the first use:
+// g -> bs (fp32), k -> Kraw[t][k] and (if Qraw) q -> Qraw[t][k] (16-bit bits), v -> VT[v][t] (transposed).
+// Rows t >= len are zero. Needs K, V multiples of 8 (<= 128) and 256 threads.
+template <typename T>
+GLA_DEVICE void tc_load_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                              const T* __restrict__ g, float* bs, u16* Qraw, u16* Kraw, u16* VT, int b, int h,
+                              int t0, int len, int Tlen, int H, int K, int V) {
+  const int tid = threadIdx.x, k8 = K / 8, v8 = V / 8;
+  V16 rg[4], rk[4], rq[4], rv[4];
+  const V16 zero = {{0u, 0u, 0u, 0u}};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int e = tid + i * TC_THREADS;
+    const int t = e / k8, c = (e % k8) * 8;
+    const bool ok = e < 64 * k8 && t < len;
+    const i64 off = ((i64)(b * Tlen + t0 + t) * H + h) * K + c;
+    rg[i] = ok ? ld16(g + off) : zero;
+    rk[i] = ok ? ld16(k + off) : zero;
+    rq[i] = (ok && Qraw != nullptr) ? ld16(q + off) : zero;
+    const int tv = e / v8, cv = (e % v8) * 8;
+    rv[i] = (e < 64 * v8 && tv < len) ? ld16(v + ((i64)(b * Tlen + t0 + tv) * H + h) * V + cv) : zero;
   }
-  for (int e = tid; e < 64 * V; e += TC_THREADS) {
-    const int t = e / V, j = e % V;
-    VT[j * TC_CP + t] = t < len ? v[((i64)(b * Tlen + t0 + t) * H + h) * V + j].x : (u16)0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int e = tid + i * TC_THREADS;
+    if (e < 64 * k8) {
+      const int t = e / k8, c = (e % k8) * 8;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) bs[t * TC_BP + c + j] = bits_to_f<T>(half_of(rg[i], j));
+      *reinterpret_cast<V16*>(Kraw + t * TC_KP + c) = rk[i];
+      if (Qraw != nullptr) *reinterpret_cast<V16*>(Qraw + t * TC_KP + c) = rq[i];
+    }
+    if (e < 64 * v8) {
+      const int tv = e / v8, cv = (e % v8) * 8;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) VT[(cv + j) * TC_CP + tv] = half_of(rv[i], j);
+    }
   }
 }
 
+// inclusive cumulative sum over the 64 rows of bs, two threads per column (rows 0..31, 32..63)
 GLA_DEVICE void tc_cumsum(float* bs, int K) {
-  for (int kk = threadIdx.x; kk < K; kk += TC_THREADS) {
+  const int kk = threadIdx.x % 128, part = threadIdx.x / 128;
+  if (kk < K) {
     float run = 0.f;
-    for (int t = 0; t < 64; ++t) {
+#pragma unroll 8
+    for (int t = 32 * part; t < 32 * part + 32; ++t) {
       run += bs[t * TC_BP + kk];
       bs[t * TC_BP + kk] = run;
     }
+  }
+  __syncthreads();
+  if (part == 1 && kk < K) {
+    const float add = bs[31 * TC_BP + kk];
+#pragma unroll 8
+    for (int t = 32; t < 64; ++t) bs[t * TC_BP + kk] += add;
   }
 }
 
@@ -209,6 +258,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1) gla_tc_seg_state(const T* __res
   float* bs = reinterpret_cast<float*>(smem + TC_OFF_BS);
   u16* VT = reinterpret_cast<u16*>(smem + TC_OFF_VT);
   u16* KT = reinterpret_cast<u16*>(smem + TC_OFF_KT);
+  u16* Kr = reinterpret_cast<u16*>(smem + TC_OFF_KR);
   const int seg = blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
   const int tid = threadIdx.x, w = tid / 32, lane = tid % 32, gid = lane >> 2, tig = lane & 3;
   float sacc[16][4];
@@ -219,14 +269,14 @@ __global__ void __launch_bounds__(TC_THREADS, 1) gla_tc_seg_state(const T* __res
     const int t0 = (seg * NC + ci) * 64;
     if (t0 >= Tlen) break;
     const int len = min(64, Tlen - t0);
-    tc_load_gv(g, v, bs, VT, b, h, t0, len, Tlen, H, K, V);
+    tc_load_chunk<T>(nullptr, k, v, g, bs, nullptr, Kr, VT, b, h, t0, len, Tlen, H, K, V);
     __syncthreads();
     tc_cumsum(bs, K);
     __syncthreads();
     if (tid < K) gsum += bs[(len - 1) * TC_BP + tid];
     for (int e = tid; e < 64 * K; e += TC_THREADS) {
       const int t = e / K, kk = e % K;
-      const float kv = t < len ? to_f(k[((i64)(b * Tlen + t0 + t) * H + h) * K + kk]) : 0.f;
+      const float kv = bits_to_f<T>(Kr[t * TC_KP + kk]);
       KT[kk * TC_CP + t] = Mma<T>::cvt(kv * dexp(bs[(len - 1) * TC_BP + kk] - bs[t * TC_BP + kk]));
     }
     __syncthreads();
@@ -290,8 +340,9 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
     const int t0 = (seg * NC + ci) * 64;
     if (t0 >= Tlen) break;
     const int len = min(64, Tlen - t0);
-    // (a) g, v
-    tc_load_gv(g, v, bs, VT, b, h, t0, len, Tlen, H, K, V);
+    // (a) g, v, q (raw, into Qi), k (raw, into Kh)
+    tc_load_chunk<T>(q, k, v, g, bs, Qi, Kh, VT, b, h, t0, len, Tlen, H, K, V);
+    if (tid < 4) span[tid] = 0.f;
     // S (incoming state of this chunk) as the 16-bit operand ST[v][k]
     if (16 * w < K) {
 #pragma unroll
@@ -309,22 +360,17 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
     // (b) cumulative gate inside the chunk; span of each sub-chunk
     tc_cumsum(bs, K);
     __syncthreads();
-    if (tid < 4) {
-      float mx = 0.f;
-      for (int kk = 0; kk < K; ++kk) mx = fmaxf(mx, bs[(16 * tid) * TC_BP + kk] - bs[(16 * tid + 15) * TC_BP + kk]);
-      span[tid] = mx;
-    }
-    // (c) operands
+    // (c) operands (each thread rewrites the raw q / k elements it read, in place)
     for (int e = tid; e < 64 * K; e += TC_THREADS) {
       const int t = e / K, kk = e % K, I = t / 16;
-      float qv = 0.f, kv = 0.f;
-      if (t < len) {
-        const i64 idx = ((i64)(b * Tlen + t0 + t) * H + h) * K + kk;
-        qv = to_f(q[idx]);
-        kv = to_f(k[idx]);
-      }
+      const float qv = bits_to_f<T>(Qi[t * TC_KP + kk]);
+      const float kv = bits_to_f<T>(Kh[t * TC_KP + kk]);
       const float bt = bs[t * TC_BP + kk];
       const float r = bs[(16 * I) * TC_BP + kk];
+      if (t % 16 == 0) {  // span of sub-chunk I along this column (>= 0: float order == int order)
+        const float sp = fmaxf(r - bs[(t + 15) * TC_BP + kk], 0.f);
+        atomicMax(reinterpret_cast<int*>(span) + I, float_to_int_bits(sp));
+      }
       Qh[t * TC_KP + kk] = Mma<T>::cvt(qv * dexp(bt - r));
       Qi[t * TC_KP + kk] = Mma<T>::cvt(qv * dexp(bt));
       Kh[t * TC_KP + kk] = Mma<T>::cvt(kv * expf(fminf(r - bt, span_limit)));
@@ -421,9 +467,9 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
             for (int half = 0; half < 2; ++half) {
               const int t = 16 * tw + gid + 8 * half;
               if (t < len) {
-                T* dst = o + ((i64)(b * Tlen + t0 + t) * H + h) * V + c;
-                dst[0] = from_f<T>(scale * oacc[nt][2 * half]);
-                dst[1] = from_f<T>(scale * oacc[nt][2 * half + 1]);
+                const u32 lo = from_f<T>(scale * oacc[nt][2 * half]).x;
+                const u32 hi = from_f<T>(scale * oacc[nt][2 * half + 1]).x;
+                *reinterpret_cast<u32*>(o + ((i64)(b * Tlen + t0 + t) * H + h) * V + c) = lo | (hi << 16);
               }
             }
           }

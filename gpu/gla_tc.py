@@ -16,8 +16,9 @@ import numpy as np
 
 # mirror of the shared-memory layout in gla_tc.cu (bytes)
 _BP, _CP, _KP = 132, 72, 136
-SMEM_STATE = 64 * _BP * 4 + 2 * 128 * _CP * 2
-SMEM_OUTPUT = SMEM_STATE + 64 * _KP * 2 * 3 + 6 * 16 * _KP * 2 + 64 * _CP * 2 + 128 * _KP * 2 + 16
+_BASE = 64 * _BP * 4 + 2 * 128 * _CP * 2  # cumulative gate, V^T, (k*decay)^T
+SMEM_STATE = _BASE + 64 * _KP * 2  # + raw k
+SMEM_OUTPUT = _BASE + 64 * _KP * 2 * 3 + 6 * 16 * _KP * 2 + 64 * _CP * 2 + 128 * _KP * 2 + 16
 #: largest diagonal sub-chunk decay span (log units) done on tensor cores; beyond it: elementwise
 SPAN_LIMIT = {"bf16": 40.0, "f16": 8.0}
 _THREADS = 256

@@ -182,3 +182,20 @@ def test_numba_shim_restores_row_stack(monkeypatch):
     assert _numba_shim.apply() is True
     assert np.row_stack is np.vstack
     assert _numba_shim.apply() is False
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++) to preprocess gla_tc.cu")
+def test_tc_shared_memory_layout_matches_python(tmp_path):
+    from hpczeco.gpu import gla_tc
+
+    src = tmp_path / "layout.cpp"
+    head = f'#include "{gemu._HERE / "cuda_emu.h"}"\n#include "{ggla._HERE / "gla_tc.cu"}"\n'
+    src.write_text(head + "STATE TC_SMEM_STATE\nOUT TC_SMEM_OUTPUT\n")
+    res = subprocess.run([CXX, "-std=c++20", "-E", "-P", str(src)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = {
+        ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in res.stdout.splitlines() if ln.startswith(("STATE ", "OUT "))
+    }
+    assert eval(lines["STATE"], {}) == gla_tc.SMEM_STATE  # noqa: S307 - integer arithmetic from our own macros
+    assert eval(lines["OUT"], {}) == gla_tc.SMEM_OUTPUT  # noqa: S307
+    assert gla_tc.SMEM_OUTPUT <= 227 * 1024  # fits an H100/H200 block's opt-in shared memory

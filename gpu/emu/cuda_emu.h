@@ -97,3 +97,12 @@ extern "C" int emu_launch_by_name(const char* name, unsigned gx, unsigned gy, un
     it->second(dim3{gx, gy, gz}, dim3{bx, by, bz}, args);                                                  \
     return 0;                                                                                              \
   }
+
+#include <atomic>
+inline int atomicMax(int* p, int v) {
+  std::atomic_ref<int> a(*p);
+  int old = a.load();
+  while (old < v && !a.compare_exchange_weak(old, v)) {
+  }
+  return old;
+}
