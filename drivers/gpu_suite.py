@@ -686,6 +686,27 @@ def multi(args) -> int:
         comm.Allreduce(mine, worst, op=MPI.MAX)  # per repetition, the slowest rank
         return float(np.median(worst) * 1e3)
 
+    def transport_ring(tr, a, Sl, nb):
+        """The All-Scan's data movement alone: per row block recv from rank-1, combine, send to rank+1."""
+        R = a.size
+        V_ = Sl.size // R
+        a1, S2 = a.reshape(R), Sl.reshape(R, V_)
+        cuts = [R * j // nb for j in range(nb + 1)]
+        inbox = cp.empty_like(S2)
+        outbox = cp.empty_like(S2)
+        recvs = [tr.irecv(inbox[cuts[j] : cuts[j + 1]], rank - 1, 200 + j) for j in range(nb)] if rank > 0 else []
+        sends = []
+        for j in range(nb):
+            lo, hi = cuts[j], cuts[j + 1]
+            if rank > 0:
+                recvs[j].wait()
+                if rank < P - 1:
+                    outbox[lo:hi] = a1[lo:hi, None] * inbox[lo:hi] + S2[lo:hi]
+            if rank < P - 1:
+                sends.append(tr.isend(outbox[lo:hi] if rank > 0 else S2[lo:hi], rank + 1, 200 + j))
+        for q in sends:
+            q.wait()
+
     for mib in (1, 16):
         nel = mib * (1 << 20) // 4
         Kb, Vb = 128, 128
@@ -704,6 +725,12 @@ def multi(args) -> int:
 
                 t_raw = wall_ms(raw_msg)
                 res = {}
+                for nb in (1, 4):
+
+                    def ring_tr(tr=tr, nb=nb, ax=ax, Sx=Sx):
+                        transport_ring(tr, ax, Sx, nb)
+
+                    res[("transport-ring", nb)] = wall_ms(ring_tr)
                 for topo, blocks in (("ring", 1), ("ring", 4), ("ring", None), ("tree", None)):
 
                     def run_scan(tr=tr, topo=topo, blocks=blocks, ax=ax, Sx=Sx):
