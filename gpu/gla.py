@@ -118,6 +118,10 @@ class _CupyRuntime:
     def is_native(x: Any) -> bool:
         return type(x).__module__.startswith("cupy")
 
+    @staticmethod
+    def ptr(x: Any) -> int:
+        return int(x.data.ptr)
+
 
 _RUNTIME: Any = None
 
@@ -286,7 +290,10 @@ def chunk_gla(
         fin = xp.zeros((B, H, K, V), dtype=xp.float32) if h0 is None else h0.copy()
         return o, (fin if output_final_state else None)
     q, k, v, g = (_contig(x, rt) for x in (q, k, v, g))
-    use_tc = impl == "tc" or (impl == "auto" and _tc_applies(t, K, V, C))
+    aligned = all(rt.ptr(x) % 16 == 0 for x in (q, k, v, g))  # the tensor-core path loads 16 bytes at a time
+    if impl == "tc" and not aligned:
+        raise ValueError("impl='tc' needs q, k, v, g whose data pointers are 16-byte aligned")
+    use_tc = impl == "tc" or (impl == "auto" and aligned and _tc_applies(t, K, V, C))
     if use_tc:
         from . import gla_tc  # noqa: PLC0415
 

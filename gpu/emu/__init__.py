@@ -64,6 +64,10 @@ class EmuRuntime:
     def is_native(x: Any) -> bool:
         return isinstance(x, np.ndarray)
 
+    @staticmethod
+    def ptr(x: np.ndarray) -> int:
+        return int(x.ctypes.data)
+
     def launch(self, name: str, grid, block, args, shared_mem: int = 0) -> None:
         keep = []
         for a in args:
