@@ -107,10 +107,17 @@ class PrefillModel:
         return out
 
     def _qkv(self, L: dict, h: np.ndarray, pos0: int, heads: slice):
-        q = np.einsum("td,dhe->the", h, L["wq"][:, heads])
-        k = np.einsum("td,dhe->the", h, L["wk"][:, heads])
-        v = np.einsum("td,dhe->the", h, L["wv"][:, heads])
-        return self._rope(q, pos0)[None], self._rope(k, pos0)[None], v[None]
+        """``q, k, v`` ``[1, T, H_sel, Dh]`` of the selected heads (one matmul; RoPE on q and k)."""
+        d = h.shape[-1]
+        w = np.concatenate([L[n][:, heads].reshape(d, -1) for n in ("wq", "wk", "wv")], axis=1)
+        qkv = (h @ w).reshape(h.shape[0], 3, -1, self.cfg.head_dim)
+        return (self._rope(qkv[:, 0], pos0)[None], self._rope(qkv[:, 1], pos0)[None],
+                np.ascontiguousarray(qkv[:, 2])[None])
+
+    @staticmethod
+    def _out(o: np.ndarray, wo: np.ndarray) -> np.ndarray:
+        """``o`` ``[T, H_sel, Dh]`` through ``W_o`` rows of those heads -> ``[T, d_model]``."""
+        return o.reshape(o.shape[0], -1) @ wo.reshape(-1, wo.shape[-1])
 
     def _logits(self, x_last: np.ndarray) -> np.ndarray:
         return _rmsnorm(x_last, self.nf) @ self.emb.T
@@ -177,7 +184,7 @@ class PrefillModel:
             a = time.perf_counter()
             o = exact_attention(q, k, v) if attn == "dense" else attention(q, k, v, p)
             t_attn += time.perf_counter() - a
-            x = x + np.einsum("the,hed->td", o[0], L["wo"])
+            x = x + self._out(o[0], L["wo"])
             x = x + self._mlp(L, x)
         logits = self._logits(x[-1])
         return PrefillResult(int(np.argmax(logits)), logits, 0.0, {"attention": t_attn},
@@ -194,7 +201,7 @@ class PrefillModel:
             t0 = time.perf_counter()
             o = distributed_attention(q, k, v, p, comm)
             t_attn += time.perf_counter() - t0
-            x = x + np.einsum("the,hed->td", o[0], L["wo"])
+            x = x + self._out(o[0], L["wo"])
             x = x + self._mlp(L, x)
         lengths = gather_lengths(b - a, comm)
         owner = max(r for r, n in enumerate(lengths) if n > 0)
@@ -213,7 +220,7 @@ class PrefillModel:
             t0 = time.perf_counter()
             o = distributed_attention(q, k, v, p, comm, mode="heads")
             t_attn += time.perf_counter() - t0
-            x = x + allreduce(np.einsum("the,hed->td", o[0], L["wo"][heads]), comm)
+            x = x + allreduce(self._out(o[0], L["wo"][heads]), comm)
             x = x + allreduce(self._mlp(L, x, cols), comm)
         logits = self._logits(x[-1])
         return PrefillResult(int(np.argmax(logits)), logits, 0.0, {"attention": t_attn}, x if keep_hidden else None)
