@@ -240,3 +240,31 @@ def test_bad_inputs_are_named(rng):
     with pytest.raises(ValueError, match="vocab_size"):
         window_entropy(np.arange(10), 5, vocab_size=5)
     assert isinstance(p, Plan)
+
+
+# --------------------------------------------------------------------------- GPU dispatch
+
+
+@pytest.mark.gpu
+def test_gpu_dispatch_matches_the_reference(rng):
+    from hpczeco.backend import cupy_available
+
+    if not cupy_available():
+        pytest.skip("needs CuPy and a CUDA GPU")
+    import cupy as cp
+
+    T, W, B, H, D = 300, 16, 2, 3, 64
+    g = (np.arange(T) // 40) % 3 == 1
+    p = plan_from_mask(g, W)
+    q, k, v = _qkv(rng, B, T, H, D, D, np.float32)
+    o = attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), p, 0.2)
+    assert isinstance(o, cp.ndarray) and o.shape == (B, T, H, D)
+    np.testing.assert_allclose(cp.asnumpy(o), attention_reference(q, k, v, p, 0.2), rtol=0, atol=1e-4)
+    e = exact_attention(cp.asarray(q), cp.asarray(k), cp.asarray(v))
+    np.testing.assert_allclose(cp.asnumpy(e), exact_attention_reference(q, k, v), rtol=0, atol=1e-4)
+    bad = cp.asarray(q)
+    bad[0, 5, 1, 2] = cp.nan
+    with pytest.raises(ValueError, match="q contains NaN"):
+        attention(bad, cp.asarray(k), cp.asarray(v), p)
+    with pytest.raises(TypeError, match="all numpy or all CuPy"):
+        attention(cp.asarray(q), k, v, p)
