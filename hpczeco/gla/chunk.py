@@ -52,6 +52,7 @@ import numpy as np
 
 from ..backend import is_device_array
 from . import _kernels as _kn
+from ._blas import single_threaded_blas
 from .validate import check_chunk_size, check_scale, compute_dtype_name, validate_gla_inputs
 
 __all__ = ["chunk_gla", "chunk_gla_bwd"]
@@ -178,12 +179,17 @@ def _run_units(B: int, H: int, fn) -> None:
     ``[B, T, H, D]`` inputs are read from memory once, not once per head."""
     units = [(b, h) for b in range(B) for h in range(H)]
     nt = _num_threads(len(units))
+
+    def work(part):
+        with single_threaded_blas():  # we parallelise; BLAS thread pools would fight the workers
+            fn(part)
+
     if nt == 1:
-        fn(units)
+        work(units)
         return
     bounds = [len(units) * i // nt for i in range(nt + 1)]
     with ThreadPoolExecutor(nt) as ex:
-        for f in [ex.submit(fn, units[bounds[i] : bounds[i + 1]]) for i in range(nt)]:
+        for f in [ex.submit(work, units[bounds[i] : bounds[i + 1]]) for i in range(nt)]:
             f.result()
 
 
