@@ -18,12 +18,16 @@ Knows nothing about attention.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["CommContext", "get_context", "RELAY_TAGS", "SCAN_TAG_BASE"]
+__all__ = ["BufferPool", "CommContext", "get_context", "RELAY_TAGS", "SCAN_TAG_BASE", "POOL_ENV"]
+
+#: environment variable: most MiB of scratch buffers kept for reuse per communicator (default 512)
+POOL_ENV = "HPCZECO_POOL_MB"
 
 #: tags of the whole-state relay (LASP-1) in scan order and in reverse order
 RELAY_TAGS = (1, 2)
@@ -31,6 +35,45 @@ RELAY_TAGS = (1, 2)
 SCAN_TAG_BASE = 16
 
 _KEYVAL: int | None = None
+
+
+class BufferPool:
+    """Scratch buffers kept for reuse, keyed by array module, shape and dtype.
+
+    Fresh large allocations cost page faults on first touch (on virtual machines ~1 us per 4 KiB
+    page), which is of the order of the transfer itself; the scans therefore take their scratch
+    buffers from here and give them back when their requests are complete. At most ``max_bytes``
+    are kept; beyond that, released buffers are dropped. Thread-safe.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.held = 0
+        self._free: dict[tuple, list] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, xp: Any, shape: tuple[int, ...], dtype: Any, tr: Any = None) -> Any:
+        key = (xp.__name__, tuple(shape), np.dtype(dtype).str)
+        with self._lock:
+            lst = self._free.get(key)
+            if lst:
+                buf = lst.pop()
+                self.held -= buf.nbytes
+                return buf
+        return tr.empty(tuple(shape), dtype) if tr is not None else xp.empty(shape, dtype=dtype)
+
+    def release(self, xp: Any, buf: Any) -> None:
+        with self._lock:
+            if self.held + buf.nbytes > self.max_bytes:
+                return
+            key = (xp.__name__, tuple(buf.shape), buf.dtype.str)
+            self._free.setdefault(key, []).append(buf)
+            self.held += buf.nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self.held = 0
 
 
 class CommContext:
@@ -47,6 +90,7 @@ class CommContext:
         self._transports: dict[Any, Any] = {}
         self._host: Any = None
         self.cache: dict[Any, Any] = {}
+        self.pool = BufferPool(int(float(os.environ.get(POOL_ENV, "512")) * (1 << 20)))
 
     def next_tag(self) -> int:
         """The tag of the next collective operation (advances the counter; call on every rank)."""
@@ -86,6 +130,7 @@ class CommContext:
                     pass
         self._reversed = None
         self._transports.clear()
+        self.pool.clear()
 
 
 def _delete(comm: MPI.Comm, keyval: int, ctx: CommContext) -> None:

@@ -139,6 +139,21 @@ def _dtype_name(x: Any) -> str:
     return _DT_NAMES.get(dt) or str(dt)
 
 
+def _check_out(out: Any, a: Any, S: Any, initial: Any) -> None:
+    if not _is_array(out):
+        raise TypeError(f"out must be a numpy or cupy array or None, got {type(out).__name__}")
+    if out.dtype != S.dtype or _memory(out) != _memory(S):
+        raise TypeError(f"out must be a {_memory(S)} {S.dtype} array like S, got a {_memory(out)} {out.dtype} array")
+    if out.shape != S.shape:
+        raise ValueError(f"out has shape {list(out.shape)}, expected S's shape {list(S.shape)}")
+    if not out.flags.c_contiguous:
+        raise ValueError("out must be C-contiguous")
+    if type(out) is np.ndarray:
+        for name, x in (("a", a), ("S", S), ("initial", initial)):
+            if x is not None and np.may_share_memory(out, x):
+                raise ValueError(f"out must not overlap {name}")
+
+
 def _check_inputs(a, S, initial, topology, blocks, reverse, first: bool, progress: str) -> None:
     """Local checks (raise ValueError/TypeError naming the argument)."""
     if topology not in TOPOLOGIES:
@@ -255,7 +270,7 @@ class ScanHandle:
         self._result: Any = None
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
-        self._lock: threading.Lock | None = None
+        self._out: Any = None  # the caller's ``out``, returned as is
 
     # subclasses: _progress() -> bool (all communication done), _complete() (block), _finish() -> S_in
     def _progress(self) -> bool:  # pragma: no cover - overridden
@@ -281,7 +296,7 @@ class ScanHandle:
                 return False
             return self._join() is not None
         if self._progress():
-            self._result = self._finish()
+            self._result = self._deliver(self._finish())
             return True
         return False
 
@@ -292,8 +307,11 @@ class ScanHandle:
                 self._join()
             else:
                 self._complete()
-                self._result = self._finish()
+                self._result = self._deliver(self._finish())
         return self._result
+
+    def _deliver(self, result: Any) -> Any:
+        return result if self._out is None else self._out
 
     # progress thread --------------------------------------------------------
     def _start_thread(self) -> None:
@@ -312,7 +330,7 @@ class ScanHandle:
         self._thread.join()
         if self._thread_error is not None:
             raise self._thread_error
-        self._result = self._result_pending
+        self._result = self._deliver(self._result_pending)
         return self._result
 
 
@@ -323,39 +341,55 @@ class _DoneHandle(ScanHandle):
 
 
 class _Plan:
-    """What every algorithm needs: flattened views, positions, transport, tag."""
+    """What every algorithm needs: flattened views, positions, transport, tag, buffers."""
 
-    __slots__ = ("tr", "xp", "a2", "S2", "init2", "shape", "R", "V", "dtype", "pos", "P", "reverse", "tag")
+    __slots__ = ("tr", "xp", "a2", "S2", "init2", "shape", "R", "V", "dtype", "pos", "P", "reverse", "tag",
+                 "pool", "out", "_held")
 
-    def __init__(self, tr, xp, a2, S2, init2, shape, pos, P, reverse, tag):
+    def __init__(self, tr, xp, a2, S2, init2, shape, pos, P, reverse, tag, pool, out):
         self.tr, self.xp, self.a2, self.S2, self.init2 = tr, xp, a2, S2, init2
         self.shape, self.pos, self.P, self.reverse, self.tag = shape, pos, P, reverse, tag
         self.R, self.V = S2.shape
         self.dtype = S2.dtype
+        self.pool = pool
+        self.out = out  # caller's result buffer viewed as [R, V], or None
+        self._held: list = []
 
     def rank_of(self, pos: int) -> int:
         return self.P - 1 - pos if self.reverse else pos
 
+    # buffers ---------------------------------------------------------------
+    def acquire(self, shape: tuple[int, ...]) -> Any:
+        """A scratch buffer from the context's pool (returned by :meth:`release_all`)."""
+        buf = self.pool.acquire(self.xp, shape, self.dtype, self.tr)
+        self._held.append(buf)
+        return buf
+
+    def release_all(self) -> None:
+        """Give every scratch buffer back (call only when no request uses them any more)."""
+        for buf in self._held:
+            self.pool.release(self.xp, buf)
+        self._held.clear()
+
+    def result(self) -> Any:
+        """The ``[R, V]`` buffer for S_in: the caller's ``out`` or a new array."""
+        if self.out is None:
+            empty = self.tr.empty if self.tr is not None else (lambda sh, dt: self.xp.empty(sh, dtype=dt))
+            self.out = empty((self.R, self.V), self.dtype)
+        return self.out
+
     def first_result(self) -> Any:
         """S_in of the first rank in scan order: initial (copied) or zeros."""
+        out = self.result()
         if self.init2 is not None:
-            return self.init2.reshape(self.shape).copy()
-        return self.xp.zeros(self.shape, dtype=self.dtype)
-
-    def effective_state(self) -> Any:
-        """This rank's outgoing state when it is first: ``a * initial + S`` (``S`` itself without initial)."""
-        if self.pos == 0 and self.init2 is not None:
-            return axpy_rows(self.init2, self.a2, self.S2, self.empty((self.R, self.V)))
-        return self.S2
-
-    def empty(self, shape: tuple[int, ...]) -> Any:
-        if self.tr is None:
-            return self.xp.empty(shape, dtype=self.dtype)
-        return self.tr.empty(shape, self.dtype)
+            out[...] = self.init2
+        else:
+            out.fill(0)
+        return out.reshape(self.shape)
 
     def packed(self) -> Any:
-        """A new buffer ``[a | S]`` (``R + R*V`` elements) holding this rank's pair (initial folded in)."""
-        buf = self.empty((self.R * (self.V + 1),))
+        """A pooled buffer ``[a | S]`` (``R + R*V`` elements) holding this rank's pair (initial folded in)."""
+        buf = self.acquire((self.R * (self.V + 1),))
         pa, pS = _views(buf, self.R, self.V)
         pa[...] = self.a2
         if self.pos == 0 and self.init2 is not None:
@@ -370,14 +404,17 @@ def _views(buf: Any, R: int, V: int) -> tuple[Any, Any]:
 
 
 class _RingHandle(ScanHandle):
-    """Pipelined ring (``blocks`` pieces); ``serial`` is the same with one piece."""
+    """Pipelined ring (``blocks`` pieces); ``serial`` is the same with one piece.
+
+    Pieces land straight in the result buffer; the combined pieces go out of a pooled buffer.
+    """
 
     def __init__(self, plan: _Plan, n: int, topology: str):
         super().__init__(topology, n)
         self.p = plan
         tr, R, V = plan.tr, plan.R, plan.V
         self.n = n
-        self.bounds = _piece_bounds(R, n)
+        self.bounds = b = _piece_bounds(R, n)
         self.first = plan.pos == 0
         self.last = plan.pos == plan.P - 1
         self.prev = plan.rank_of(plan.pos - 1)
@@ -387,18 +424,20 @@ class _RingHandle(ScanHandle):
         self.next = 0
         self.out = None
         self.fwd = None
-        b = self.bounds
         if self.first:
-            src = plan.effective_state()
+            if plan.init2 is not None:
+                src = axpy_rows(plan.init2, plan.a2, plan.S2, plan.acquire((R, V)))
+            else:
+                src = plan.S2
             self.next = n
             for j in range(n):
                 self.sends.append(tr.isend(src[b[j] : b[j + 1]], self.nxt, plan.tag))
         else:
-            self.out = tr.empty((R, V), plan.dtype)
+            self.out = plan.result()
             for j in range(n):
                 self.recvs.append(tr.irecv(self.out[b[j] : b[j + 1]], self.prev, plan.tag))
             if not self.last:
-                self.fwd = tr.empty((R, V), plan.dtype)
+                self.fwd = plan.acquire((R, V))
 
     def _forward(self, j: int) -> None:
         if self.last:
@@ -428,19 +467,24 @@ class _RingHandle(ScanHandle):
             s.wait()
 
     def _finish(self) -> Any:
+        self.p.release_all()
         if self.first:
             return self.p.first_result()
         return self.out.reshape(self.p.shape)
 
 
 class _TreeHandle(ScanHandle):
-    """Recursive doubling on packed ``[a | S]`` window aggregates, ``ceil(log2 P)`` rounds."""
+    """Recursive doubling on packed ``[a | S]`` window aggregates, ``ceil(log2 P)`` rounds.
+
+    The exclusive result is kept unpacked: its state in the result buffer, its decay apart; it is
+    never sent, so it starts as the identity ``(1, 0)`` and folds each received window in.
+    """
 
     def __init__(self, plan: _Plan):
         super().__init__("tree", None)
         self.p = plan
         self.partial = plan.packed()  # aggregate of positions [lo, pos]
-        self.result = None  # aggregate of positions [lo, pos - 1]
+        self.ra = None  # decay of the result (positions [lo, pos - 1]); None until something arrived
         self.tmp = None
         self.spare = None
         self.nrounds = (plan.P - 1).bit_length()
@@ -448,10 +492,10 @@ class _TreeHandle(ScanHandle):
         self.reqs: list = []
         self._post()
 
-    def _buffer(self, name: str) -> Any:
+    def _packed_buffer(self, name: str) -> Any:
         buf = getattr(self, name)
         if buf is None:
-            buf = self.p.tr.empty((self.p.R * (self.p.V + 1),), self.p.dtype)
+            buf = self.p.acquire((self.p.R * (self.p.V + 1),))
         setattr(self, name, None)
         return buf
 
@@ -459,7 +503,7 @@ class _TreeHandle(ScanHandle):
         p, d = self.p, 1 << self.round
         self.reqs = []
         if p.pos - d >= 0:
-            self.tmp = self._buffer("tmp")
+            self.tmp = self._packed_buffer("tmp")
             self.reqs.append(p.tr.irecv(self.tmp, p.rank_of(p.pos - d), p.tag))
         if p.pos + d < p.P:
             self.reqs.append(p.tr.isend(self.partial, p.rank_of(p.pos + d), p.tag))
@@ -470,22 +514,22 @@ class _TreeHandle(ScanHandle):
             return
         R, V = p.R, p.V
         T = self.tmp
-        self.tmp = None
         ta, tS = _views(T, R, V)
         if p.pos + 2 * d < p.P:  # the partial is sent again: partial <- T o partial
-            new = self._buffer("spare")
+            new = self._packed_buffer("spare")
             na, nS = _views(new, R, V)
             pa, pS = _views(self.partial, R, V)
             axpy_rows(tS, pa, pS, nS)
             xp.multiply(ta, pa, out=na)
             self.spare, self.partial = self.partial, new
-        if self.result is None:
-            self.result = T
-        else:  # result <- T o result (T is free afterwards)
-            ra, rS = _views(self.result, R, V)
-            axpy_rows(tS, ra, rS, rS)
-            xp.multiply(ra, ta, out=ra)
-            self.tmp = T
+        rS = p.result()
+        if self.ra is None:  # result <- T
+            rS[...] = tS
+            self.ra = p.acquire((R,))
+            self.ra[...] = ta
+        else:  # result <- T o result
+            axpy_rows(tS, self.ra, rS, rS)
+            xp.multiply(self.ra, ta, out=self.ra)
 
     def _progress(self) -> bool:
         while self.round < self.nrounds:
@@ -508,9 +552,10 @@ class _TreeHandle(ScanHandle):
                 self._post()
 
     def _finish(self) -> Any:
-        if self.result is None:
+        self.p.release_all()
+        if self.ra is None:
             return self.p.first_result()
-        return _views(self.result, self.p.R, self.p.V)[1].reshape(self.p.shape)
+        return self.p.result().reshape(self.p.shape)
 
 
 class _AllgatherHandle(ScanHandle):
@@ -520,7 +565,7 @@ class _AllgatherHandle(ScanHandle):
         super().__init__("allgather", None)
         self.p = plan
         self.send = plan.packed()
-        self.recv = plan.tr.empty((plan.P, plan.R * (plan.V + 1)), plan.dtype)
+        self.recv = plan.acquire((plan.P, plan.R * (plan.V + 1)))
         self.req = plan.tr.iallgather(self.send, self.recv)
 
     def _progress(self) -> bool:
@@ -532,11 +577,14 @@ class _AllgatherHandle(ScanHandle):
     def _finish(self) -> Any:
         p = self.p
         if p.pos == 0:
+            p.release_all()
             return p.first_result()
-        out = _views(self.recv[p.rank_of(0)], p.R, p.V)[1].copy()
+        out = p.result()
+        out[...] = _views(self.recv[p.rank_of(0)], p.R, p.V)[1]
         for q in range(1, p.pos):
             qa, qS = _views(self.recv[p.rank_of(q)], p.R, p.V)
             axpy_rows(out, qa, qS, out)
+        p.release_all()
         return out.reshape(p.shape)
 
 
@@ -581,8 +629,8 @@ class _ExscanHandle(ScanHandle):
         super().__init__("exscan", None)
         self.p = plan
         packed = plan.packed()
-        self.send = to_numpy(packed)
-        self.recv = np.empty_like(self.send)
+        self.send = packed if plan.xp is np else to_numpy(packed)
+        self.recv = plan.pool.acquire(np, self.send.shape, self.send.dtype, None)
         op, dt = _exscan_op(plan.R, plan.V, self.send.dtype)
         comm = ctx.reversed_comm() if plan.reverse else ctx.pcomm
         self.req = comm.Iexscan([self.send, 1, dt], [self.recv, 1, dt], op)
@@ -596,9 +644,15 @@ class _ExscanHandle(ScanHandle):
     def _finish(self) -> Any:
         p = self.p
         if p.pos == 0:
-            return p.first_result()
-        S = _views(self.recv, p.R, p.V)[1].reshape(p.shape)
-        return S if p.xp is np else p.xp.asarray(S)
+            res = p.first_result()
+        else:
+            res = p.result()
+            S = _views(self.recv, p.R, p.V)[1]
+            res[...] = S if p.xp is np else p.xp.asarray(S)
+            res = res.reshape(p.shape)
+        p.pool.release(np, self.recv)
+        p.release_all()
+        return res
 
 
 # --------------------------------------------------------------------------- public API
@@ -621,12 +675,15 @@ def scan_start(
     initial: Any = None,
     transport: Transport | None = None,
     progress: str = "poll",
+    out: Any = None,
 ) -> ScanHandle:
     """Start the exclusive scan of :func:`scan` and return a :class:`ScanHandle` (collective).
 
     Validation (collective) and the first messages happen here; the caller may compute before
     ``handle.wait()``, and should call ``handle.test()`` now and then so the ring keeps forwarding
-    (``progress="thread"`` drives it from a helper thread instead). See the module docstring.
+    (``progress="thread"`` drives it from a helper thread instead). ``out`` (optional, like ``S``,
+    C-contiguous, not overlapping the inputs) receives the result, which saves allocating (and
+    page-faulting) a new state per call. See the module docstring.
     """
     ctx = get_context(comm)
     P, rank = ctx.size, ctx.rank
@@ -634,6 +691,8 @@ def scan_start(
     error: BaseException | None = None
     try:
         _check_inputs(a, S, initial, topology, blocks, reverse, pos == 0, progress)
+        if out is not None:
+            _check_out(out, a, S, initial)
         if transport is not None:
             if not isinstance(transport, Transport):
                 raise TypeError(f"transport must be a Transport or None, got {type(transport).__name__}")
@@ -661,14 +720,19 @@ def scan_start(
     tag = ctx.next_tag()
     xp = get_array_module(S)
     if P == 1:
-        res = initial.copy() if initial is not None else xp.zeros(S.shape, dtype=S.dtype)
+        res = xp.empty(S.shape, dtype=S.dtype) if out is None else out
+        if initial is not None:
+            res[...] = initial
+        else:
+            res.fill(0)
         return _DoneHandle(topo, nblocks, res)
     R, V = int(a.size), int(S.shape[-1])
     a2 = xp.ascontiguousarray(a).reshape(R)
     S2 = xp.ascontiguousarray(S).reshape(R, V)
     init2 = None if initial is None else xp.ascontiguousarray(initial).reshape(R, V)
     tr = _transport_for(ctx, transport, S) if topo != "exscan" else None
-    plan = _Plan(tr, xp, a2, S2, init2, tuple(S.shape), pos, P, bool(reverse), tag)
+    out2 = None if out is None else out.reshape(R, V)
+    plan = _Plan(tr, xp, a2, S2, init2, tuple(S.shape), pos, P, bool(reverse), tag, ctx.pool, out2)
     if topo in ("ring", "serial"):
         h: ScanHandle = _RingHandle(plan, nblocks, topo)
     elif topo == "tree":
@@ -679,6 +743,7 @@ def scan_start(
         h = _ExscanHandle(plan, ctx)
     else:  # pragma: no cover - _resolve returns a concrete topology
         raise AssertionError(topo)
+    h._out = out
     if progress == "thread":
         h._start_thread()
     return h
@@ -694,6 +759,7 @@ def scan(
     reverse: bool = False,
     initial: Any = None,
     transport: Transport | None = None,
+    out: Any = None,
 ) -> Any:
     """This rank's exclusive scan ``S_in [..., K, V]`` of the pairs ``(a [..., K], S [..., K, V])`` (collective).
 
@@ -702,9 +768,10 @@ def scan(
     in scan order only) or zeros. ``topology``: "ring" (pipelined All-Scan, ``blocks`` pieces,
     ``None`` = the cost model's choice), "tree", "allgather", "serial", "exscan" or "auto".
     Same result on any number of ranks; errors are raised on every rank before communicating.
+    ``out`` (optional) is filled and returned instead of a new array.
     """
     return scan_start(
-        a, S, comm, topology=topology, blocks=blocks, reverse=reverse, initial=initial, transport=transport
+        a, S, comm, topology=topology, blocks=blocks, reverse=reverse, initial=initial, transport=transport, out=out
     ).wait()
 
 

@@ -49,28 +49,26 @@ def test_combine_is_associative_not_commutative(rng):
 def test_every_topology_matches_fold(comm, rng):
     P, rank = comm.Get_size(), comm.Get_rank()
     K, V = 6, 3
-    for lead in ((2, 3), ()):
+    full = [(dt, rev, ini) for dt in (np.float64, np.float32) for rev in (False, True) for ini in (False, True)]
+    for lead, combos in (((2, 3), full), ((), [(np.float32, False, True), (np.float64, True, False)])):
         A, S, init = make_inputs(rng, P, lead, K, V)
-        for dtype in (np.float64, np.float32):
-            for reverse in (False, True):
-                for use_init in (False, True):
-                    ref, first = expected(A, S, init if use_init else None, rank, reverse)
-                    cases = [("ring", 1), ("ring", 4), ("ring", K), ("ring", None)] + [
-                        (t, None) for t in CONCRETE if t != "ring"
-                    ]
-                    for topo, blocks in cases:
-                        out = scan(
-                            A[rank].astype(dtype),
-                            S[rank].astype(dtype),
-                            comm,
-                            topology=topo,
-                            blocks=blocks,
-                            reverse=reverse,
-                            initial=init.astype(dtype) if (use_init and first) else None,
-                        )
-                        what = f"{topo} blocks={blocks} lead={lead} {dtype.__name__} reverse={reverse} init={use_init}"
-                        assert out.shape == S[rank].shape and out.dtype == dtype, what
-                        np.testing.assert_allclose(out, ref, rtol=tol(dtype, P), atol=tol(dtype, P), err_msg=what)
+        for dtype, reverse, use_init in combos:
+            ref, first = expected(A, S, init if use_init else None, rank, reverse)
+            cases = [("ring", 1), ("ring", 4), ("ring", K), ("ring", None)]
+            cases += [(t, None) for t in CONCRETE if t != "ring"]
+            for topo, blocks in cases:
+                out = scan(
+                    A[rank].astype(dtype),
+                    S[rank].astype(dtype),
+                    comm,
+                    topology=topo,
+                    blocks=blocks,
+                    reverse=reverse,
+                    initial=init.astype(dtype) if (use_init and first) else None,
+                )
+                what = f"{topo} blocks={blocks} lead={lead} {dtype.__name__} reverse={reverse} init={use_init}"
+                assert out.shape == S[rank].shape and out.dtype == dtype, what
+                np.testing.assert_allclose(out, ref, rtol=tol(dtype, P), atol=tol(dtype, P), err_msg=what)
 
 
 def test_ring_any_blocks_and_one_row(comm, rng):
@@ -96,6 +94,28 @@ def test_inputs_unchanged_and_noncontiguous(comm, rng):
         np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12, err_msg=topo)
         np.testing.assert_array_equal(a, a0)
         np.testing.assert_array_equal(s, s0)
+
+
+def test_out_buffer_and_reuse(comm, rng):
+    """``out=`` is filled and returned; pooled scratch buffers never leak old data into new results."""
+    P, rank = comm.Get_size(), comm.Get_rank()
+    for trial in range(2):
+        A, S, init = make_inputs(rng, P, (3,), 4, 5)
+        for reverse in (False, True):
+            ref, first = expected(A, S, init, rank, reverse)
+            for topo in CONCRETE:
+                out = np.full_like(S[rank], np.nan)
+                got = scan(A[rank], S[rank], comm, topology=topo, blocks=3, reverse=reverse,
+                           initial=init if first else None, out=out)
+                assert got is out, topo
+                np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12, err_msg=f"{topo} trial {trial}")
+    s = S[rank]
+    with pytest.raises(ValueError, match="out must not overlap S"):
+        scan(A[rank], s, comm, out=s)
+    with pytest.raises(ValueError, match="out has shape"):
+        scan(A[rank], s, comm, out=np.empty((1,) + s.shape))
+    with pytest.raises(TypeError, match="out must be"):
+        scan(A[rank], s, comm, out=s.astype(np.float32))
 
 
 def test_scan_start_test_wait(comm, rng):
