@@ -69,7 +69,8 @@ def kernel_names() -> list[str]:
             names.append(f"seg_finish<float, {t}>")
     if (_HERE / "gla_tc.cu").exists():
         for t in ("bf16", "f16"):
-            names += [f"gla_tc_seg_state<{t}>", f"gla_tc_seg_output<{t}>"]
+            for lds in ("true", "false"):
+                names += [f"gla_tc_seg_state<{t}, {lds}>", f"gla_tc_seg_output<{t}, {lds}>"]
     return names
 
 

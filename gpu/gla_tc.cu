@@ -148,6 +148,52 @@ GLA_DEVICE void frag_b(u32* b, const u16* baseT, int ld, int n0, int k0, int gid
   b[1] = ld32(baseT + (n0 + gid) * ld + k0 + 2 * tig + 8);
 }
 
+// ldmatrix (m8n8, 16-bit): lanes 8i..8i+7 give the row addresses of matrix i. Without .trans lane l gets
+// (row l/4, cols 2(l%4), +1) of each matrix; with .trans (rows 2(l%4), +1; col l/4).
+#ifndef GLA_EMU
+GLA_DEVICE u32 smem_u32(const void* p) {
+  unsigned long long s;
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"(reinterpret_cast<unsigned long long>(p)));
+  return (u32)s;
+}
+GLA_DEVICE void ldsm_x4_trans(u32* r, const u16* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+#else
+inline const u16* emu_ldsm_ptr[32][32];
+inline void ldsm_x4_trans(u32* r, const u16* p) {
+  const unsigned tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const unsigned w = tid / 32, lane = tid % 32;
+  emu_ldsm_ptr[w][lane] = p;
+  __syncwarp();
+  const int gid = lane >> 2, tig = lane & 3;
+  for (int i = 0; i < 4; ++i) {
+    const u16* r0 = emu_ldsm_ptr[w][8 * i + 2 * tig];
+    const u16* r1 = emu_ldsm_ptr[w][8 * i + 2 * tig + 1];
+    r[i] = (u32)r0[gid] | ((u32)r1[gid] << 16);
+  }
+  __syncwarp();
+}
+#endif
+// A fragment (16 x 16) of A = M^T where M is stored row-major (M[k][m], row stride ld): rows of M k0..k0+15,
+// columns m0..m0+15.
+GLA_DEVICE void frag_a_trans(u32* a, const u16* M, int ld, int k0, int m0, int lane) {
+  const int i = lane >> 3, r = lane & 7;
+  ldsm_x4_trans(a, M + (k0 + r + 8 * (i >> 1)) * ld + m0 + 8 * (i & 1));
+}
+// B fragments of two adjacent n8 tiles (n0.., n0+8..) from B stored row-major (B[k][n], row stride ld)
+GLA_DEVICE void frag_b2_rowmajor(u32* b01, u32* b23, const u16* Bm, int ld, int k0, int n0, int lane) {
+  const int i = lane >> 3, r = lane & 7;
+  u32 x[4];
+  ldsm_x4_trans(x, Bm + (k0 + r + 8 * (i & 1)) * ld + n0 + 8 * (i >> 1));
+  b01[0] = x[0];
+  b01[1] = x[1];
+  b23[0] = x[2];
+  b23[1] = x[3];
+}
+
 struct __align__(16) V16 {
   u32 w[4];
 };
@@ -163,7 +209,7 @@ GLA_DEVICE float bits_to_f(u16 u) {
 // One chunk from global memory with 16-byte loads, all issued before the first use:
 // g -> bs (fp32), k -> Kraw[t][k] and (if Qraw) q -> Qraw[t][k] (16-bit bits), v -> VT[v][t] (transposed).
 // Rows t >= len are zero. Needs K, V multiples of 8 (<= 128) and 256 threads.
-template <typename T>
+template <typename T, bool L>
 GLA_DEVICE void tc_load_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                               const T* __restrict__ g, float* bs, u16* Qraw, u16* Kraw, u16* VT, int b, int h,
                               int t0, int len, int Tlen, int H, int K, int V) {
@@ -194,8 +240,12 @@ GLA_DEVICE void tc_load_chunk(const T* __restrict__ q, const T* __restrict__ k, 
     }
     if (e < 64 * v8) {
       const int tv = e / v8, cv = (e % v8) * 8;
+      if constexpr (L) {
+        *reinterpret_cast<V16*>(VT + tv * TC_KP + cv) = rv[i];  // row-major V[t][v]
+      } else {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) VT[(cv + j) * TC_CP + tv] = half_of(rv[i], j);
+        for (int j = 0; j < 8; ++j) VT[(cv + j) * TC_CP + tv] = half_of(rv[i], j);
+      }
     }
   }
 }
@@ -220,9 +270,11 @@ GLA_DEVICE void tc_cumsum(float* bs, int K) {
 }
 
 // S (warp w owns rows 16w..16w+15 of K, all V in n8 tiles): S = diag(exp(bL)) S + KT V
-template <typename T>
+// (L: KT holds (k*decay)[t][k] and VT holds V[t][v], both row-major, read with ldmatrix.trans)
+template <typename T, bool L>
 GLA_DEVICE void tc_state_update(float (*sacc)[4], const float* bs, const u16* KT, const u16* VT, int len, int K,
                                 int V, int w, int gid, int tig) {
+  const int lane = 4 * gid + tig;
   if (16 * w >= K) return;
   const float e0 = dexp(bs[(len - 1) * TC_BP + 16 * w + gid]);
   const float e1 = dexp(bs[(len - 1) * TC_BP + 16 * w + gid + 8]);
@@ -236,20 +288,33 @@ GLA_DEVICE void tc_state_update(float (*sacc)[4], const float* bs, const u16* KT
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {
     u32 a[4];
-    frag_a(a, KT, TC_CP, 16 * w, 16 * ks, gid, tig);
+    if constexpr (L) {
+      frag_a_trans(a, KT, TC_KP, 16 * ks, 16 * w, lane);
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      if (8 * nt < V) {
-        u32 bb[2];
-        frag_b(bb, VT, TC_CP, 8 * nt, 16 * ks, gid, tig);
-        Mma<T>::mma(sacc[nt], a, bb);
+      for (int nt = 0; nt < 16; nt += 2) {
+        if (8 * nt < V) {
+          u32 b0[2], b1[2];
+          frag_b2_rowmajor(b0, b1, VT, TC_KP, 16 * ks, 8 * nt, lane);
+          Mma<T>::mma(sacc[nt], a, b0);
+          Mma<T>::mma(sacc[nt + 1], a, b1);
+        }
+      }
+    } else {
+      frag_a(a, KT, TC_CP, 16 * w, 16 * ks, gid, tig);
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt) {
+        if (8 * nt < V) {
+          u32 bb[2];
+          frag_b(bb, VT, TC_CP, 8 * nt, 16 * ks, gid, tig);
+          Mma<T>::mma(sacc[nt], a, bb);
+        }
       }
     }
   }
 }
 
 // per segment: local state from zero (st[bh, seg] fp32 [K, V]) and total log decay (gseg[bh, seg, K])
-template <typename T>
+template <typename T, bool L>
 __global__ void __launch_bounds__(TC_THREADS, 1) gla_tc_seg_state(const T* __restrict__ k, const T* __restrict__ v,
                                                                 const T* __restrict__ g, float* __restrict__ st,
                                                                 float* __restrict__ gseg, int B, int Tlen, int H,
@@ -269,7 +334,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1) gla_tc_seg_state(const T* __res
     const int t0 = (seg * NC + ci) * 64;
     if (t0 >= Tlen) break;
     const int len = min(64, Tlen - t0);
-    tc_load_chunk<T>(nullptr, k, v, g, bs, nullptr, Kr, VT, b, h, t0, len, Tlen, H, K, V);
+    tc_load_chunk<T, L>(nullptr, k, v, g, bs, nullptr, Kr, VT, b, h, t0, len, Tlen, H, K, V);
     __syncthreads();
     tc_cumsum(bs, K);
     __syncthreads();
@@ -277,10 +342,14 @@ __global__ void __launch_bounds__(TC_THREADS, 1) gla_tc_seg_state(const T* __res
     for (int e = tid; e < 64 * K; e += TC_THREADS) {
       const int t = e / K, kk = e % K;
       const float kv = bits_to_f<T>(Kr[t * TC_KP + kk]);
-      KT[kk * TC_CP + t] = Mma<T>::cvt(kv * dexp(bs[(len - 1) * TC_BP + kk] - bs[t * TC_BP + kk]));
+      const u16 kd = Mma<T>::cvt(kv * dexp(bs[(len - 1) * TC_BP + kk] - bs[t * TC_BP + kk]));
+      if constexpr (L)
+        KT[t * TC_KP + kk] = kd;
+      else
+        KT[kk * TC_CP + t] = kd;
     }
     __syncthreads();
-    tc_state_update<T>(sacc, bs, KT, VT, len, K, V, w, gid, tig);
+    tc_state_update<T, L>(sacc, bs, KT, VT, len, K, V, w, gid, tig);
     __syncthreads();
   }
   if (16 * w < K) {
@@ -301,7 +370,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1) gla_tc_seg_state(const T* __res
 }
 
 // per segment, from its incoming state S_in[bh, seg]: o for every token of the segment
-template <typename T>
+template <typename T, bool L>
 __global__ void __launch_bounds__(TC_THREADS, 1)
     gla_tc_seg_output(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                       const T* __restrict__ g, const float* __restrict__ S_in, T* __restrict__ o, float scale, int B,
@@ -341,7 +410,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
     if (t0 >= Tlen) break;
     const int len = min(64, Tlen - t0);
     // (a) g, v, q (raw, into Qi), k (raw, into Kh)
-    tc_load_chunk<T>(q, k, v, g, bs, Qi, Kh, VT, b, h, t0, len, Tlen, H, K, V);
+    tc_load_chunk<T, L>(q, k, v, g, bs, Qi, Kh, VT, b, h, t0, len, Tlen, H, K, V);
     if (tid < 4) span[tid] = 0.f;
     // S (incoming state of this chunk) as the 16-bit operand ST[v][k]
     if (16 * w < K) {
@@ -349,10 +418,17 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
       for (int nt = 0; nt < 16; ++nt) {
         const int c = 8 * nt + 2 * tig, r = 16 * w + gid;
         if (c < V) {
-          ST[c * TC_KP + r] = Mma<T>::cvt(sacc[nt][0]);
-          ST[(c + 1) * TC_KP + r] = Mma<T>::cvt(sacc[nt][1]);
-          ST[c * TC_KP + r + 8] = Mma<T>::cvt(sacc[nt][2]);
-          ST[(c + 1) * TC_KP + r + 8] = Mma<T>::cvt(sacc[nt][3]);
+          if constexpr (L) {  // row-major S[k][v], two columns per 32-bit store
+            *reinterpret_cast<u32*>(ST + r * TC_KP + c) =
+                (u32)Mma<T>::cvt(sacc[nt][0]) | ((u32)Mma<T>::cvt(sacc[nt][1]) << 16);
+            *reinterpret_cast<u32*>(ST + (r + 8) * TC_KP + c) =
+                (u32)Mma<T>::cvt(sacc[nt][2]) | ((u32)Mma<T>::cvt(sacc[nt][3]) << 16);
+          } else {
+            ST[c * TC_KP + r] = Mma<T>::cvt(sacc[nt][0]);
+            ST[(c + 1) * TC_KP + r] = Mma<T>::cvt(sacc[nt][1]);
+            ST[c * TC_KP + r + 8] = Mma<T>::cvt(sacc[nt][2]);
+            ST[(c + 1) * TC_KP + r + 8] = Mma<T>::cvt(sacc[nt][3]);
+          }
         }
       }
     }
@@ -374,7 +450,11 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
       Qh[t * TC_KP + kk] = Mma<T>::cvt(qv * dexp(bt - r));
       Qi[t * TC_KP + kk] = Mma<T>::cvt(qv * dexp(bt));
       Kh[t * TC_KP + kk] = Mma<T>::cvt(kv * expf(fminf(r - bt, span_limit)));
-      KT[kk * TC_CP + t] = Mma<T>::cvt(kv * dexp(bs[(len - 1) * TC_BP + kk] - bt));
+      const u16 kd = Mma<T>::cvt(kv * dexp(bs[(len - 1) * TC_BP + kk] - bt));
+      if constexpr (L)
+        KT[t * TC_KP + kk] = kd;
+      else
+        KT[kk * TC_CP + t] = kd;
       for (int I2 = I + 1; I2 < 4; ++I2) {
         const int pair = I2 * (I2 - 1) / 2 + I;
         Ko[(pair * 16 + (t % 16)) * TC_KP + kk] = Mma<T>::cvt(kv * dexp(bs[(16 * I2) * TC_BP + kk] - bt));
@@ -439,11 +519,17 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
           u32 a[4];
           frag_a(a, As, TC_CP, 16 * tw, 16 * ks, gid, tig);
 #pragma unroll
-          for (int nt = 0; nt < 8; ++nt) {
+          for (int nt = 0; nt < 8; nt += 2) {
             if (v0 + 8 * nt < V) {
-              u32 bb[2];
-              frag_b(bb, VT, TC_CP, v0 + 8 * nt, 16 * ks, gid, tig);
-              Mma<T>::mma(oacc[nt], a, bb);
+              u32 b0[2], b1[2];
+              if constexpr (L) {
+                frag_b2_rowmajor(b0, b1, VT, TC_KP, 16 * ks, v0 + 8 * nt, lane);
+              } else {
+                frag_b(b0, VT, TC_CP, v0 + 8 * nt, 16 * ks, gid, tig);
+                frag_b(b1, VT, TC_CP, v0 + 8 * nt + 8, 16 * ks, gid, tig);
+              }
+              Mma<T>::mma(oacc[nt], a, b0);
+              Mma<T>::mma(oacc[nt + 1], a, b1);
             }
           }
         }
@@ -451,11 +537,17 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
           u32 a[4];
           frag_a(a, Qi, TC_KP, 16 * tw, 16 * ks, gid, tig);
 #pragma unroll
-          for (int nt = 0; nt < 8; ++nt) {
+          for (int nt = 0; nt < 8; nt += 2) {
             if (v0 + 8 * nt < V) {
-              u32 bb[2];
-              frag_b(bb, ST, TC_KP, v0 + 8 * nt, 16 * ks, gid, tig);
-              Mma<T>::mma(oacc[nt], a, bb);
+              u32 b0[2], b1[2];
+              if constexpr (L) {
+                frag_b2_rowmajor(b0, b1, ST, TC_KP, 16 * ks, v0 + 8 * nt, lane);
+              } else {
+                frag_b(b0, ST, TC_KP, v0 + 8 * nt, 16 * ks, gid, tig);
+                frag_b(b1, ST, TC_KP, v0 + 8 * nt + 8, 16 * ks, gid, tig);
+              }
+              Mma<T>::mma(oacc[nt], a, b0);
+              Mma<T>::mma(oacc[nt + 1], a, b1);
             }
           }
         }
@@ -477,19 +569,21 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
       }
     }
     // (f) state update (reads bs, KT, VT only)
-    tc_state_update<T>(sacc, bs, KT, VT, len, K, V, w, gid, tig);
+    tc_state_update<T, L>(sacc, bs, KT, VT, len, K, V, w, gid, tig);
     __syncthreads();
   }
 }
 
 #ifdef GLA_INSTANTIATE
-#define GLA_INST_TC(T)                                                                                                \
-  template __global__ void gla_tc_seg_state<T>(const T*, const T*, const T*, float*, float*, int, int, int, int, int, \
-                                               int, int);                                                             \
-  template __global__ void gla_tc_seg_output<T>(const T*, const T*, const T*, const T*, const float*, T*, float, int, \
-                                                int, int, int, int, int, int, float);
-GLA_INST_TC(bf16)
+#define GLA_INST_TC(T, L)                                                                                           \
+  template __global__ void gla_tc_seg_state<T, L>(const T*, const T*, const T*, float*, float*, int, int, int, int, \
+                                                  int, int, int);                                                   \
+  template __global__ void gla_tc_seg_output<T, L>(const T*, const T*, const T*, const T*, const float*, T*, float,  \
+                                                   int, int, int, int, int, int, int, float);
+GLA_INST_TC(bf16, true)
+GLA_INST_TC(f16, false)
 #ifndef GLA_INSTANTIATE_FAST
-GLA_INST_TC(f16)
+GLA_INST_TC(bf16, false)
+GLA_INST_TC(f16, true)
 #endif
 #endif

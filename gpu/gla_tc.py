@@ -5,6 +5,10 @@ chunk size 64. The sequence of each (b, h) is cut into segments of ``NC`` chunks
 kernel 1 computes each segment's local state (and total decay), the simt ``gla_state_scan`` turns
 those into incoming states, kernel 2 recomputes the chunks of each segment from its incoming state and
 writes ``o``. ``NC`` defaults to about eight waves of blocks on the device; ``$HPCZECO_TC_NC`` fixes it.
+
+Two builds of the same kernels (``$HPCZECO_TC_VARIANT``): ``"ldsm"`` (default) keeps V, the decayed keys
+and the state operand row-major in shared memory and reads them with ``ldmatrix.trans``; ``"plain"``
+stores them transposed with scalar stores and reads 32-bit pairs (no ldmatrix; more bank conflicts).
 """
 
 from __future__ import annotations
@@ -41,6 +45,16 @@ def chunks_per_segment(rt: Any, BH: int, NT: int) -> int:
     return max(1, -(-NT // ns))
 
 
+VARIANTS = {"ldsm": "true", "plain": "false"}
+
+
+def variant() -> str:
+    v = os.environ.get("HPCZECO_TC_VARIANT", "ldsm")
+    if v not in VARIANTS:
+        raise ValueError(f"HPCZECO_TC_VARIANT must be one of {sorted(VARIANTS)}, got {v!r}")
+    return v
+
+
 def forward(rt: Any, q, k, v, g, scale: float, h0, t: str, B: int, T: int, H: int, K: int, V: int, nc=None):
     """``(o [B, T, H, V], final state [B*H, K, V] fp32)`` on the current stream."""
     from .gla import _scan  # noqa: PLC0415
@@ -51,17 +65,18 @@ def forward(rt: Any, q, k, v, g, scale: float, h0, t: str, B: int, T: int, H: in
     BH = B * H
     NC = nc or chunks_per_segment(rt, BH, NT)
     NS = -(-NT // NC)
+    lds = VARIANTS[variant()]
     st = xp.empty((BH, NS, K, V), dtype=xp.float32)
     gseg = xp.empty((BH, NS, K), dtype=xp.float32)
     rt.launch(
-        f"gla_tc_seg_state<{t}>", (NS, BH), (_THREADS,),
+        f"gla_tc_seg_state<{t}, {lds}>", (NS, BH), (_THREADS,),
         (k, v, g, st, gseg, i32(B), i32(T), i32(H), i32(K), i32(V), i32(NC), i32(NS)),
         shared_mem=SMEM_STATE,
     )  # fmt: skip
     fin = _scan(rt, st, gseg, h0, NS, K, V, BH, reverse=False)
     o = xp.empty((B, T, H, V), dtype=q.dtype)
     rt.launch(
-        f"gla_tc_seg_output<{t}>", (NS, BH), (_THREADS,),
+        f"gla_tc_seg_output<{t}, {lds}>", (NS, BH), (_THREADS,),
         (q, k, v, g, st, o, f32(scale), i32(B), i32(T), i32(H), i32(K), i32(V), i32(NC), i32(NS),
          f32(SPAN_LIMIT[t])),
         shared_mem=SMEM_OUTPUT,

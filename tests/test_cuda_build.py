@@ -104,16 +104,22 @@ def test_emulated_simt_forward_backward(emu_rt, rng):
     assert rel(grads[4], ref[4]) < 1e-5
 
 
-@pytest.mark.parametrize("strong", [False, True], ids=["tc-diagonal", "elementwise-diagonal"])
-def test_emulated_tensor_core_forward(emu_rt, rng, strong, monkeypatch):
+@pytest.mark.parametrize(
+    "variant,strong",
+    [("ldsm", False), ("ldsm", True), ("plain", False)],
+    ids=["ldsm-tc-diagonal", "ldsm-elementwise-diagonal", "plain-tc-diagonal"],
+)
+def test_emulated_tensor_core_forward(emu_rt, rng, variant, strong, monkeypatch):
     B, T, H, K, V = 1, 150, 1, 32, 48
     q, k, v, g, _, h0, _ = _inputs(rng, B, T, H, K, V, strong=strong)
     Q, Kk, Vv, G = (gemu.f32_to_bf16_bits(x) for x in (q, k, v, g))
     q, k, v, g = (gemu.bf16_bits_to_f32(x) for x in (Q, Kk, Vv, G))
     monkeypatch.setenv("HPCZECO_TC_NC", "2")  # 3 chunks -> 2 segments: the segment scan is exercised
+    monkeypatch.setenv("HPCZECO_TC_VARIANT", variant)
     emu_rt.launched.clear()
     o, ht = ggla.chunk_gla(Q, Kk, Vv, G, initial_state=h0, output_final_state=True, impl="tc")
-    assert "gla_tc_seg_output<bf16>" in emu_rt.launched
+    lds = "true" if variant == "ldsm" else "false"
+    assert f"gla_tc_seg_output<bf16, {lds}>" in emu_rt.launched
     f64 = [x.astype(np.float64) for x in (q, k, v, g, h0)]
     ro, rht = recurrent_gla(*f64[:4], initial_state=f64[4], output_final_state=True)
     assert rel(gemu.bf16_bits_to_f32(o), ro) < 1e-2
