@@ -307,13 +307,25 @@ def single(args) -> int:
         ("fp16", 1, 400, 2, 128, 128, False, "tc", True, 1e-2),
         ("fp16", 1, 400, 2, 64, 64, True, "tc", True, 1e-2),
     ]
-    for dt_name, B, T, H, K, V, strong, impl, use_h0, tol in cases:
-        nm = (
-            f"fwd {dt_name} {impl} B{B} T{T} H{H} K{K} V{V}"
-            + (" strong-g" if strong else "")
-            + (" h0" if use_h0 else "")
-        )
-        S.check(nm, lambda a=(dt_name, B, T, H, K, V, strong, impl, use_h0, tol): fwd_case(*a), tol)
+    variant_ok = {}
+    for var in ("ldsm", "plain"):
+        os.environ["HPCZECO_TC_VARIANT"] = var
+        oks = []
+        for dt_name, B, T, H, K, V, strong, impl, use_h0, tol in cases:
+            if var == "plain" and impl != "tc":
+                continue
+            nm = f"fwd {dt_name} {impl}" + (f"[{var}]" if impl == "tc" else "") + f" B{B} T{T} H{H} K{K} V{V}"
+            nm += (" strong-g" if strong else "") + (" h0" if use_h0 else "")
+            rec = S.check(nm, lambda a=(dt_name, B, T, H, K, V, strong, impl, use_h0, tol): fwd_case(*a), tol)
+            if impl == "tc":
+                oks.append(rec["ok"])
+        variant_ok[var] = all(oks)
+    # the tensor-core build used from here on: ldsm unless only plain passed
+    chosen = "ldsm" if variant_ok["ldsm"] or not variant_ok["plain"] else "plain"
+    os.environ["HPCZECO_TC_VARIANT"] = chosen
+    S.info["tc_variant_ok"] = variant_ok
+    S.info["tc_variant_used"] = chosen
+    S.say(f"tensor-core variants passing: {variant_ok}; using {chosen!r}")
     bcases = [
         ("fp32", 2, 300, 3, 64, 48, False, True, 1e-4),
         ("fp32", 1, 200, 2, 128, 128, True, True, 1e-4),
@@ -417,7 +429,7 @@ def single(args) -> int:
         fin = bool(np.isfinite(a).all())
         return (max(eo, eh) if fin else float("inf")), f"o {eo:.2e} ht {eh:.2e} finite {fin}"
 
-    S.check(f"tc vs simt forward at T={T} H={H} K=V=128 bf16", big_tc_vs_simt, 1e-2)
+    S.check(f"tc[{chosen}] vs simt forward at T={T} H={H} K=V=128 bf16", big_tc_vs_simt, 1e-2)
 
     # flash-linear-attention
     fla = None
@@ -466,14 +478,25 @@ def single(args) -> int:
                 sets=2,
             )
             S.timing(
-                f"ours fwd tc (NC={nc})",
+                f"ours fwd tc[{chosen}] (NC={nc})",
                 ms,
                 Mtok_s=round(B * T / ms / 1e3, 1),
                 x_floor=round(ms / (fl["seconds"] * 1e3), 2),
             )
         except Exception as exc:  # noqa: BLE001
-            S.timing(f"ours fwd tc (NC={nc})", None, error=str(exc)[:200])
+            S.timing(f"ours fwd tc[{chosen}] (NC={nc})", None, error=str(exc)[:200])
     os.environ.pop("HPCZECO_TC_NC", None)
+    other = "plain" if chosen == "ldsm" else "ldsm"
+    os.environ["HPCZECO_TC_VARIANT"] = other
+    try:
+        ms = cuda_time(
+            cp, lambda i: G.chunk_gla(sets[i]["q"], sets[i]["k"], sets[i]["v"], sets[i]["g"], scale=scale, impl="tc"),
+            reps, sets=2,
+        )  # fmt: skip
+        S.timing(f"ours fwd tc[{other}] (auto NC)", ms, correct=variant_ok[other])
+    except Exception as exc:  # noqa: BLE001
+        S.timing(f"ours fwd tc[{other}] (auto NC)", None, error=str(exc)[:200])
+    os.environ["HPCZECO_TC_VARIANT"] = chosen
     from hpczeco.gpu import gla_tc  # noqa: PLC0415
 
     S.info["auto_NC"] = gla_tc.chunks_per_segment(G._runtime(), B * H, -(-T // 64))
