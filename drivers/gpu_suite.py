@@ -598,6 +598,15 @@ def multi(args) -> int:
 
     out = Path(args.out)
     S = Suite(out, f"gpu_suite --multi ({P} ranks)", rank)
+    prev = out / "gpu_suite.json"  # the single-GPU run's choice of tensor-core build, if it ran first
+    if "HPCZECO_TC_VARIANT" not in os.environ and prev.exists():
+        try:
+            used = json.loads(prev.read_text())["info"].get("tc_variant_used")
+            if used:
+                os.environ["HPCZECO_TC_VARIANT"] = used
+        except Exception:  # noqa: BLE001
+            pass
+    S.info["tc_variant"] = os.environ.get("HPCZECO_TC_VARIANT", "ldsm (default)")
     seed = comm.bcast(int(args.seed if args.seed is not None else time.time_ns() % 2**31), root=0)
     rng = np.random.default_rng(seed)
     S.info.update(
