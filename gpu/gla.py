@@ -24,6 +24,7 @@ talks MPI. The pieces the ZeCO layer needs are exposed too: :func:`decay_cumsum`
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +52,11 @@ _TYPES = {"float32": "float", "float16": "f16", "bfloat16": "bf16", "uint16": "b
 # ---------------------------------------------------------------------------------------------- kernels
 
 
-def kernel_names() -> list[str]:
-    """Every kernel name expression compiled into the module (template instantiations)."""
-    names = ["gla_state_scan", "seg_carry"]
+def kernel_names(file: str | None = None) -> list[str]:
+    """Kernel name expressions (template instantiations) of ``file`` (a ``gpu/*.cu`` name), or of all files."""
+    names: dict[str, list[str]] = {"gla_kernels.cu": ["gla_state_scan", "seg_carry"], "gla_tc.cu": []}
     for t in ("float", "bf16", "f16"):
-        names += [
+        names["gla_kernels.cu"] += [
             f"gla_chunk_outer<{t}>",
             f"gla_chunk_output<{t}>",
             f"gla_bwd_scores<{t}>",
@@ -66,19 +67,19 @@ def kernel_names() -> list[str]:
             f"seg_finish<{t}, float>",
         ]
         if t != "float":
-            names.append(f"seg_finish<float, {t}>")
-    if (_HERE / "gla_tc.cu").exists():
-        for t in ("bf16", "f16"):
-            for lds in ("true", "false"):
-                names += [f"gla_tc_seg_state<{t}, {lds}>", f"gla_tc_seg_output<{t}, {lds}>"]
-    return names
+            names["gla_kernels.cu"].append(f"seg_finish<float, {t}>")
+    for t in ("bf16", "f16"):
+        for lds in ("true", "false"):
+            names["gla_tc.cu"] += [f"gla_tc_seg_state<{t}, {lds}>", f"gla_tc_seg_output<{t}, {lds}>"]
+    files = [file] if file is not None else [f for f in _KERNEL_FILES if (_HERE / f).exists()]
+    return [n for f in files for n in names[f]]
 
 
-def kernel_source() -> str:
-    """All kernel sources in one translation unit, the common header inlined (no include paths)."""
+def kernel_source(files: tuple[str, ...] | None = None) -> str:
+    """Kernel sources in one translation unit, the common header inlined (no include paths)."""
     common = (_HERE / "gla_common.cuh").read_text()
     parts = []
-    for name in _KERNEL_FILES:
+    for name in files or _KERNEL_FILES:
         if not (_HERE / name).exists():
             continue
         src = (_HERE / name).read_text()
@@ -87,25 +88,48 @@ def kernel_source() -> str:
 
 
 class _CupyRuntime:
-    """Kernels from one ``cupy.RawModule`` (NVRTC, ``-std=c++17``), on the current CuPy stream."""
+    """Kernels from one ``cupy.RawModule`` per ``.cu`` file (NVRTC, ``-std=c++17``), on the current CuPy stream.
+
+    Each module compiles on first use; a file that fails to compile leaves the others usable (the
+    tensor-core forward then falls back to the simt kernels, with a warning).
+    """
 
     def __init__(self):
         import cupy  # noqa: PLC0415
 
         self.xp = cupy
-        self.module = cupy.RawModule(
-            code=kernel_source(),
-            options=("-std=c++17", "--use_fast_math"),
-            name_expressions=kernel_names(),
-        )
+        self.modules: dict[str, Any] = {}
+        self.owner = {n: f for f in _KERNEL_FILES if (_HERE / f).exists() for n in kernel_names(f)}
+        self.errors: dict[str, str] = {}
         self._fns: dict[str, Any] = {}
         self._smem: dict[str, int] = {}
+
+    def module(self, file: str):
+        mod = self.modules.get(file)
+        if mod is None:
+            mod = self.modules[file] = self.xp.RawModule(
+                code=kernel_source((file,)),
+                options=("-std=c++17", "--use_fast_math"),
+                name_expressions=kernel_names(file),
+            )
+        return mod
 
     def fn(self, name: str):
         f = self._fns.get(name)
         if f is None:
-            f = self._fns[name] = self.module.get_function(name)
+            f = self._fns[name] = self.module(self.owner[name]).get_function(name)
         return f
+
+    def available(self, file: str) -> bool:
+        """Compile ``file``'s module now; False (error kept in ``errors``) if NVRTC rejects it."""
+        if file in self.errors:
+            return False
+        try:
+            self.fn(kernel_names(file)[0])
+            return True
+        except Exception as exc:  # noqa: BLE001 - any compile/load failure
+            self.errors[file] = f"{type(exc).__name__}: {exc}"
+            return False
 
     def launch(self, name: str, grid, block, args, shared_mem: int = 0) -> None:
         f = self.fn(name)
@@ -139,6 +163,15 @@ def _set_runtime(rt: Any) -> Any:
     global _RUNTIME
     old, _RUNTIME = _RUNTIME, rt
     return old
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -295,6 +328,9 @@ def chunk_gla(
     if impl == "tc" and not aligned:
         raise ValueError("impl='tc' needs q, k, v, g whose data pointers are 16-byte aligned")
     use_tc = impl == "tc" or (impl == "auto" and aligned and _tc_applies(t, K, V, C))
+    if use_tc and impl == "auto" and not getattr(rt, "available", lambda f: True)("gla_tc.cu"):
+        _warn_once(f"tensor-core GLA kernels unavailable ({rt.errors.get('gla_tc.cu', '?')[:300]}); using simt")
+        use_tc = False
     if use_tc:
         from . import gla_tc  # noqa: PLC0415
 
