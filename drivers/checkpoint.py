@@ -504,7 +504,7 @@ def load_checkpoint(
             nranks = int(f.attrs["nranks"])
     except CheckpointError:
         raise
-    except (OSError, KeyError, ValueError, TypeError, json.JSONDecodeError) as exc:
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"cannot be read ({type(exc).__name__}: {exc}); truncated or corrupt?") from None
     if expect_config is not None:
         stored = attrs.get("config")
