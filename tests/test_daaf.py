@@ -266,5 +266,5 @@ def test_gpu_dispatch_matches_the_reference(rng):
     bad[0, 5, 1, 2] = cp.nan
     with pytest.raises(ValueError, match="q contains NaN"):
         attention(bad, cp.asarray(k), cp.asarray(v), p)
-    with pytest.raises(TypeError, match="all numpy or all CuPy"):
+    with pytest.raises(TypeError, match="all be numpy or all CuPy"):
         attention(cp.asarray(q), k, v, p)

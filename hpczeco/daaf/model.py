@@ -64,7 +64,17 @@ def _rmsnorm(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def _gelu(x: np.ndarray) -> np.ndarray:
-    return 0.5 * x * (1.0 + np.tanh(0.7978845608 * (x + 0.044715 * x * x * x)))
+    """tanh-approximate GELU (in place on a temporary)."""
+    t = x * x
+    t *= 0.044715
+    t += 1.0
+    t *= x
+    t *= 0.7978845608
+    np.tanh(t, out=t)
+    t += 1.0
+    t *= x
+    t *= 0.5
+    return t
 
 
 class PrefillModel:
@@ -91,15 +101,24 @@ class PrefillModel:
         self.nf = np.ones(d, f32)
         half = Dh // 2
         self._inv_freq = (1.0 / cfg.rope_base ** (np.arange(half) / half)).astype(np.float64)
+        self._rope_key: tuple[int, int] | None = None
+        self._rope_cs: tuple[np.ndarray, np.ndarray] | None = None
 
     # ------------------------------------------------------------------ pieces
+
+    def _rope_table(self, pos0: int, T: int) -> tuple[np.ndarray, np.ndarray]:
+        key = (pos0, T)
+        if self._rope_key != key:
+            ang = np.outer(np.arange(pos0, pos0 + T), self._inv_freq)
+            self._rope_cs = (np.cos(ang).astype(np.float32)[:, None], np.sin(ang).astype(np.float32)[:, None])
+            self._rope_key = key
+        return self._rope_cs
 
     def _rope(self, x: np.ndarray, pos0: int) -> np.ndarray:
         """Rotary embedding of ``x`` ``[T, H, Dh]`` at positions ``pos0 ..``."""
         T, _, Dh = x.shape
         half = Dh // 2
-        ang = np.outer(np.arange(pos0, pos0 + T), self._inv_freq)
-        cos, sin = np.cos(ang).astype(np.float32)[:, None], np.sin(ang).astype(np.float32)[:, None]
+        cos, sin = self._rope_table(pos0, T)
         a, b = x[..., :half], x[..., half : 2 * half]
         out = x.copy()
         out[..., :half] = a * cos - b * sin
