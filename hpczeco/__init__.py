@@ -12,9 +12,16 @@ Public API (imported lazily so ``import hpczeco`` stays cheap and never imports 
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 __version__ = "0.1.0"
+
+# In a source checkout used without installing (PYTHONPATH=<repo>), collectives/, gpu/ and drivers/
+# sit beside this package rather than inside it: let them import as hpczeco.collectives etc.
+_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.isfile(os.path.join(_root, "collectives", "__init__.py")) and _root not in __path__:
+    __path__.append(_root)
 
 _LAZY = {
     "ZeCOGLA": "hpczeco.zeco",
