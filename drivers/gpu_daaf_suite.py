@@ -30,6 +30,7 @@ import math
 import platform
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -75,9 +76,9 @@ class Recorder:
         self._add({"kind": "check", "stage": stage, "name": name, "ok": False, "value": None, "tol": None,
                    "detail": why, **data})
 
-    def error(self, stage: str, name: str, exc: BaseException) -> None:
+    def error(self, stage: str, name: str, exc: BaseException, **data) -> None:
         tb = traceback.format_exc(limit=6)
-        self.fail(stage, name, f"{type(exc).__name__}: {exc}", traceback=tb[-3000:])
+        self.fail(stage, name, f"{type(exc).__name__}: {exc}", traceback=tb[-3000:], **data)
 
     def info(self, stage: str, name: str, **data) -> None:
         self._add({"kind": "info", "stage": stage, "name": name, **data})
@@ -169,24 +170,33 @@ def daaf_pairs(g: np.ndarray, W: int) -> int:
 # --------------------------------------------------------------------------- stage 1: probe (subprocess)
 
 
-def probe(rec: Recorder, seed: int, quick: bool) -> None:
-    """Compile, kernel attributes, small-T correctness of every kernel, Numba planning kernels."""
+PROBE_GROUPS = ("compile", "simple", "tc", "tc2", "tc3", "numba")
+
+
+def probe(rec: Recorder, seed: int, quick: bool, group: str) -> None:
+    """One probe group (each runs in its own process): "compile" (build, kernel attributes), a kernel
+    family against the float64 host reference on small random inputs, or "numba" (planning kernels)."""
     import cupy as cp
     from hpczeco.gpu import daaf as gd
 
     stage = "probe"
+    rng = np.random.default_rng(seed + PROBE_GROUPS.index(group))
+    if group == "numba":
+        numba_checks(rec, rng)
+        return
     t0 = time.perf_counter()
     try:
         info = gd.kernel_info()
-        rec.info(stage, "kernel_info", kernels=info, compile_s=time.perf_counter() - t0)
-        for name, d in info.items():
-            print(f"INFO  {stage}: {name}: {d['num_regs']} registers, {d['local_size_bytes']} local bytes "
-                  f"(spills), {d['shared_size_bytes']} static shared bytes", flush=True)
-        rec.check(stage, "compile", 0.0, 0.0, detail=f"RawModule compiled in {time.perf_counter() - t0:.1f} s; ")
+        if group == "compile":
+            rec.info(stage, "kernel_info", kernels=info, compile_s=time.perf_counter() - t0)
+            for name, d in info.items():
+                print(f"INFO  {stage}: {name}: {d['num_regs']} registers, {d['local_size_bytes']} local bytes "
+                      f"(spills), {d['shared_size_bytes']} static shared bytes", flush=True)
+            rec.check(stage, "compile", 0.0, 0.0, detail=f"RawModule built in {time.perf_counter() - t0:.1f} s; ")
+            return
     except Exception as exc:
-        rec.error(stage, "compile", exc)
+        rec.error(stage, f"compile ({group})", exc, group=group)
         return
-    rng = np.random.default_rng(seed)
 
     def run_case(impl: str, elem: str, B: int, T: int, H: int, D: int, Dv: int, W: int, kind: str) -> None:
         name = f"{impl}/{elem} B={B} T={T} H={H} D={D} Dv={Dv} W={W} {kind}"
@@ -212,38 +222,32 @@ def probe(rec: Recorder, seed: int, quick: bool) -> None:
             oh = o.get()
             of = gd.bf16_to_float32(oh) if elem == "bf16" else oh.astype(np.float32)
             ref = gd.reference_attention(fq, fk, fv, g, W)
-            rec.check(stage, name, rel_err(of, ref), TOL[elem], detail="max rel err ", impl=impl, elem=elem, T=T,
+            rec.check(stage, name, rel_err(of, ref), TOL[elem], detail="max rel err ", group=impl, elem=elem, T=T,
                       W=W, set=kind)
         except Exception as exc:
-            rec.error(stage, name, exc)
+            rec.error(stage, name, exc, group=impl)
 
     Ts = (1, 63, 65, 200) if quick else (1, 63, 64, 65, 200, 700)
     kinds = ("none", "regions", "scatter", "all", "first70")
     Ws = (0, 1, 16, 128, 10**6)
-    # simple kernel: every dtype, odd head dims too
-    for i, T in enumerate(Ts):
-        for elem in ("f32", "f16", "bf16"):
-            run_case("simple", elem, 2, T, 3, 40 if elem == "f32" else 64, 24 if elem == "f32" else 64,
-                     Ws[(i + len(elem)) % len(Ws)], kinds[(i + len(elem)) % len(kinds)])
-    run_case("simple", "f32", 1, 300, 2, 128, 128, 128, "regions")
+    if group == "simple":  # every dtype, odd head dims too
+        for i, T in enumerate(Ts):
+            for elem in ("f32", "f16", "bf16"):
+                run_case("simple", elem, 2, T, 3, 40 if elem == "f32" else 64, 24 if elem == "f32" else 64,
+                         Ws[(i + len(elem)) % len(Ws)], kinds[(i + len(elem)) % len(kinds)])
+        run_case("simple", "f32", 1, 300, 2, 128, 128, 128, "regions")
+        return
     # tensor-core kernels: both dtypes, D = 64 and 128, every key-region set, several windows
-    for impl in [x for x in gd.IMPLS if x not in ("auto", "simple")]:
-        dims = (128,) if impl == "tc3" else (64, 128)
-        n = 0
-        for T in Ts:
-            for kind in kinds:
-                for D in dims:
-                    if quick and n % 3:
-                        n += 1
-                        continue
-                    elem = ("bf16", "f16")[n % 2]
-                    run_case(impl, elem, 2 if T < 500 else 1, T, 2, D, D, Ws[n % len(Ws)], kind)
+    dims = (128,) if group == "tc3" else (64, 128)
+    n = 0
+    for T in Ts:
+        for kind in kinds:
+            for D in dims:
+                if quick and n % 3:
                     n += 1
-    # Numba planning kernels on the device
-    try:
-        numba_checks(rec, rng)
-    except Exception as exc:
-        rec.error("numba", "planning kernels", exc)
+                    continue
+                run_case(group, ("bf16", "f16")[n % 2], 2 if T < 500 else 1, T, 2, D, D, Ws[n % len(Ws)], kind)
+                n += 1
 
 
 def numba_checks(rec: Recorder, rng: np.random.Generator) -> None:
@@ -310,40 +314,49 @@ def _entropy_numpy(tok, starts, window, vocab, bias) -> np.ndarray:
     return np.zeros(len(out)) if cap <= 1 else np.clip(np.array(out) / math.log2(cap), 0, 1)
 
 
-def run_probe_subprocess(rec: Recorder, out: Path, seed: int, quick: bool, timeout: int) -> set[str]:
-    """Run the probe in a child process; return the kernel families that passed everything."""
-    path = out / PROBE_FILE
-    if path.exists():
-        path.unlink()
-    # run this file (not -m): works with the package installed and with the file fallback alike
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--stage", "probe", "--out", str(out),
-           "--seed", str(seed)] + (["--quick"] if quick else [])
+def _run_child(cmd: list[str], timeout: int) -> tuple[Any, str]:
+    """Run ``cmd``, streaming its output; kill it after ``timeout`` s. Returns (exit status, output tail)."""
     t0 = time.perf_counter()
+    lines: list[str] = []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    timer = threading.Timer(timeout, proc.kill)  # a hung kernel must not hang the suite
+    timer.start()
     try:
-        proc = subprocess.run(cmd, timeout=timeout, capture_output=True, text=True)
-        rc, tail = proc.returncode, (proc.stdout + proc.stderr)
-    except subprocess.TimeoutExpired as exc:
-        rc, tail = "timeout", ((exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes)
-                               else (exc.stdout or ""))
-    print(tail if len(tail) < 20000 else tail[-20000:], end="" if tail.endswith("\n") else "\n", flush=True)
-    recs = []
-    if path.exists():
-        recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    for r in recs:
-        rec.records.append(r)
-    crashed = rc not in (0, 1)
-    if crashed:
-        rec.fail("probe", "subprocess", f"exit status {rc} after {time.perf_counter() - t0:.0f} s "
-                 f"(a crash or timeout); kernels not fully checked are not used below", tail=tail[-4000:])
+        for line in proc.stdout:  # the child's PASS/FAIL lines as they come
+            print(line, end="", flush=True)
+            lines.append(line)
+        rc: Any = proc.wait()
+    finally:
+        timer.cancel()
+    if time.perf_counter() - t0 >= timeout:
+        rc = f"killed after the {timeout} s timeout"
+    return rc, "".join(lines[-60:])
+
+
+def run_probe_subprocess(rec: Recorder, out: Path, seed: int, quick: bool, timeout: int) -> set[str]:
+    """Run each probe group in its own child process (a kernel that faults poisons only its own CUDA
+    context); return the kernel families that passed every check."""
+    path = out / PROBE_FILE
     good = set()
-    last_impl = None
-    for r in recs:
-        if r.get("stage") == "probe" and "impl" in r:
-            last_impl = r["impl"]
-    for impl in ("simple", "tc", "tc3", "tc2"):
-        mine = [r for r in recs if r.get("stage") == "probe" and r.get("impl") == impl and r.get("kind") == "check"]
-        if mine and all(r["ok"] for r in mine) and not (crashed and impl == last_impl):
-            good.add(impl)
+    for group in PROBE_GROUPS:
+        if path.exists():
+            path.unlink()
+        # run this file (not -m): works with the package installed and with the file fallback alike
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--stage", "probe", "--group", group, "--out",
+               str(out), "--seed", str(seed)] + (["--quick"] if quick else [])
+        t0 = time.perf_counter()
+        rc, tail = _run_child(cmd, timeout)
+        recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+        rec.records.extend(recs)
+        if rc not in (0, 1):
+            rec.fail("probe", f"{group} subprocess", f"exit status {rc} after {time.perf_counter() - t0:.0f} s "
+                     "(a crash or timeout): not used below", tail=tail[-4000:])
+            continue
+        checks = [r for r in recs if r.get("kind") == "check"]
+        if group in ("simple", "tc", "tc2", "tc3") and checks and all(r["ok"] for r in checks):
+            good.add(group)
+        if group == "compile" and not (checks and all(r["ok"] for r in checks)):
+            break  # nothing builds: the kernel groups cannot run
     return good
 
 
@@ -852,8 +865,9 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco gpu-daaf-suite") ->
     ap.add_argument("--quick", action="store_true", help="fewer correctness cases (a dry run)")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     ap.add_argument("--no-model", action="store_true", help="skip the TTFT model and needles")
-    ap.add_argument("--probe-timeout", type=int, default=240, help="seconds for the probe subprocess")
+    ap.add_argument("--probe-timeout", type=int, default=150, help="seconds for each probe subprocess")
     ap.add_argument("--stage", choices=("all", "probe"), default="all", help=argparse.SUPPRESS)
+    ap.add_argument("--group", choices=PROBE_GROUPS, default="compile", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     seed = args.seed if args.seed is not None else int(time.time_ns() % (2**31))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -861,9 +875,9 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco gpu-daaf-suite") ->
     if args.stage == "probe":  # the child process
         rec = Recorder(args.out / PROBE_FILE)
         try:
-            probe(rec, seed, args.quick)
+            probe(rec, seed, args.quick, args.group)
         except Exception as exc:
-            rec.error("probe", "probe", exc)
+            rec.error("probe", args.group, exc)
         return 1 if rec.n_fail else 0
 
     t_start = time.perf_counter()
