@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -315,10 +316,15 @@ def _entropy_numpy(tok, starts, window, vocab, bias) -> np.ndarray:
 
 
 def _run_child(cmd: list[str], timeout: int) -> tuple[Any, str]:
-    """Run ``cmd``, streaming its output; kill it after ``timeout`` s. Returns (exit status, output tail)."""
+    """Run ``cmd``, streaming its output; kill it after ``timeout`` s. Returns (exit status, output tail).
+
+    The child finds this package as the parent did: installed, or from the source checkout
+    (the repository root is put first on PYTHONPATH)."""
     t0 = time.perf_counter()
     lines: list[str] = []
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    repo = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
     timer = threading.Timer(timeout, proc.kill)  # a hung kernel must not hang the suite
     timer.start()
     try:
@@ -341,9 +347,8 @@ def run_probe_subprocess(rec: Recorder, out: Path, seed: int, quick: bool, timeo
     for group in PROBE_GROUPS:
         if path.exists():
             path.unlink()
-        # run this file (not -m): works with the package installed and with the file fallback alike
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--stage", "probe", "--group", group, "--out",
-               str(out), "--seed", str(seed)] + (["--quick"] if quick else [])
+        cmd = [sys.executable, "-m", "hpczeco.drivers.gpu_daaf_suite", "--stage", "probe", "--group", group,
+               "--out", str(out), "--seed", str(seed)] + (["--quick"] if quick else [])
         t0 = time.perf_counter()
         rc, tail = _run_child(cmd, timeout)
         recs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
@@ -945,10 +950,11 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco gpu-daaf-suite") ->
 
 
 if __name__ == "__main__":
-    if __package__ in (None, ""):  # run as a file: map the repository layout like the installed package
-        repo = Path(__file__).resolve().parents[1]
-        sys.path.insert(0, str(repo))
+    if __package__ in (None, ""):  # run as a file: import the package from this source checkout
+        repo = str(Path(__file__).resolve().parents[1])
+        sys.path[0] = repo  # (not drivers/: its modules must not shadow top-level names)
         import hpczeco
 
-        hpczeco.__path__.append(str(repo))  # hpczeco.gpu -> gpu/, hpczeco.drivers -> drivers/
+        if repo not in hpczeco.__path__:  # hpczeco.gpu -> gpu/, hpczeco.drivers -> drivers/
+            hpczeco.__path__.append(repo)
     sys.exit(main())
