@@ -205,11 +205,12 @@ def test_emulated_tc_kernel_matches_reference(emu, rng, mt):
     assert _rel(out, ref) <= TOL["bf16"]
 
 
-def test_emulated_tc_kernel_d128_fp16_scattered(emu, rng):
+@pytest.mark.parametrize("mt", [1, 2])
+def test_emulated_tc_kernel_d128_fp16_scattered(emu, rng, mt):
     T = 130
     g = _mask(T, p=0.1, rng=rng)
     q, k, v = _inputs(rng, 1, T, 1, 128)
-    out, ref = _emu_tc(emu, q, k, v, g, 0, "f16", 1, reverse=False)
+    out, ref = _emu_tc(emu, q, k, v, g, 0, "f16", mt, reverse=False)
     assert _rel(out, ref) <= TOL["f16"]
 
 
