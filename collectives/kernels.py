@@ -15,7 +15,7 @@ import numpy as np
 
 from hpczeco.backend import get_array_module
 
-__all__ = ["axpy_rows", "numba_available"]
+__all__ = ["axpy_rows", "row_kernel", "numba_available"]
 
 _FUSED: Any = None  # None: not tried yet; False: unavailable
 
@@ -71,3 +71,13 @@ def axpy_rows(X: Any, a: Any, S: Any, out: Any) -> Any:
         xp.multiply(X, a[:, None], out=out)
         xp.add(out, S, out=out)
     return out
+
+
+def row_kernel(X: Any, a: Any, S: Any, out: Any):
+    """A function ``k(X, a, S, out)`` equal to :func:`axpy_rows` for arrays like these, with the
+    checks done once: the compiled loop itself when they qualify (a ring calls it once per piece)."""
+    if X.ndim == 2 and a.ndim == 1 and _fusable(X, S, out) and type(a) is np.ndarray and a.dtype == X.dtype:
+        fused = _load()
+        if fused:
+            return fused
+    return axpy_rows

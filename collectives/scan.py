@@ -75,7 +75,7 @@ from hpczeco.backend import get_array_module, is_device_array, to_numpy
 
 from .agree import collective_check
 from .context import RELAY_TAGS, CommContext, get_context
-from .kernels import axpy_rows
+from .kernels import axpy_rows, row_kernel
 from .transport import Transport
 
 __all__ = [
@@ -438,14 +438,17 @@ class _RingHandle(ScanHandle):
                 self.recvs.append(tr.irecv(self.out[b[j] : b[j + 1]], self.prev, plan.tag))
             if not self.last:
                 self.fwd = plan.acquire((R, V))
+                self.kern = row_kernel(self.out, plan.a2, plan.S2, self.fwd)
+                self.isend = tr.isend
 
     def _forward(self, j: int) -> None:
         if self.last:
             return
         p = self.p
         r0, r1 = self.bounds[j], self.bounds[j + 1]
-        f = axpy_rows(self.out[r0:r1], p.a2[r0:r1], p.S2[r0:r1], self.fwd[r0:r1])
-        self.sends.append(p.tr.isend(f, self.nxt, p.tag))
+        f = self.fwd[r0:r1]
+        self.kern(self.out[r0:r1], p.a2[r0:r1], p.S2[r0:r1], f)
+        self.sends.append(self.isend(f, self.nxt, p.tag))
 
     def _progress(self) -> bool:
         while self.next < self.n and self.recvs[self.next].test():

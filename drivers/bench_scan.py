@@ -79,6 +79,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     cal.add_argument("--calibrate", dest="calibrate", action="store_true", default=True,
                      help="measure alpha/beta/gamma on this machine first")
     cal.add_argument("--no-calibrate", dest="calibrate", action="store_false", help="use --link instead")
+    ap.add_argument("--calibrate-method", default="shift", choices=["shift", "pingpong"],
+                    help="link measurement: cyclic shift (the ring's steady state) or pair ping-pong")
     ap.add_argument("--link", default="shm", help="link preset or 'alpha,beta[,gamma[,delta]]' without calibration")
     ap.add_argument("--max-gather-mib", type=float, default=1024.0,
                     help="skip allgather/exscan points whose P*state exceeds this per rank (memory)")
@@ -157,7 +159,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     fixed_blocks = [int(b) for b in args.blocks.split(",") if b.strip()] if "ring" in topos else []
 
     if args.calibrate:
-        params = costmodel.calibrate(comm, sizes=(8, 64 << 10, 1 << 20, 4 << 20), dtype=args.dtype)
+        params = costmodel.calibrate(comm, sizes=(8, 64 << 10, 1 << 20, 4 << 20), dtype=args.dtype,
+                                     method=args.calibrate_method)
     else:
         params = costmodel.parse_link(args.link)
     costmodel.set_default_params(params)  # blocks=None / "auto" use the same numbers as the predictions

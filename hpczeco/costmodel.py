@@ -39,8 +39,10 @@ Presets (:data:`PRESETS`; rough, for predictions on machines you are not running
   measured on this project's CPU machine (MPICH 5, 2 cores: 2.1 us, 9 GB/s, 0.05 ns/B with the
   fused Numba combine); calibrate for real numbers.
 
-:func:`calibrate` measures the running machine: ``alpha``/``beta`` by ping-pong between rank pairs
-(all pairs at once, median of repeats), ``gamma``/``delta`` by timing the combine.
+:func:`calibrate` measures the running machine: ``alpha``/``beta`` by a cyclic shift (every rank sends
+to the next and receives from the previous at once: the ring's steady state) or by ping-pong
+between rank pairs (all pairs at once), medians of repeats; ``gamma``/``delta`` by timing the
+combine on every rank at once.
 """
 
 from __future__ import annotations
@@ -346,21 +348,49 @@ def _sleep_barrier(comm) -> None:
         time.sleep(50e-6)
 
 
+def _shift(comm, nbytes: int, repeats: int, dtype: Any) -> list[float]:
+    """Every rank at once sends to rank+1 and receives from rank-1 (cyclic): seconds per step."""
+    import numpy as np  # noqa: PLC0415
+
+    n = max(1, nbytes // np.dtype(dtype).itemsize)
+    sbuf = np.ones(n, dtype=dtype)
+    rbuf = np.zeros(n, dtype=dtype)
+    P, rank = comm.Get_size(), comm.Get_rank()
+    right, left = (rank + 1) % P, (rank - 1) % P
+    times = []
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        comm.Sendrecv(sbuf, right, 9, rbuf, left, 9)
+        if r:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
 def calibrate(
     comm,
     sizes: tuple[int, ...] = (8, 4096, 1 << 20, 4 << 20),
     repeats: int = 15,
     dtype: Any = "float32",
+    method: str = "shift",
 ) -> LinkParams:
     """Measure ``LinkParams`` on the running machine (collective over ``comm``; same result on every rank).
 
-    ``alpha``: half the round trip of the smallest message; ``beta``: the median over the sizes of
-    64 KiB and more (else all larger ones) of ``(t - alpha) / size``. Ranks are paired (0,1), (2,3),
-    ... and all pairs ping-pong at once (as in a ring step everybody communicates); a rank without
-    a partner waits in a sleeping barrier. Medians over repeats and over pairs; rank 0's numbers
-    are broadcast. ``gamma``/``delta``: timing the scans' combine kernel at the largest and a tiny
-    size. One rank alone measures ``alpha = beta = 0`` (no link).
+    ``method="shift"`` (default): every rank at once sends ``s`` bytes to the next rank and receives
+    from the previous (a cyclic ``Sendrecv``) -- the steady state of the pipelined ring, where each
+    rank receives one piece while it sends the previous one, and of the tree's and allgather's
+    rounds. ``method="pingpong"``: ranks paired (0,1), (2,3), ... ping-pong all at once, half the
+    round trip (a rank without partner waits in a sleeping barrier). On shared memory without a
+    single-copy mechanism the shift step costs about twice the ping-pong one (each rank copies
+    in and out), and it is the shift that predicts the ring.
+
+    ``alpha``: the step time of the smallest size; ``beta``: the median over the sizes of 64 KiB and
+    more (else all larger ones) of ``(t - alpha) / size``; medians over repeats, then over ranks.
+    ``gamma``/``delta``: every rank times the scans' combine kernel at the largest and at a tiny
+    size at the same time (memory bandwidth is shared); medians over ranks. Rank 0's numbers are
+    broadcast. One rank alone measures ``alpha = beta = 0`` (no link).
     """
+    if method not in ("shift", "pingpong"):
+        raise ValueError(f"method must be 'shift' or 'pingpong', got {method!r}")
     sizes = tuple(sorted(int(s) for s in sizes))
     if len(sizes) < 2 or sizes[0] <= 0:
         raise ValueError(f"sizes needs at least two positive sizes, got {sizes}")
@@ -370,28 +400,30 @@ def calibrate(
         alpha = beta = 0.0
         if P >= 2:
             peer = rank ^ 1
-            active = peer < P
+            active = method == "shift" or peer < P
             res: dict[int, float] = {}
             for s in sizes:
                 _sleep_barrier(c)
-                if active:
+                if method == "shift":
+                    res[s] = _median(_shift(c, s, repeats, dtype))
+                elif active:
                     res[s] = _median(_pingpong(c, peer, rank % 2 == 0, s, repeats, dtype))
             _sleep_barrier(c)
-            mine = res if active else None
-            everyone = [r for r in c.allgather(mine) if r is not None]
+            everyone = [r for r in c.allgather(res if active else None) if r is not None]
             med = {s: _median([r[s] for r in everyone]) for s in sizes}
             alpha = med[sizes[0]]
             big = [s for s in sizes[1:] if s >= 64 * 1024] or list(sizes[1:])
             beta = max(0.0, _median([(med[s] - alpha) / (s - sizes[0]) for s in big]))
-        if rank == 0:
-            g_big = measure_combine(sizes[-1], repeats, dtype)
-            delta = measure_combine(64, repeats, dtype)
-            gamma = max(0.0, (g_big - delta) / sizes[-1])
         _sleep_barrier(c)
+        g_big = measure_combine(sizes[-1], repeats, dtype)
+        delta = measure_combine(64, repeats, dtype)
+        comb = c.allgather((g_big, delta))
+        g_big, delta = _median([x[0] for x in comb]), _median([x[1] for x in comb])
+        gamma = max(0.0, (g_big - delta) / sizes[-1])
         vals = c.bcast((alpha, beta, gamma, delta) if rank == 0 else None, root=0)
     finally:
         c.Free()
-    return LinkParams(*vals, name="calibrated")
+    return LinkParams(*vals, name=f"calibrated ({method})")
 
 
 def with_name(params: LinkParams, name: str) -> LinkParams:

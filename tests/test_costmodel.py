@@ -135,13 +135,16 @@ def test_measure_combine_positive():
 
 @pytest.mark.mpi
 def test_calibrate_is_collective_and_identical(comm):
-    p = cm.calibrate(comm, sizes=(8, 4096, 65536), repeats=3)
-    everyone = comm.allgather(p)
-    assert all(q == p for q in everyone)
-    assert p.gamma >= 0 and p.delta > 0
-    if comm.Get_size() == 1:
-        assert p.alpha == 0 and p.beta == 0
-    else:
-        assert p.alpha > 0
+    for method in ("shift", "pingpong"):
+        p = cm.calibrate(comm, sizes=(8, 4096, 65536), repeats=3, method=method)
+        everyone = comm.allgather(p)
+        assert all(q == p for q in everyone)
+        assert p.gamma >= 0 and p.delta > 0 and method in p.name
+        if comm.Get_size() == 1:
+            assert p.alpha == 0 and p.beta == 0
+        else:
+            assert p.alpha > 0
     with pytest.raises(ValueError):
         cm.calibrate(comm, sizes=(8,))
+    with pytest.raises(ValueError):
+        cm.calibrate(comm, method="telepathy")
