@@ -69,8 +69,9 @@ def kernel_names(file: str | None = None) -> list[str]:
         if t != "float":
             names["gla_kernels.cu"].append(f"seg_finish<float, {t}>")
     for t in ("bf16", "f16"):
-        for lds in ("true", "false"):
-            names["gla_tc.cu"] += [f"gla_tc_seg_state<{t}, {lds}>", f"gla_tc_seg_output<{t}, {lds}>"]
+        names["gla_tc.cu"] += [f"gla_tc_seg_state<{t}, true>", f"gla_tc_seg_state<{t}, false>"]
+        for lds, pf in (("true", "true"), ("true", "false"), ("false", "false")):
+            names["gla_tc.cu"].append(f"gla_tc_seg_output<{t}, {lds}, {pf}>")
     files = [file] if file is not None else [f for f in _KERNEL_FILES if (_HERE / f).exists()]
     return [n for f in files for n in names[f]]
 

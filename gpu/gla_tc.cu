@@ -206,15 +206,17 @@ GLA_DEVICE float bits_to_f(u16 u) {
   return to_f(x);
 }
 
-// One chunk from global memory with 16-byte loads, all issued before the first use:
-// g -> bs (fp32), k -> Kraw[t][k] and (if Qraw) q -> Qraw[t][k] (16-bit bits), v -> VT[v][t] (transposed).
-// Rows t >= len are zero. Needs K, V multiples of 8 (<= 128) and 256 threads.
-template <typename T, bool L>
-GLA_DEVICE void tc_load_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                              const T* __restrict__ g, float* bs, u16* Qraw, u16* Kraw, u16* VT, int b, int h,
-                              int t0, int len, int Tlen, int H, int K, int V) {
+// One chunk of q, k, v, g in registers: 16-byte pieces, four per thread per array (K, V <= 128).
+struct ChunkRegs {
+  V16 g[4], k[4], q[4], v[4];
+};
+
+// Issue the loads of one chunk (all before any use); rows t >= len and absent q are zero.
+// Needs K, V multiples of 8 (<= 128) and 256 threads.
+template <typename T>
+GLA_DEVICE void tc_fetch(ChunkRegs& r, const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                         const T* __restrict__ g, int b, int h, int t0, int len, int Tlen, int H, int K, int V) {
   const int tid = threadIdx.x, k8 = K / 8, v8 = V / 8;
-  V16 rg[4], rk[4], rq[4], rv[4];
   const V16 zero = {{0u, 0u, 0u, 0u}};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -222,32 +224,48 @@ GLA_DEVICE void tc_load_chunk(const T* __restrict__ q, const T* __restrict__ k, 
     const int t = e / k8, c = (e % k8) * 8;
     const bool ok = e < 64 * k8 && t < len;
     const i64 off = ((i64)(b * Tlen + t0 + t) * H + h) * K + c;
-    rg[i] = ok ? ld16(g + off) : zero;
-    rk[i] = ok ? ld16(k + off) : zero;
-    rq[i] = (ok && Qraw != nullptr) ? ld16(q + off) : zero;
+    r.g[i] = ok ? ld16(g + off) : zero;
+    r.k[i] = ok ? ld16(k + off) : zero;
+    r.q[i] = (ok && q != nullptr) ? ld16(q + off) : zero;
     const int tv = e / v8, cv = (e % v8) * 8;
-    rv[i] = (e < 64 * v8 && tv < len) ? ld16(v + ((i64)(b * Tlen + t0 + tv) * H + h) * V + cv) : zero;
+    r.v[i] = (e < 64 * v8 && tv < len) ? ld16(v + ((i64)(b * Tlen + t0 + tv) * H + h) * V + cv) : zero;
   }
+}
+
+// Registers -> shared memory: g -> bs (fp32), k -> Kraw[t][k], q -> Qraw[t][k] (if Qraw), v -> VT
+// (L: row-major V[t][v]; else transposed VT[v][t]).
+template <typename T, bool L>
+GLA_DEVICE void tc_stash(const ChunkRegs& r, float* bs, u16* Qraw, u16* Kraw, u16* VT, int K, int V) {
+  const int tid = threadIdx.x, k8 = K / 8, v8 = V / 8;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int e = tid + i * TC_THREADS;
     if (e < 64 * k8) {
       const int t = e / k8, c = (e % k8) * 8;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) bs[t * TC_BP + c + j] = bits_to_f<T>(half_of(rg[i], j));
-      *reinterpret_cast<V16*>(Kraw + t * TC_KP + c) = rk[i];
-      if (Qraw != nullptr) *reinterpret_cast<V16*>(Qraw + t * TC_KP + c) = rq[i];
+      for (int j = 0; j < 8; ++j) bs[t * TC_BP + c + j] = bits_to_f<T>(half_of(r.g[i], j));
+      *reinterpret_cast<V16*>(Kraw + t * TC_KP + c) = r.k[i];
+      if (Qraw != nullptr) *reinterpret_cast<V16*>(Qraw + t * TC_KP + c) = r.q[i];
     }
     if (e < 64 * v8) {
       const int tv = e / v8, cv = (e % v8) * 8;
       if constexpr (L) {
-        *reinterpret_cast<V16*>(VT + tv * TC_KP + cv) = rv[i];  // row-major V[t][v]
+        *reinterpret_cast<V16*>(VT + tv * TC_KP + cv) = r.v[i];  // row-major V[t][v]
       } else {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) VT[(cv + j) * TC_CP + tv] = half_of(rv[i], j);
+        for (int j = 0; j < 8; ++j) VT[(cv + j) * TC_CP + tv] = half_of(r.v[i], j);
       }
     }
   }
+}
+
+template <typename T, bool L>
+GLA_DEVICE void tc_load_chunk(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                              const T* __restrict__ g, float* bs, u16* Qraw, u16* Kraw, u16* VT, int b, int h,
+                              int t0, int len, int Tlen, int H, int K, int V) {
+  ChunkRegs r;
+  tc_fetch<T>(r, Qraw != nullptr ? q : nullptr, k, v, g, b, h, t0, len, Tlen, H, K, V);
+  tc_stash<T, L>(r, bs, Qraw, Kraw, VT, K, V);
 }
 
 // inclusive cumulative sum over the 64 rows of bs, two threads per column (rows 0..31, 32..63)
@@ -370,7 +388,8 @@ __global__ void __launch_bounds__(TC_THREADS, 1) gla_tc_seg_state(const T* __res
 }
 
 // per segment, from its incoming state S_in[bh, seg]: o for every token of the segment
-template <typename T, bool L>
+// PF: the next chunk's loads are issued into registers before this chunk's matrix work (overlap)
+template <typename T, bool L, bool PF>
 __global__ void __launch_bounds__(TC_THREADS, 1)
     gla_tc_seg_output(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                       const T* __restrict__ g, const float* __restrict__ S_in, T* __restrict__ o, float scale, int B,
@@ -404,13 +423,19 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
   }
   for (int e = tid; e < 64 * TC_CP; e += TC_THREADS) As[e] = 0;  // upper blocks stay zero
   __syncthreads();
+  ChunkRegs pre;  // PF: the chunk loaded ahead
 
   for (int ci = 0; ci < NC; ++ci) {
     const int t0 = (seg * NC + ci) * 64;
     if (t0 >= Tlen) break;
     const int len = min(64, Tlen - t0);
     // (a) g, v, q (raw, into Qi), k (raw, into Kh)
-    tc_load_chunk<T, L>(q, k, v, g, bs, Qi, Kh, VT, b, h, t0, len, Tlen, H, K, V);
+    if constexpr (PF) {
+      if (ci == 0) tc_fetch<T>(pre, q, k, v, g, b, h, t0, len, Tlen, H, K, V);
+      tc_stash<T, L>(pre, bs, Qi, Kh, VT, K, V);
+    } else {
+      tc_load_chunk<T, L>(q, k, v, g, bs, Qi, Kh, VT, b, h, t0, len, Tlen, H, K, V);
+    }
     if (tid < 4) span[tid] = 0.f;
     // S (incoming state of this chunk) as the 16-bit operand ST[v][k]
     if (16 * w < K) {
@@ -461,6 +486,10 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
       }
     }
     __syncthreads();
+    if constexpr (PF) {  // issue the next chunk's loads now; they land while the matrix work runs
+      const int tn = t0 + 64;
+      if (ci + 1 < NC && tn < Tlen) tc_fetch<T>(pre, q, k, v, g, b, h, tn, min(64, Tlen - tn), Tlen, H, K, V);
+    }
     // (d) intra-chunk scores, 10 blocks (I >= J) of 16 x 16 over 8 warps
     for (int blk = w; blk < 10; blk += 8) {
       int I = 0, J = 0;
@@ -575,15 +604,18 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
 }
 
 #ifdef GLA_INSTANTIATE
-#define GLA_INST_TC(T, L)                                                                                           \
+#define GLA_INST_TC(T, L, PF)                                                                                       \
   template __global__ void gla_tc_seg_state<T, L>(const T*, const T*, const T*, float*, float*, int, int, int, int, \
                                                   int, int, int);                                                   \
-  template __global__ void gla_tc_seg_output<T, L>(const T*, const T*, const T*, const T*, const float*, T*, float,  \
-                                                   int, int, int, int, int, int, int, float);
-GLA_INST_TC(bf16, true)
-GLA_INST_TC(f16, false)
+  template __global__ void gla_tc_seg_output<T, L, PF>(const T*, const T*, const T*, const T*, const float*, T*,    \
+                                                       float, int, int, int, int, int, int, int, float);
+GLA_INST_TC(bf16, true, true)
+GLA_INST_TC(f16, false, false)
 #ifndef GLA_INSTANTIATE_FAST
-GLA_INST_TC(bf16, false)
-GLA_INST_TC(f16, true)
+GLA_INST_TC(bf16, false, false)
+GLA_INST_TC(f16, true, true)
+template __global__ void gla_tc_seg_output<bf16, true, false>(const bf16*, const bf16*, const bf16*, const bf16*,
+                                                              const float*, bf16*, float, int, int, int, int, int,
+                                                              int, int, float);
 #endif
 #endif

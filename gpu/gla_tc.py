@@ -6,9 +6,12 @@ kernel 1 computes each segment's local state (and total decay), the simt ``gla_s
 those into incoming states, kernel 2 recomputes the chunks of each segment from its incoming state and
 writes ``o``. ``NC`` defaults to about eight waves of blocks on the device; ``$HPCZECO_TC_NC`` fixes it.
 
-Two builds of the same kernels (``$HPCZECO_TC_VARIANT``): ``"ldsm"`` (default) keeps V, the decayed keys
-and the state operand row-major in shared memory and reads them with ``ldmatrix.trans``; ``"plain"``
-stores them transposed with scalar stores and reads 32-bit pairs (no ldmatrix; more bank conflicts).
+Builds of the same kernels (``$HPCZECO_TC_VARIANT``), same arithmetic:
+
+- ``"ldsm-pf"`` (default): V, the decayed keys and the state operand row-major in shared memory, read
+  with ``ldmatrix.trans``; the next chunk's loads are issued before this chunk's matrix work;
+- ``"ldsm"``: the same without the prefetch;
+- ``"plain"``: those operands stored transposed with scalar stores, read as 32-bit pairs (no ldmatrix).
 """
 
 from __future__ import annotations
@@ -45,11 +48,13 @@ def chunks_per_segment(rt: Any, BH: int, NT: int) -> int:
     return max(1, -(-NT // ns))
 
 
-VARIANTS = {"ldsm": "true", "plain": "false"}
+#: variant -> (row-major operands read by ldmatrix, prefetch) template arguments
+VARIANTS = {"ldsm-pf": ("true", "true"), "ldsm": ("true", "false"), "plain": ("false", "false")}
+DEFAULT_VARIANT = "ldsm-pf"
 
 
 def variant() -> str:
-    v = os.environ.get("HPCZECO_TC_VARIANT", "ldsm")
+    v = os.environ.get("HPCZECO_TC_VARIANT", DEFAULT_VARIANT)
     if v not in VARIANTS:
         raise ValueError(f"HPCZECO_TC_VARIANT must be one of {sorted(VARIANTS)}, got {v!r}")
     return v
@@ -65,7 +70,7 @@ def forward(rt: Any, q, k, v, g, scale: float, h0, t: str, B: int, T: int, H: in
     BH = B * H
     NC = nc or chunks_per_segment(rt, BH, NT)
     NS = -(-NT // NC)
-    lds = VARIANTS[variant()]
+    lds, pf = VARIANTS[variant()]
     st = xp.empty((BH, NS, K, V), dtype=xp.float32)
     gseg = xp.empty((BH, NS, K), dtype=xp.float32)
     rt.launch(
@@ -76,7 +81,7 @@ def forward(rt: Any, q, k, v, g, scale: float, h0, t: str, B: int, T: int, H: in
     fin = _scan(rt, st, gseg, h0, NS, K, V, BH, reverse=False)
     o = xp.empty((B, T, H, V), dtype=q.dtype)
     rt.launch(
-        f"gla_tc_seg_output<{t}, {lds}>", (NS, BH), (_THREADS,),
+        f"gla_tc_seg_output<{t}, {lds}, {pf}>", (NS, BH), (_THREADS,),
         (q, k, v, g, st, o, f32(scale), i32(B), i32(T), i32(H), i32(K), i32(V), i32(NC), i32(NS),
          f32(SPAN_LIMIT[t])),
         shared_mem=SMEM_OUTPUT,

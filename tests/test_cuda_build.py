@@ -106,8 +106,8 @@ def test_emulated_simt_forward_backward(emu_rt, rng):
 
 @pytest.mark.parametrize(
     "variant,strong",
-    [("ldsm", False), ("ldsm", True), ("plain", False)],
-    ids=["ldsm-tc-diagonal", "ldsm-elementwise-diagonal", "plain-tc-diagonal"],
+    [("ldsm-pf", False), ("ldsm-pf", True), ("ldsm", False), ("plain", False)],
+    ids=["ldsm-pf-tc-diagonal", "ldsm-pf-elementwise-diagonal", "ldsm-tc-diagonal", "plain-tc-diagonal"],
 )
 def test_emulated_tensor_core_forward(emu_rt, rng, variant, strong, monkeypatch):
     B, T, H, K, V = 1, 150, 1, 32, 48
@@ -118,8 +118,8 @@ def test_emulated_tensor_core_forward(emu_rt, rng, variant, strong, monkeypatch)
     monkeypatch.setenv("HPCZECO_TC_VARIANT", variant)
     emu_rt.launched.clear()
     o, ht = ggla.chunk_gla(Q, Kk, Vv, G, initial_state=h0, output_final_state=True, impl="tc")
-    lds = "true" if variant == "ldsm" else "false"
-    assert f"gla_tc_seg_output<bf16, {lds}>" in emu_rt.launched
+    lds, pf = {"ldsm-pf": ("true", "true"), "ldsm": ("true", "false"), "plain": ("false", "false")}[variant]
+    assert f"gla_tc_seg_output<bf16, {lds}, {pf}>" in emu_rt.launched
     f64 = [x.astype(np.float64) for x in (q, k, v, g, h0)]
     ro, rht = recurrent_gla(*f64[:4], initial_state=f64[4], output_final_state=True)
     assert rel(gemu.bf16_bits_to_f32(o), ro) < 1e-2
