@@ -284,15 +284,15 @@ def overlap_experiment(comm, args: argparse.Namespace, dtype: np.dtype) -> dict[
         _busy(x, y, iters)
         h.wait()
 
-    out: dict[str, Any] = {"nbytes": H * K * V * dtype.itemsize, "blocks": blocks, "compute_iters": iters}
+    res: dict[str, Any] = {"nbytes": H * K * V * dtype.itemsize, "blocks": blocks, "compute_iters": iters}
     for name, fn in (("scan only", scan_only), ("compute only", compute_only), ("sequential", sequential),
                      ("poll", poll), ("poll+test", poll_test), ("thread", thread)):
-        out[name] = float(np.median(time_point(comm, fn, args.repeats, args.warmup, args.time_limit)))
+        res[name] = float(np.median(time_point(comm, fn, args.repeats, args.warmup, args.time_limit)))
     if comm.Get_rank() == 0:
-        print(f"\noverlap: ring k={blocks}, {fmt_size(out['nbytes'])} state, ~{args.overlap_ms} ms compute per rank")
+        print(f"\noverlap: ring k={blocks}, {fmt_size(res['nbytes'])} state, ~{args.overlap_ms} ms compute per rank")
         for k in ("scan only", "compute only", "sequential", "poll", "poll+test", "thread"):
-            print(f"  {k:13s} {out[k] * 1e3:9.3f} ms")
-    return out
+            print(f"  {k:13s} {res[k] * 1e3:9.3f} ms")
+    return res
 
 
 def print_table(data: dict[str, Any]) -> None:

@@ -56,7 +56,8 @@ def test_bench_scan_two_ranks_then_report(tmp_path):
                PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
     out = tmp_path / "scan"
     cmd = [exe, "-n", "2", sys.executable, "-m", "hpczeco", "bench", "scan", "--sizes", "4K,16K",
-           "--repeats", "3", "--warmup", "1", "--blocks", "2", "--no-calibrate", "--out", str(out)]
+           "--repeats", "3", "--warmup", "1", "--blocks", "2", "--no-calibrate", "--out", str(out),
+           "--overlap-ms", "0.5", "--overlap-size", "16K"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "fastest per size" in proc.stdout
@@ -65,6 +66,7 @@ def test_bench_scan_two_ranks_then_report(tmp_path):
     labels = {r["label"] for r in data["results"]}
     assert labels == {"ring", "ring/k=2", "tree", "allgather", "serial", "exscan"}
     assert all(r["median_s"] > 0 and r["model_s"] > 0 for r in data["results"])
+    assert {"scan only", "poll", "thread"} <= set(data["overlap"])
     assert (out / "scan_P2.csv").read_text().startswith("P,label,")
     assert (out / "scan_P2.png").stat().st_size > 0
     rep = tmp_path / "report"
