@@ -45,7 +45,7 @@ __all__ = [
 
 _HERE = Path(__file__).resolve().parent
 _NT = 256  # threads per block of the simt kernels
-_KERNEL_FILES = ("gla_kernels.cu", "gla_tc.cu")
+_KERNEL_FILES = ("gla_kernels.cu", "gla_tc.cu", "gla_zeco.cu")
 _TYPES = {"float32": "float", "float16": "f16", "bfloat16": "bf16", "uint16": "bf16"}
 
 
@@ -55,6 +55,7 @@ _TYPES = {"float32": "float", "float16": "f16", "bfloat16": "bf16", "uint16": "b
 def kernel_names(file: str | None = None) -> list[str]:
     """Kernel name expressions (template instantiations) of ``file`` (a ``gpu/*.cu`` name), or of all files."""
     names: dict[str, list[str]] = {"gla_kernels.cu": ["gla_state_scan", "seg_carry"], "gla_tc.cu": []}
+    names["gla_zeco.cu"] = []
     for t in ("float", "bf16", "f16"):
         names["gla_kernels.cu"] += [
             f"gla_chunk_outer<{t}>",
@@ -72,20 +73,29 @@ def kernel_names(file: str | None = None) -> list[str]:
         names["gla_tc.cu"] += [f"gla_tc_seg_state<{t}, true>", f"gla_tc_seg_state<{t}, false>"]
         for lds, pf in (("true", "true"), ("true", "false"), ("false", "false")):
             names["gla_tc.cu"].append(f"gla_tc_seg_output<{t}, {lds}, {pf}>")
+        names["gla_zeco.cu"] += [f"zeco_tc_correction<{t}>", f"zeco_tc_qT_do<{t}>"]
     files = [file] if file is not None else [f for f in _KERNEL_FILES if (_HERE / f).exists()]
     return [n for f in files for n in names[f]]
 
 
 def kernel_source(files: tuple[str, ...] | None = None) -> str:
-    """Kernel sources in one translation unit, the common header inlined (no include paths)."""
-    common = (_HERE / "gla_common.cuh").read_text()
-    parts = []
-    for name in files or _KERNEL_FILES:
-        if not (_HERE / name).exists():
-            continue
-        src = (_HERE / name).read_text()
-        parts.append(src.replace('#include "gla_common.cuh"', ""))
-    return common.replace("#pragma once", "") + "\n" + "\n".join(parts)
+    """Kernel sources as one translation unit: local ``#include "..."`` inlined once each (no include paths)."""
+    seen: set[str] = set()
+
+    def inline(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        out = []
+        for line in (_HERE / name).read_text().splitlines():
+            stripped = line.strip()
+            if stripped.startswith('#include "') and stripped.endswith('"'):
+                out.append(inline(stripped[len('#include "') : -1]))
+            elif stripped != "#pragma once":
+                out.append(line)
+        return "\n".join(out)
+
+    return "\n".join(inline(f) for f in (files or _KERNEL_FILES) if (_HERE / f).exists())
 
 
 class _CupyRuntime:
@@ -411,6 +421,19 @@ def chunk_gla_bwd(
 # ---------------------------------------------------------------------------------------------- ZeCO pieces
 
 
+#: dynamic shared memory of zeco_tc_correction (mirror of ZC_SMEM_CORRECTION in gla_zeco.cu)
+ZC_SMEM_CORRECTION = 64 * 136 * 2 + 128 * 136 * 2
+
+
+def _zeco_tc(rt: Any, t: str, K: int, V: int, *arrays: Any) -> bool:
+    """Tensor-core ZeCO kernels apply: 16-bit data, K, V multiples of 16 up to 128, 16-byte aligned, module builds."""
+    if t not in ("bf16", "f16") or K % 16 or V % 16 or K > 128 or V > 128:
+        return False
+    if any(rt.ptr(x) % 16 for x in arrays):
+        return False
+    return getattr(rt, "available", lambda f: True)("gla_zeco.cu")
+
+
 def decay_cumsum(g: Any, chunk_size: int = 64) -> Any:
     """``G = cumsum(g, axis=1)`` (inclusive, float32, ``[B, T, H, K]``): the log decay from the slice start."""
     rt = _runtime()
@@ -444,6 +467,14 @@ def state_correction(o: Any, q: Any, G: Any, S_in: Any, scale: float | None = No
     t = _type_of("q", q)
     if T == 0 or B * H == 0:
         return o
+    q = _contig(q, rt)
+    if _zeco_tc(rt, t, K, V, q, o):
+        rt.launch(
+            f"zeco_tc_correction<{t}>", (-(-T // 128), B * H), (_NT,),
+            (o, q, _state32(G, rt), _state32(S_in, rt), f32(_scale(scale, K)), i32(B), i32(T), i32(H), i32(K), i32(V)),
+            shared_mem=ZC_SMEM_CORRECTION,
+        )  # fmt: skip
+        return o
     rt.launch(
         f"gla_state_correction<{t}>", (-(-T // 64), B * H, -(-V // 64)), (_NT,),
         (o, _contig(q, rt), _state32(G, rt), _state32(S_in, rt), f32(_scale(scale, K)),
@@ -476,6 +507,19 @@ def initial_state_grad(q: Any, g: Any, do: Any, scale: float | None = None, chun
     if T == 0 or B * H == 0:
         return rt.xp.zeros((B, H, K, V), dtype=rt.xp.float32)
     q, g, do = (_contig(x, rt) for x in (q, g, do))
+    if _zeco_tc(rt, t, K, V, q, do):
+        from .gla_tc import chunks_per_segment  # noqa: PLC0415
+
+        G = decay_cumsum(g, chunk_size=C)
+        NTc = -(-T // 64)
+        NC = chunks_per_segment(rt, B * H, NTc)
+        NS = -(-NTc // NC)
+        part = rt.xp.empty((B * H, NS, K, V), dtype=rt.xp.float32)
+        rt.launch(
+            f"zeco_tc_qT_do<{t}>", (NS, B * H), (_NT,),
+            (q, G, do, part, f32(_scale(scale, K)), i32(B), i32(T), i32(H), i32(K), i32(V), i32(NC), i32(NS)),
+        )  # fmt: skip
+        return part.sum(axis=1).reshape(B, H, K, V)
     NT = -(-T // C)
     dS, gtot = _local_states(rt, q, do, g, t, B, T, H, K, V, C, NT, 1, _scale(scale, K))
     return _scan(rt, dS, gtot, None, NT, K, V, B * H, reverse=True).reshape(B, H, K, V)

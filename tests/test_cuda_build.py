@@ -144,6 +144,27 @@ def test_emulated_zeco_pieces(emu_rt, rng):
         ggla.chunk_gla(q, q, do, g, chunk_size=128)
 
 
+def test_emulated_zeco_tensor_core_pieces(emu_rt, rng, monkeypatch):
+    B, T, H, K, V = 1, 200, 2, 32, 48
+    q, _, _, g, do, S, _ = _inputs(rng, B, T, H, K, V)
+    Q, Gb, DO = (gemu.f32_to_bf16_bits(x) for x in (q, g, do))
+    q, g, do = (gemu.bf16_bits_to_f32(x).astype(np.float64) for x in (Q, Gb, DO))
+    G64 = np.cumsum(g, axis=1)
+    G = ggla.decay_cumsum(Gb)
+    o0 = gemu.f32_to_bf16_bits(rng.standard_normal((B, T, H, V)).astype(np.float32))
+    o = o0.copy()
+    emu_rt.launched.clear()
+    ggla.state_correction(o, Q, G, S, scale=0.3)
+    assert emu_rt.launched == ["zeco_tc_correction<bf16>"]
+    ref = gemu.bf16_bits_to_f32(o0) + 0.3 * np.einsum("bthk,bhkv->bthv", q * np.exp(G64), S)
+    assert rel(gemu.bf16_bits_to_f32(o), ref) < 1e-2
+    monkeypatch.setenv("HPCZECO_TC_NC", "2")  # 4 chunks -> 2 segments, summed
+    emu_rt.launched.clear()
+    U = ggla.initial_state_grad(Q, Gb, DO, scale=0.3)
+    assert "zeco_tc_qT_do<bf16>" in emu_rt.launched
+    assert rel(U, 0.3 * np.einsum("bthk,bthv->bhkv", q * np.exp(G64), do)) < 1e-2
+
+
 _NUMBA_SCRIPT = textwrap.dedent(
     """
     import numpy as np
@@ -205,3 +226,10 @@ def test_tc_shared_memory_layout_matches_python(tmp_path):
     assert eval(lines["STATE"], {}) == gla_tc.SMEM_STATE  # noqa: S307 - integer arithmetic from our own macros
     assert eval(lines["OUT"], {}) == gla_tc.SMEM_OUTPUT  # noqa: S307
     assert gla_tc.SMEM_OUTPUT <= 227 * 1024  # fits an H100/H200 block's opt-in shared memory
+    src.write_text(
+        f'#include "{gemu._HERE / "cuda_emu.h"}"\n#include "{ggla._HERE / "gla_zeco.cu"}"\nZC ZC_SMEM_CORRECTION\n'
+    )
+    res = subprocess.run([CXX, "-std=c++20", "-E", "-P", str(src)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    zc = [ln.split(" ", 1)[1] for ln in res.stdout.splitlines() if ln.startswith("ZC ")]
+    assert eval(zc[0], {}) == ggla.ZC_SMEM_CORRECTION  # noqa: S307
