@@ -33,6 +33,10 @@ import numpy as np
 __all__ = [
     "chunk_gla",
     "chunk_gla_bwd",
+    "chunk_gla_prepare",
+    "chunk_gla_bwd_prepare",
+    "GLAForward",
+    "GLABackward",
     "decay_cumsum",
     "state_correction",
     "final_state",
@@ -293,11 +297,111 @@ def _cumsum_T(rt, x, tin: str, tout: str, out_dtype, B, T, H, K, C, reverse: boo
     return out
 
 
+# ---------------------------------------------------------------------------------------------- decays
+
+
+def _prefix_suffix(xp, gtot):
+    """Per chunk (or segment) c of ``gtot [BH, N, K]`` (its total log decay): the log decay before c
+    (exclusive prefix), after c (exclusive suffix) and over everything ``[BH, K]``; all fp32, <= 0."""
+    inc = xp.cumsum(gtot, axis=1)
+    zero = xp.zeros_like(gtot[:, :1])
+    pre = xp.ascontiguousarray(xp.concatenate([zero, inc[:, :-1]], axis=1), dtype=xp.float32)
+    rinc = xp.flip(xp.cumsum(xp.flip(gtot, axis=1), axis=1), axis=1)
+    suf = xp.ascontiguousarray(xp.concatenate([rinc[:, 1:], zero], axis=1), dtype=xp.float32)
+    return pre, suf, xp.ascontiguousarray(inc[:, -1], dtype=xp.float32)
+
+
 # ---------------------------------------------------------------------------------------------- forward
 
 
 def _tc_applies(t: str, K: int, V: int, C: int) -> bool:
     return t in ("bf16", "f16") and K % 16 == 0 and V % 16 == 0 and K <= 128 and V <= 128 and C == 64
+
+
+class GLAForward:
+    """A chunked GLA forward whose local pass is done (:func:`chunk_gla_prepare`); :meth:`finish` writes ``o``.
+
+    ``local_final_state [B, H, K, V]`` (fp32): the final state from a zero initial state.
+    ``decay [B, H, K]`` (fp32): ``exp`` of the gate summed over T. With an initial state ``S0`` the final
+    state is ``decay[..., None] * S0 + local_final_state`` -- the pair ZeCO scans over ranks, so a rank
+    can prepare, scan, then finish with the incoming state (no correction pass over ``o``).
+    """
+
+    def __init__(self, rt, q, k, v, g, scale, t, dims, use_tc, st, gtot, fin0, nc):
+        self._rt, self._q, self._k, self._v, self._g = rt, q, k, v, g
+        self.scale, self._t, self._dims, self.tensor_cores = scale, t, dims, use_tc
+        self._st, self._gtot, self._nc = st, gtot, nc
+        B, T, H, K, V, C = dims
+        self._pre, _, total = _prefix_suffix(rt.xp, gtot)
+        self.local_final_state = fin0.reshape(B, H, K, V)
+        self.decay = rt.xp.exp(total).reshape(B, H, K)
+
+    def finish(self, initial_state: Any = None, output_final_state: bool = False) -> tuple[Any, Any]:
+        """``(o [B, T, H, V], final_state [B, H, K, V] fp32 or None)`` with ``initial_state`` (or zeros)."""
+        rt, xp = self._rt, self._rt.xp
+        B, T, H, K, V, C = self._dims
+        S0 = _state32(initial_state, rt)
+        if S0 is not None and tuple(S0.shape) != (B, H, K, V):
+            raise ValueError(f"initial_state has shape {list(S0.shape)}, expected {[B, H, K, V]}")
+        pre = self._pre if S0 is not None else None
+        o = xp.empty((B, T, H, V), dtype=self._q.dtype)
+        if self.tensor_cores:
+            from . import gla_tc  # noqa: PLC0415
+
+            gla_tc.finish(rt, self._q, self._k, self._v, self._g, self._st, o, self.scale, S0, pre, self._t,
+                          B, T, H, K, V, self._nc)  # fmt: skip
+        else:
+            NT = -(-T // C)
+            rt.launch(
+                f"gla_chunk_output<{self._t}>", (NT, B * H, -(-V // 64)), (_NT,),
+                (self._q, self._k, self._v, self._g, self._st, o, f32(self.scale), i32(B), i32(T), i32(H), i32(K),
+                 i32(V), i32(C), i32(NT), S0, pre),
+            )  # fmt: skip
+        if not output_final_state:
+            return o, None
+        fin = self.local_final_state.copy() if S0 is None else self.local_final_state + self.decay[..., None] * S0
+        return o, fin
+
+
+def chunk_gla_prepare(
+    q: Any, k: Any, v: Any, g: Any, scale: float | None = None, chunk_size: int = 64, *, impl: str = "auto"
+) -> GLAForward:
+    """The local pass of the forward (chunk or segment states from a zero start); see :class:`GLAForward`.
+
+    ``q, k, g: [B, T, H, K]``, ``v: [B, T, H, V]`` CuPy arrays (T >= 1). ``impl`` as :func:`chunk_gla`.
+    Keeps references to the inputs: leave them unmodified until :meth:`GLAForward.finish`.
+    """
+    rt = _runtime()
+    B, T, H, K, V, t = _check(q, k, v, g, rt=rt)
+    C = _chunk(chunk_size)
+    s = _scale(scale, K)
+    if impl not in ("auto", "simt", "tc"):
+        raise ValueError(f"impl must be 'auto', 'simt' or 'tc', got {impl!r}")
+    if T == 0 or B * H == 0:
+        raise ValueError(f"chunk_gla_prepare needs T >= 1 and B*H >= 1, got q of shape {list(q.shape)}")
+    if impl == "tc" and not _tc_applies(t, K, V, C):
+        raise ValueError(
+            "impl='tc' needs bf16/fp16 inputs, K and V multiples of 16 up to 128 and chunk_size 64 "
+            f"(got {t}, K={K}, V={V}, chunk_size={C})"
+        )
+    q, k, v, g = (_contig(x, rt) for x in (q, k, v, g))
+    aligned = all(rt.ptr(x) % 16 == 0 for x in (q, k, v, g))  # the tensor-core path loads 16 bytes at a time
+    if impl == "tc" and not aligned:
+        raise ValueError("impl='tc' needs q, k, v, g whose data pointers are 16-byte aligned")
+    use_tc = impl == "tc" or (impl == "auto" and aligned and _tc_applies(t, K, V, C))
+    if use_tc and impl == "auto" and not getattr(rt, "available", lambda f: True)("gla_tc.cu"):
+        _warn_once(f"tensor-core GLA kernels unavailable ({rt.errors.get('gla_tc.cu', '?')[:300]}); using simt")
+        use_tc = False
+    if use_tc:
+        from . import gla_tc  # noqa: PLC0415
+
+        st, gtot, fin0, nc = gla_tc.prepare(rt, k, v, g, t, B, T, H, K, V)
+    else:
+        NT = -(-T // C)
+        st, gtot = _local_states(rt, k, v, g, t, B, T, H, K, V, C, NT, 0, 1.0)
+        fin0 = _scan(rt, st, gtot, None, NT, K, V, B * H, reverse=False)
+        nc = None
+    return GLAForward(rt, q, k, v, g, s, t, (B, T, H, K, V, C), use_tc, st, gtot, fin0, nc)
 
 
 def chunk_gla(
@@ -315,50 +419,106 @@ def chunk_gla(
     """GLA forward on the GPU: ``(o [B, T, H, V] in the input dtype, final_state [B, H, K, V] fp32 or None)``.
 
     ``impl``: "auto" | "simt" | "tc" (tensor cores; bf16/fp16, K, V multiples of 16 <= 128, chunk 64).
-    Runs on the current CuPy stream; no host synchronisation.
+    Runs on the current CuPy stream; no host synchronisation. Same as
+    ``chunk_gla_prepare(...).finish(initial_state, output_final_state)``.
     """
     rt = _runtime()
     B, T, H, K, V, t = _check(q, k, v, g, h0=initial_state, rt=rt)
-    C = _chunk(chunk_size)
-    s = _scale(scale, K)
-    xp = rt.xp
-    if impl not in ("auto", "simt", "tc"):
-        raise ValueError(f"impl must be 'auto', 'simt' or 'tc', got {impl!r}")
-    if impl == "tc" and not _tc_applies(t, K, V, C):
-        raise ValueError(
-            "impl='tc' needs bf16/fp16 inputs, K and V multiples of 16 up to 128 and chunk_size 64 "
-            f"(got {t}, K={K}, V={V}, chunk_size={C})"
-        )
-    h0 = _state32(initial_state, rt)
+    _chunk(chunk_size)
     if T == 0 or B * H == 0:
+        xp = rt.xp
+        h0 = _state32(initial_state, rt)
         o = xp.zeros((B, T, H, V), dtype=q.dtype)
         fin = xp.zeros((B, H, K, V), dtype=xp.float32) if h0 is None else h0.copy()
         return o, (fin if output_final_state else None)
-    q, k, v, g = (_contig(x, rt) for x in (q, k, v, g))
-    aligned = all(rt.ptr(x) % 16 == 0 for x in (q, k, v, g))  # the tensor-core path loads 16 bytes at a time
-    if impl == "tc" and not aligned:
-        raise ValueError("impl='tc' needs q, k, v, g whose data pointers are 16-byte aligned")
-    use_tc = impl == "tc" or (impl == "auto" and aligned and _tc_applies(t, K, V, C))
-    if use_tc and impl == "auto" and not getattr(rt, "available", lambda f: True)("gla_tc.cu"):
-        _warn_once(f"tensor-core GLA kernels unavailable ({rt.errors.get('gla_tc.cu', '?')[:300]}); using simt")
-        use_tc = False
-    if use_tc:
-        from . import gla_tc  # noqa: PLC0415
-
-        o, fin = gla_tc.forward(rt, q, k, v, g, s, h0, t, B, T, H, K, V)
-        return o, (fin.reshape(B, H, K, V) if output_final_state else None)
-    NT = -(-T // C)
-    st, gtot = _local_states(rt, k, v, g, t, B, T, H, K, V, C, NT, 0, 1.0)
-    fin = _scan(rt, st, gtot, h0, NT, K, V, B * H, reverse=False)
-    o = xp.empty((B, T, H, V), dtype=q.dtype)
-    rt.launch(
-        f"gla_chunk_output<{t}>", (NT, B * H, -(-V // 64)), (_NT,),
-        (q, k, v, g, st, o, f32(s), i32(B), i32(T), i32(H), i32(K), i32(V), i32(C), i32(NT)),
-    )  # fmt: skip
-    return o, (fin.reshape(B, H, K, V) if output_final_state else None)
+    plan = chunk_gla_prepare(q, k, v, g, scale=scale, chunk_size=chunk_size, impl=impl)
+    return plan.finish(initial_state, output_final_state)
 
 
 # ---------------------------------------------------------------------------------------------- backward
+
+
+class GLABackward:
+    """A GLA backward whose state passes are done (:func:`chunk_gla_bwd_prepare`); :meth:`finish` writes the
+    gradients for a given initial state and final-state gradient.
+
+    ``dh0_local [B, H, K, V]`` (fp32): the gradient into the initial state when ``dht`` is zero
+    (``scale * sum_t (q_t exp(G_t))^T do_t``); ``decay [B, H, K]``: ``exp`` of the gate summed over T;
+    ``local_final_state``: the final state from a zero initial state. With ``dht = D`` the gradient into the
+    initial state is ``dh0_local + decay[..., None] * D`` -- ZeCO's reverse scan pair.
+    """
+
+    def __init__(self, rt, arrays, scale, t, dims, S_in, S_T0, dS, U, gtot, A, dA):
+        self._rt, self._arrays, self.scale, self._t, self._dims = rt, arrays, scale, t, dims
+        self._S_in, self._dS, self._A, self._dA = S_in, dS, A, dA
+        B, T, H, K, V, C = dims
+        self._pre, self._suf, total = _prefix_suffix(rt.xp, gtot)
+        self.decay = rt.xp.exp(total).reshape(B, H, K)
+        self.dh0_local = U.reshape(B, H, K, V)
+        self.local_final_state = S_T0.reshape(B, H, K, V)
+
+    def finish(self, initial_state: Any = None, dht: Any = None) -> tuple[Any, Any, Any, Any, Any]:
+        """``(dq, dk, dv, dg, dh0)`` as :func:`chunk_gla_bwd` with this ``initial_state`` and ``dht``."""
+        rt, xp = self._rt, self._rt.xp
+        B, T, H, K, V, C = self._dims
+        q, k, v, g, do = self._arrays
+        t = self._t
+        S0, D = _state32(initial_state, rt), _state32(dht, rt)
+        for name, x in (("initial_state", S0), ("dht", D)):
+            if x is not None and tuple(x.shape) != (B, H, K, V):
+                raise ValueError(f"{name} has shape {list(x.shape)}, expected {[B, H, K, V]}")
+        NT, BH = -(-T // C), B * H
+        geo = (i32(B), i32(T), i32(H), i32(K), i32(V), i32(C), i32(NT))
+        pre = self._pre if S0 is not None else None
+        suf = self._suf if D is not None else None
+        dq = xp.empty((B, T, H, K), dtype=q.dtype)
+        dk = xp.empty((B, T, H, K), dtype=q.dtype)
+        dG = xp.empty((B, T, H, K), dtype=xp.float32)
+        rt.launch(
+            f"gla_bwd_dqdk<{t}>", (NT, BH, -(-K // 32)), (_NT,),
+            (q, k, v, g, do, self._S_in, self._dS, self._dA, dq, dk, dG, f32(self.scale)) + geo + (S0, pre, D, suf),
+        )  # fmt: skip
+        dv = xp.empty((B, T, H, V), dtype=q.dtype)
+        rt.launch(
+            f"gla_bwd_dv<{t}>", (NT, BH, -(-V // 64)), (_NT,),
+            (k, g, do, self._A, self._dS, dv, f32(self.scale)) + geo + (D, suf),
+        )  # fmt: skip
+        base = None
+        if D is not None:
+            S_T = self.local_final_state if S0 is None else self.local_final_state + self.decay[..., None] * S0
+            base = xp.ascontiguousarray((S_T * D).sum(axis=-1).reshape(BH, K), dtype=xp.float32)
+        dg = _cumsum_T(rt, dG, "float", t, q.dtype, B, T, H, K, C, reverse=True, base=base)
+        dh0 = self.dh0_local.copy() if D is None else self.dh0_local + self.decay[..., None] * D
+        return dq, dk, dv, dg, dh0
+
+
+def chunk_gla_bwd_prepare(
+    q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None = None, chunk_size: int = 64
+) -> GLABackward:
+    """The state passes of the backward (zero-start chunk states and d-states, intra-chunk scores).
+
+    Shapes as :func:`chunk_gla_bwd` (T >= 1). Keeps references to the inputs until :meth:`GLABackward.finish`.
+    """
+    rt = _runtime()
+    B, T, H, K, V, t = _check(q, k, v, g, do=do, rt=rt)
+    C = _chunk(chunk_size)
+    s = _scale(scale, K)
+    if T == 0 or B * H == 0:
+        raise ValueError(f"chunk_gla_bwd_prepare needs T >= 1 and B*H >= 1, got q of shape {list(q.shape)}")
+    xp = rt.xp
+    q, k, v, g, do = (_contig(x, rt) for x in (q, k, v, g, do))
+    NT, BH = -(-T // C), B * H
+    # incoming state of every chunk from a zero start, and the final state
+    S_in, gtot = _local_states(rt, k, v, g, t, B, T, H, K, V, C, NT, 0, 1.0)
+    S_T0 = _scan(rt, S_in, gtot, None, NT, K, V, BH, reverse=False)
+    # gradient into every chunk's end state (dht = 0), and into the initial state
+    dS, _ = _local_states(rt, q, do, g, t, B, T, H, K, V, C, NT, 1, s)
+    U = _scan(rt, dS, gtot, None, NT, K, V, BH, reverse=True)
+    A = xp.empty((BH, NT, 64, 64), dtype=xp.float32)
+    dA = xp.empty((BH, NT, 64, 64), dtype=xp.float32)
+    geo = (i32(B), i32(T), i32(H), i32(K), i32(V), i32(C), i32(NT))
+    rt.launch(f"gla_bwd_scores<{t}>", (NT, BH), (_NT,), (q, k, v, g, do, A, dA) + geo)
+    return GLABackward(rt, (q, k, v, g, do), s, t, (B, T, H, K, V, C), S_in, S_T0, dS, U, gtot, A, dA)
 
 
 def chunk_gla_bwd(
@@ -376,46 +536,20 @@ def chunk_gla_bwd(
 
     Gradients of ``sum(o * do) + sum(S_T * dht)``; dq, dk, dg ``[B, T, H, K]`` and dv ``[B, T, H, V]``
     in the input dtype; ``dh0 [B, H, K, V]`` always returned (fp32). ``dg = reverse_cumsum(q*dq - k*dk)
-    + rowsum(S_T * dht)`` at every position. Runs on the current CuPy stream.
+    + rowsum(S_T * dht)`` at every position. Runs on the current CuPy stream. Same as
+    ``chunk_gla_bwd_prepare(...).finish(initial_state, dht)``.
     """
     rt = _runtime()
     B, T, H, K, V, t = _check(q, k, v, g, do=do, h0=initial_state, dht=dht, rt=rt)
-    C = _chunk(chunk_size)
-    s = _scale(scale, K)
-    xp = rt.xp
-    h0 = _state32(initial_state, rt)
-    dH = _state32(dht, rt)
+    _chunk(chunk_size)
     if T == 0 or B * H == 0:
+        xp = rt.xp
+        dH = _state32(dht, rt)
         z = xp.zeros((B, T, H, K), dtype=q.dtype)
         dh0 = xp.zeros((B, H, K, V), dtype=xp.float32) if dH is None else dH.copy()
         return z, z.copy(), xp.zeros((B, T, H, V), dtype=q.dtype), z.copy(), dh0
-    q, k, v, g, do = (_contig(x, rt) for x in (q, k, v, g, do))
-    NT = -(-T // C)
-    BH = B * H
-    # incoming state of every chunk and the final state
-    S_in, gtot = _local_states(rt, k, v, g, t, B, T, H, K, V, C, NT, 0, 1.0)
-    S_T = _scan(rt, S_in, gtot, h0, NT, K, V, BH, reverse=False)
-    # gradient into every chunk's end state, and into the initial state
-    dS, _ = _local_states(rt, q, do, g, t, B, T, H, K, V, C, NT, 1, s)
-    dh0 = _scan(rt, dS, gtot, dH, NT, K, V, BH, reverse=True)
-    A = xp.empty((BH, NT, 64, 64), dtype=xp.float32)
-    dA = xp.empty((BH, NT, 64, 64), dtype=xp.float32)
-    geo = (i32(B), i32(T), i32(H), i32(K), i32(V), i32(C), i32(NT))
-    rt.launch(f"gla_bwd_scores<{t}>", (NT, BH), (_NT,), (q, k, v, g, do, A, dA) + geo)
-    dq = xp.empty((B, T, H, K), dtype=q.dtype)
-    dk = xp.empty((B, T, H, K), dtype=q.dtype)
-    dG = xp.empty((B, T, H, K), dtype=xp.float32)
-    rt.launch(
-        f"gla_bwd_dqdk<{t}>", (NT, BH, -(-K // 32)), (_NT,),
-        (q, k, v, g, do, S_in, dS, dA, dq, dk, dG, f32(s)) + geo,
-    )  # fmt: skip
-    dv = xp.empty((B, T, H, V), dtype=q.dtype)
-    rt.launch(f"gla_bwd_dv<{t}>", (NT, BH, -(-V // 64)), (_NT,), (k, g, do, A, dS, dv, f32(s)) + geo)
-    base = None
-    if dH is not None:
-        base = xp.ascontiguousarray((S_T * dH.reshape(BH, K, V)).sum(axis=-1), dtype=xp.float32)
-    dg = _cumsum_T(rt, dG, "float", t, q.dtype, B, T, H, K, C, reverse=True, base=base)
-    return dq, dk, dv, dg, dh0.reshape(B, H, K, V)
+    plan = chunk_gla_bwd_prepare(q, k, v, g, do, scale=scale, chunk_size=chunk_size)
+    return plan.finish(initial_state, dht)
 
 
 # ---------------------------------------------------------------------------------------------- ZeCO pieces

@@ -7,6 +7,8 @@
 //                                mode 1  scale * sum_t (q_t * exp(b_t))^T do_t (local d-state)
 //   gla_state_scan    sequential over chunks, parallel over K*V: incoming state of every chunk
 //   gla_chunk_output  per chunk: o = scale * ((q*exp(b)) S_in + tril(A) v)
+//   (states come from zero-start scans; an initial state S0 / final-state gradient D enters on the fly as
+//    exp(pre_c) * S0 and exp(suf_c) * D with pre/suf the log decay before / after chunk c, both <= 0)
 //   gla_bwd_scores    per chunk: A (decayed q k^T, masked) and dA = do v^T (masked)
 //   gla_bwd_dqdk      per chunk and K tile: dq, dk and dG = q*dq - k*dk
 //   gla_bwd_dv        per chunk and V tile: dv
@@ -113,7 +115,8 @@ __global__ void __launch_bounds__(GLA_NT) gla_chunk_output(const T* __restrict__
                                                            const T* __restrict__ v, const T* __restrict__ g,
                                                            const float* __restrict__ S_in, T* __restrict__ o,
                                                            float scale, int B, int Tlen, int H, int K, int V,
-                                                           int C, int NT) {
+                                                           int C, int NT, const float* __restrict__ S0,
+                                                           const float* __restrict__ pre) {
   __shared__ float sm[3 * 64 * 33 + 32 * 65];
   float(*bs)[33] = reinterpret_cast<float(*)[33]>(sm);
   float(*qs)[33] = reinterpret_cast<float(*)[33]>(sm + 64 * 33);
@@ -125,6 +128,8 @@ __global__ void __launch_bounds__(GLA_NT) gla_chunk_output(const T* __restrict__
   const int t0 = c * C, len = min(C, Tlen - t0);
   const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
   const float* Sc = S_in + ((i64)bh * NT + c) * K * V;
+  const float* S0b = S0 != nullptr ? S0 + (i64)bh * K * V : nullptr;
+  const float* prec = S0 != nullptr ? pre + ((i64)bh * NT + c) * K : nullptr;
   float acc[4][4], A[4][4];
 #pragma unroll
   for (int r = 0; r < 4; ++r)
@@ -145,9 +150,14 @@ __global__ void __launch_bounds__(GLA_NT) gla_chunk_output(const T* __restrict__
       qs[t][kk] = qv;
       ks[t][kk] = kv;
     }
-    for (int e = tid; e < 32 * 64; e += GLA_NT) {
+    for (int e = tid; e < 32 * 64; e += GLA_NT) {  // incoming state: zero-start scan + decayed S0
       const int kk = e / 64, j = e % 64;
-      Ss[kk][j] = (k0 + kk < K && v0 + j < V) ? Sc[(i64)(k0 + kk) * V + v0 + j] : 0.f;
+      float sv = 0.f;
+      if (k0 + kk < K && v0 + j < V) {
+        sv = Sc[(i64)(k0 + kk) * V + v0 + j];
+        if (S0b != nullptr) sv += dexp(prec[k0 + kk]) * S0b[(i64)(k0 + kk) * V + v0 + j];
+      }
+      Ss[kk][j] = sv;
     }
     __syncthreads();
     if (tid < 32) {
@@ -313,7 +323,9 @@ __global__ void __launch_bounds__(GLA_NT) gla_bwd_dqdk(const T* __restrict__ q, 
                                                        const float* __restrict__ dS, const float* __restrict__ dAin,
                                                        T* __restrict__ dq, T* __restrict__ dk,
                                                        float* __restrict__ dG, float scale, int B, int Tlen, int H,
-                                                       int K, int V, int C, int NT) {
+                                                       int K, int V, int C, int NT, const float* __restrict__ S0,
+                                                       const float* __restrict__ pre, const float* __restrict__ D,
+                                                       const float* __restrict__ suf) {
   __shared__ float sm[3 * 64 * 33 + 64 * 65];
   // phase 1 (V loop)
   float(*dos)[33] = reinterpret_cast<float(*)[33]>(sm);
@@ -331,6 +343,8 @@ __global__ void __launch_bounds__(GLA_NT) gla_bwd_dqdk(const T* __restrict__ q, 
   const int tid = threadIdx.x, kk = tid % 32, ty = tid / 32;  // rows t = ty + 8 r
   const float* Sc = S_in + ((i64)bh * NT + c) * K * V;
   const float* dSc = dS + ((i64)bh * NT + c) * K * V;
+  const float* S0b = S0 != nullptr ? S0 + (i64)bh * K * V : nullptr;
+  const float* Db = D != nullptr ? D + (i64)bh * K * V : nullptr;
   float P[8], R[8];
 #pragma unroll
   for (int r = 0; r < 8; ++r) P[r] = R[r] = 0.f;
@@ -346,11 +360,18 @@ __global__ void __launch_bounds__(GLA_NT) gla_bwd_dqdk(const T* __restrict__ q, 
       dos[t][jj] = a;
       vs[t][jj] = bb;
     }
-    for (int e = tid; e < 32 * 32; e += GLA_NT) {
+    for (int e = tid; e < 32 * 32; e += GLA_NT) {  // zero-start states + decayed S0 / D
       const int i = e / 32, jj = e % 32;
-      const bool ok = k0 + i < K && v0 + jj < V;
-      Ss[i][jj] = ok ? Sc[(i64)(k0 + i) * V + v0 + jj] : 0.f;
-      dSs[i][jj] = ok ? dSc[(i64)(k0 + i) * V + v0 + jj] : 0.f;
+      float sv = 0.f, dv = 0.f;
+      if (k0 + i < K && v0 + jj < V) {
+        const i64 ij = (i64)(k0 + i) * V + v0 + jj;
+        sv = Sc[ij];
+        dv = dSc[ij];
+        if (S0b != nullptr) sv += dexp(pre[((i64)bh * NT + c) * K + k0 + i]) * S0b[ij];
+        if (Db != nullptr) dv += dexp(suf[((i64)bh * NT + c) * K + k0 + i]) * Db[ij];
+      }
+      Ss[i][jj] = sv;
+      dSs[i][jj] = dv;
     }
     __syncthreads();
 #pragma unroll
@@ -414,7 +435,8 @@ template <typename T>
 __global__ void __launch_bounds__(GLA_NT) gla_bwd_dv(const T* __restrict__ k, const T* __restrict__ g,
                                                      const T* __restrict__ dout, const float* __restrict__ Ain,
                                                      const float* __restrict__ dS, T* __restrict__ dv, float scale,
-                                                     int B, int Tlen, int H, int K, int V, int C, int NT) {
+                                                     int B, int Tlen, int H, int K, int V, int C, int NT,
+                                                     const float* __restrict__ D, const float* __restrict__ suf) {
   __shared__ float sm[2 * 64 * 65];
   float(*bs)[33] = reinterpret_cast<float(*)[33]>(sm);
   float(*ks)[33] = reinterpret_cast<float(*)[33]>(sm + 64 * 33);
@@ -425,6 +447,7 @@ __global__ void __launch_bounds__(GLA_NT) gla_bwd_dv(const T* __restrict__ k, co
   const int t0 = c * C, len = min(C, Tlen - t0);
   const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
   const float* dSc = dS + ((i64)bh * NT + c) * K * V;
+  const float* Db = D != nullptr ? D + (i64)bh * K * V : nullptr;
   float acc[4][4], acc2[4][4];
 #pragma unroll
   for (int r = 0; r < 4; ++r)
@@ -442,9 +465,14 @@ __global__ void __launch_bounds__(GLA_NT) gla_bwd_dv(const T* __restrict__ k, co
       bs[t][i] = gv;
       ks[t][i] = kv;
     }
-    for (int e = tid; e < 32 * 64; e += GLA_NT) {
+    for (int e = tid; e < 32 * 64; e += GLA_NT) {  // zero-start d-state + decayed D
       const int i = e / 64, j = e % 64;
-      dSs[i][j] = (k0 + i < K && v0 + j < V) ? dSc[(i64)(k0 + i) * V + v0 + j] : 0.f;
+      float dv = 0.f;
+      if (k0 + i < K && v0 + j < V) {
+        dv = dSc[(i64)(k0 + i) * V + v0 + j];
+        if (Db != nullptr) dv += dexp(suf[((i64)bh * NT + c) * K + k0 + i]) * Db[(i64)(k0 + i) * V + v0 + j];
+      }
+      dSs[i][j] = dv;
     }
     __syncthreads();
     if (tid < 32) {
@@ -609,14 +637,14 @@ __global__ void __launch_bounds__(GLA_NT) gla_state_correction(T* __restrict__ o
   template __global__ void gla_chunk_outer<T>(const T*, const T*, const T*, float*, float*, int, int, int, int, int, \
                                               int, int, int, float);                                                 \
   template __global__ void gla_chunk_output<T>(const T*, const T*, const T*, const T*, const float*, T*, float, int,  \
-                                               int, int, int, int, int, int);                                        \
+                                               int, int, int, int, int, int, const float*, const float*);            \
   template __global__ void gla_bwd_scores<T>(const T*, const T*, const T*, const T*, const T*, float*, float*, int,  \
                                              int, int, int, int, int, int);                                          \
   template __global__ void gla_bwd_dqdk<T>(const T*, const T*, const T*, const T*, const T*, const float*,           \
                                            const float*, const float*, T*, T*, float*, float, int, int, int, int,    \
-                                           int, int, int);                                                           \
+                                           int, int, int, const float*, const float*, const float*, const float*);   \
   template __global__ void gla_bwd_dv<T>(const T*, const T*, const T*, const float*, const float*, T*, float, int,   \
-                                         int, int, int, int, int, int);                                              \
+                                         int, int, int, int, int, int, const float*, const float*);                  \
   template __global__ void seg_chunk_sum<T>(const T*, float*, int, int, int, int, int, int);                         \
   template __global__ void gla_state_correction<T>(T*, const T*, const float*, const float*, float, int, int, int,   \
                                                    int, int);

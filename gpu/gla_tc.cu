@@ -200,7 +200,8 @@ template <typename T, bool L, bool PF>
 __global__ void __launch_bounds__(TC_THREADS, 1)
     gla_tc_seg_output(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                       const T* __restrict__ g, const float* __restrict__ S_in, T* __restrict__ o, float scale, int B,
-                      int Tlen, int H, int K, int V, int NC, int NS, float span_limit) {
+                      int Tlen, int H, int K, int V, int NC, int NS, float span_limit, const float* __restrict__ S0,
+                      const float* __restrict__ pre) {
   TC_DYN_SMEM(smem);
   float* bs = reinterpret_cast<float*>(smem + TC_OFF_BS);
   u16* VT = reinterpret_cast<u16*>(smem + TC_OFF_VT);
@@ -217,20 +218,33 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
 
   float sacc[16][4];
   {
-    const float* Sb = S_in + ((i64)bh * NS + seg) * K * V;
+    const float* Sb = S_in + ((i64)bh * NS + seg) * K * V;  // zero-start incoming state of the segment
+    const int r = 16 * w + gid;
+    float e0 = 0.f, e1 = 0.f;  // exp(log decay before the segment) for rows r, r + 8: weight of S0
+    if (S0 != nullptr && 16 * w < K) {
+      e0 = dexp(pre[((i64)bh * NS + seg) * K + r]);
+      e1 = dexp(pre[((i64)bh * NS + seg) * K + r + 8]);
+    }
+    const float* S0b = S0 != nullptr ? S0 + (i64)bh * K * V : nullptr;
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt) {
-      const int c = 8 * nt + 2 * tig, r = 16 * w + gid;
+      const int c = 8 * nt + 2 * tig;
       const bool ok = 16 * w < K && c < V;
       sacc[nt][0] = ok ? Sb[(i64)r * V + c] : 0.f;
       sacc[nt][1] = ok ? Sb[(i64)r * V + c + 1] : 0.f;
       sacc[nt][2] = ok ? Sb[(i64)(r + 8) * V + c] : 0.f;
       sacc[nt][3] = ok ? Sb[(i64)(r + 8) * V + c + 1] : 0.f;
+      if (ok && S0b != nullptr) {
+        sacc[nt][0] += e0 * S0b[(i64)r * V + c];
+        sacc[nt][1] += e0 * S0b[(i64)r * V + c + 1];
+        sacc[nt][2] += e1 * S0b[(i64)(r + 8) * V + c];
+        sacc[nt][3] += e1 * S0b[(i64)(r + 8) * V + c + 1];
+      }
     }
   }
   for (int e = tid; e < 64 * TC_CP; e += TC_THREADS) As[e] = 0;  // upper blocks stay zero
   __syncthreads();
-  ChunkRegs pre;  // PF: the chunk loaded ahead
+  ChunkRegs nxt;  // PF: the chunk loaded ahead
 
   for (int ci = 0; ci < NC; ++ci) {
     const int t0 = (seg * NC + ci) * 64;
@@ -238,8 +252,8 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
     const int len = min(64, Tlen - t0);
     // (a) g, v, q (raw, into Qi), k (raw, into Kh)
     if constexpr (PF) {
-      if (ci == 0) tc_fetch<T>(pre, q, k, v, g, b, h, t0, len, Tlen, H, K, V);
-      tc_stash<T, L>(pre, bs, Qi, Kh, VT, K, V);
+      if (ci == 0) tc_fetch<T>(nxt, q, k, v, g, b, h, t0, len, Tlen, H, K, V);
+      tc_stash<T, L>(nxt, bs, Qi, Kh, VT, K, V);
     } else {
       tc_load_chunk<T, L>(q, k, v, g, bs, Qi, Kh, VT, b, h, t0, len, Tlen, H, K, V);
     }
@@ -295,7 +309,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
     __syncthreads();
     if constexpr (PF) {  // issue the next chunk's loads now; they land while the matrix work runs
       const int tn = t0 + 64;
-      if (ci + 1 < NC && tn < Tlen) tc_fetch<T>(pre, q, k, v, g, b, h, tn, min(64, Tlen - tn), Tlen, H, K, V);
+      if (ci + 1 < NC && tn < Tlen) tc_fetch<T>(nxt, q, k, v, g, b, h, tn, min(64, Tlen - tn), Tlen, H, K, V);
     }
     // (d) intra-chunk scores, 10 blocks (I >= J) of 16 x 16 over 8 warps
     for (int blk = w; blk < 10; blk += 8) {
@@ -415,7 +429,8 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
   template __global__ void gla_tc_seg_state<T, L>(const T*, const T*, const T*, float*, float*, int, int, int, int, \
                                                   int, int, int);                                                   \
   template __global__ void gla_tc_seg_output<T, L, PF>(const T*, const T*, const T*, const T*, const float*, T*,    \
-                                                       float, int, int, int, int, int, int, int, float);
+                                                       float, int, int, int, int, int, int, int, float, const float*, \
+                                                       const float*);
 GLA_INST_TC(bf16, true, true)
 GLA_INST_TC(f16, false, false)
 #ifndef GLA_INSTANTIATE_FAST
@@ -423,6 +438,6 @@ GLA_INST_TC(bf16, false, false)
 GLA_INST_TC(f16, true, true)
 template __global__ void gla_tc_seg_output<bf16, true, false>(const bf16*, const bf16*, const bf16*, const bf16*,
                                                               const float*, bf16*, float, int, int, int, int, int,
-                                                              int, int, float);
+                                                              int, int, float, const float*, const float*);
 #endif
 #endif

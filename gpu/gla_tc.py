@@ -60,30 +60,37 @@ def variant() -> str:
     return v
 
 
-def forward(rt: Any, q, k, v, g, scale: float, h0, t: str, B: int, T: int, H: int, K: int, V: int, nc=None):
-    """``(o [B, T, H, V], final state [B*H, K, V] fp32)`` on the current stream."""
+def prepare(rt: Any, k, v, g, t: str, B: int, T: int, H: int, K: int, V: int, nc=None):
+    """Segment states from a zero start: ``(incoming states [B*H, NS, K, V], segment log decays [B*H, NS, K],
+    final state [B*H, K, V], NC)`` on the current stream."""
     from .gla import _scan  # noqa: PLC0415
 
     xp = rt.xp
-    i32, f32 = np.int32, np.float32
     NT = -(-T // 64)
     BH = B * H
     NC = nc or chunks_per_segment(rt, BH, NT)
     NS = -(-NT // NC)
-    lds, pf = VARIANTS[variant()]
+    lds, _ = VARIANTS[variant()]
     st = xp.empty((BH, NS, K, V), dtype=xp.float32)
     gseg = xp.empty((BH, NS, K), dtype=xp.float32)
     rt.launch(
         f"gla_tc_seg_state<{t}, {lds}>", (NS, BH), (_THREADS,),
-        (k, v, g, st, gseg, i32(B), i32(T), i32(H), i32(K), i32(V), i32(NC), i32(NS)),
+        (k, v, g, st, gseg, np.int32(B), np.int32(T), np.int32(H), np.int32(K), np.int32(V), np.int32(NC),
+         np.int32(NS)),
         shared_mem=SMEM_STATE,
     )  # fmt: skip
-    fin = _scan(rt, st, gseg, h0, NS, K, V, BH, reverse=False)
-    o = xp.empty((B, T, H, V), dtype=q.dtype)
+    fin = _scan(rt, st, gseg, None, NS, K, V, BH, reverse=False)
+    return st, gseg, fin, NC
+
+
+def finish(rt: Any, q, k, v, g, st, o, scale: float, S0, pre, t: str, B: int, T: int, H: int, K: int, V: int, NC: int):
+    """Write ``o`` from the zero-start segment states ``st`` plus ``exp(pre) * S0`` (if ``S0``)."""
+    NS = int(st.shape[1])
+    i32 = np.int32
+    lds, pf = VARIANTS[variant()]
     rt.launch(
-        f"gla_tc_seg_output<{t}, {lds}, {pf}>", (NS, BH), (_THREADS,),
-        (q, k, v, g, st, o, f32(scale), i32(B), i32(T), i32(H), i32(K), i32(V), i32(NC), i32(NS),
-         f32(SPAN_LIMIT[t])),
+        f"gla_tc_seg_output<{t}, {lds}, {pf}>", (NS, B * H), (_THREADS,),
+        (q, k, v, g, st, o, np.float32(scale), i32(B), i32(T), i32(H), i32(K), i32(V), i32(NC), i32(NS),
+         np.float32(SPAN_LIMIT[t]), S0, pre),
         shared_mem=SMEM_OUTPUT,
     )  # fmt: skip
-    return o, fin

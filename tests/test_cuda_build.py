@@ -165,6 +165,31 @@ def test_emulated_zeco_tensor_core_pieces(emu_rt, rng, monkeypatch):
     assert rel(U, 0.3 * np.einsum("bthk,bthv->bhkv", q * np.exp(G64), do)) < 1e-2
 
 
+def test_emulated_prepare_finish_compose_like_zeco(emu_rt, rng):
+    """Two slices run as ZeCO ranks would (prepare, pass the pair, finish) equal one pass over the whole."""
+    B, T, H, K, V = 1, 100, 2, 24, 16
+    q, k, v, g, do, h0, dht = _inputs(rng, B, T, H, K, V, strong=True)
+    f64 = [x.astype(np.float64) for x in (q, k, v, g, do, h0, dht)]
+    ro, rht = recurrent_gla(*f64[:4], initial_state=f64[5], output_final_state=True)
+    ref = recurrent_gla_bwd(*f64[:5], initial_state=f64[5], dht=f64[6])
+    cut = 37  # slices [0, 37) and [37, 100), chunk 16: partial chunks on both sides
+    sl = [slice(0, cut), slice(cut, T)]
+    part = [[np.ascontiguousarray(x[:, s_]) for x in (q, k, v, g, do)] for s_ in sl]
+    fw = [ggla.chunk_gla_prepare(*p[:4], chunk_size=16) for p in part]
+    S_in1 = fw[0].decay[..., None] * h0 + fw[0].local_final_state  # the forward scan over two ranks
+    o0, _ = fw[0].finish(h0)
+    o1, fin = fw[1].finish(S_in1, output_final_state=True)
+    assert rel(np.concatenate([o0, o1], axis=1), ro) < 1e-5
+    assert rel(fin, rht) < 1e-5
+    bw = [ggla.chunk_gla_bwd_prepare(*p, chunk_size=16) for p in part]
+    D0 = bw[1].decay[..., None] * dht + bw[1].dh0_local  # the reverse scan over two ranks
+    g0 = bw[0].finish(initial_state=h0, dht=D0)
+    g1 = bw[1].finish(initial_state=S_in1, dht=dht)
+    for i, name in enumerate(("dq", "dk", "dv", "dg")):
+        assert rel(np.concatenate([g0[i], g1[i]], axis=1), ref[i]) < 1e-5, name
+    assert rel(g0[4], ref[4]) < 1e-5  # dh0 of the whole sequence
+
+
 _NUMBA_SCRIPT = textwrap.dedent(
     """
     import numpy as np
