@@ -390,6 +390,42 @@ def single(args) -> int:
 
     S.check("zeco pieces (Numba CUDA kernels) fp32", numba_pieces, 1e-4)
 
+    def compose(dt_name):
+        """Two slices as two ZeCO ranks (prepare, pass the scan pair, finish) vs the float64 reference."""
+        dt = DT(dt_name, cp)
+        B, T, H, K, V, cut = 1, 700, 2, 128, 128, 333
+        x = make_inputs(rng, B, T, H, K, V, strong=False)
+        xs = {n: dt.round(x[n]).astype(np.float64) for n in ("q", "k", "v", "g", "do")}
+        h0, dht = x["h0"], x["dht"]
+        ro, rht = recurrent_gla(
+            *(xs[n] for n in ("q", "k", "v", "g")), initial_state=h0.astype(np.float64), output_final_state=True
+        )
+        ref = recurrent_gla_bwd(
+            *(xs[n] for n in ("q", "k", "v", "g", "do")),
+            initial_state=h0.astype(np.float64),
+            dht=dht.astype(np.float64),
+        )
+        parts = [
+            [dt.up(np.ascontiguousarray(x[n][:, sl])) for n in ("q", "k", "v", "g", "do")]
+            for sl in (slice(0, cut), slice(cut, T))
+        ]
+        fw = [G.chunk_gla_prepare(*p_[:4]) for p_ in parts]
+        H0, DHT = cp.asarray(h0), cp.asarray(dht)
+        S1 = fw[0].decay[..., None] * H0 + fw[0].local_final_state
+        o0, _ = fw[0].finish(H0)
+        o1, fin = fw[1].finish(S1, output_final_state=True)
+        bw = [G.chunk_gla_bwd_prepare(*p_) for p_ in parts]
+        D0 = bw[1].decay[..., None] * DHT + bw[1].dh0_local
+        g0, g1 = bw[0].finish(H0, D0), bw[1].finish(S1, DHT)
+        errs = {"o": rel(np.concatenate([dt.down(o0), dt.down(o1)], axis=1), ro), "ht": rel(fin.get(), rht)}
+        for i, n in enumerate(("dq", "dk", "dv", "dg")):
+            errs[n] = rel(np.concatenate([dt.down(g0[i]), dt.down(g1[i])], axis=1), ref[i])
+        errs["dh0"] = rel(g0[4].get(), ref[4])
+        return max(errs.values()), " ".join(f"{n} {e:.2e}" for n, e in errs.items())
+
+    S.check("prepare/finish over 2 slices like 2 ZeCO ranks, fp32", lambda: compose("fp32"), 1e-4)
+    S.check("prepare/finish over 2 slices like 2 ZeCO ranks, bf16", lambda: compose("bf16"), 1e-2)
+
     # -- benchmark shape
     B, T, H, K, V = 1, args.T, 16, 128, 128
     fl = G.memory_floor(B, T, H, K, V, itemsize=2, bandwidth=4.3e12)
@@ -596,6 +632,46 @@ def single(args) -> int:
             S.timing("fla 0.6 chunk_gla fwd+bwd", ms)
         except Exception as exc:  # noqa: BLE001
             S.timing("fla 0.6 chunk_gla fwd+bwd", None, error=str(exc)[:200])
+
+    # the pieces a ZeCO rank adds to the single-GPU work (bench shape, bf16)
+    s0 = sets[0]
+    S0 = cp.asarray(rng.standard_normal((B, H, K, V)).astype(np.float32))
+    pieces = {
+        "fwd prepare (local pass)": lambda i: G.chunk_gla_prepare(
+            sets[i]["q"], sets[i]["k"], sets[i]["v"], sets[i]["g"], scale=scale
+        ),
+        "fwd with initial_state": lambda i: G.chunk_gla(
+            sets[i]["q"], sets[i]["k"], sets[i]["v"], sets[i]["g"], scale=scale, initial_state=S0
+        ),
+        "bwd prepare (state passes)": lambda i: G.chunk_gla_bwd_prepare(
+            sets[i]["q"], sets[i]["k"], sets[i]["v"], sets[i]["g"], sets[i]["do"], scale=scale
+        ),
+        "decay_cumsum (G, fp32)": lambda i: G.decay_cumsum(sets[i]["g"]),
+        "initial_state_grad (U)": lambda i: G.initial_state_grad(
+            sets[i]["q"], sets[i]["g"], sets[i]["do"], scale=scale
+        ),
+    }
+    for name, fn in pieces.items():
+        try:
+            S.timing(f"piece: {name}", cuda_time(cp, fn, max(5, reps // 2), warmup=2, sets=2))
+        except Exception as exc:  # noqa: BLE001
+            S.timing(f"piece: {name}", None, error=f"{type(exc).__name__}: {exc}"[:200])
+    try:
+        plan = G.chunk_gla_prepare(s0["q"], s0["k"], s0["v"], s0["g"], scale=scale)
+        S.timing("piece: fwd finish(initial_state)", cuda_time(cp, lambda i: plan.finish(S0), max(5, reps // 2)))
+        bplan = G.chunk_gla_bwd_prepare(s0["q"], s0["k"], s0["v"], s0["g"], s0["do"], scale=scale)
+        S.timing(
+            "piece: bwd finish(initial_state, dht)", cuda_time(cp, lambda i: bplan.finish(S0, S0), max(5, reps // 2))
+        )
+        Gc = G.decay_cumsum(s0["g"])
+        o_tmp = cp.empty_like(s0["v"])
+        o_tmp[...] = s0["v"]
+        S.timing(
+            "piece: state_correction (o += (q e^G) S_in)",
+            cuda_time(cp, lambda i: G.state_correction(o_tmp, s0["q"], Gc, S0, scale=scale), max(5, reps // 2)),
+        )
+    except Exception as exc:  # noqa: BLE001
+        S.timing("piece: finish / correction", None, error=f"{type(exc).__name__}: {exc}"[:200])
 
     p = S.dump("gpu_suite.json")
     S.table()
