@@ -100,7 +100,7 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
-        "mpi": MPI.Get_library_version().strip().splitlines()[0],
+        "mpi": MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0],
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
     try:
