@@ -157,6 +157,16 @@ def metrics(res: ScheduleResult) -> dict:
 _READY, _WORK, _STOP = 11, 12, 13
 
 
+def _recv_polling(comm, source: int, tag: int, status):
+    """``comm.recv`` that sleeps between probes (MPICH's blocking receive spins a core, which on an
+    oversubscribed node steals it from the ranks doing the prefill)."""
+    nap = 1e-4
+    while not comm.Iprobe(source=source, tag=tag):
+        time.sleep(nap)
+        nap = min(2e-3, nap * 1.5)
+    return comm.recv(source=source, tag=tag, status=status)
+
+
 def _dispatch(comm, scaled: dict[int, Request], policy: str, workers: int) -> ScheduleResult:
     """Rank 0 of :func:`serve_mpi`: hand requests to ready workers by policy, record completions."""
     t0 = time.perf_counter()
@@ -191,7 +201,7 @@ def _dispatch(comm, scaled: dict[int, Request], policy: str, workers: int) -> Sc
                 time.sleep(min(1e-3, max(0.0, t_next - clock())))
             if not comm.Iprobe(source=MPI.ANY_SOURCE, tag=_READY):
                 continue
-        msg = comm.recv(source=MPI.ANY_SOURCE, tag=_READY, status=st)
+        msg = _recv_polling(comm, MPI.ANY_SOURCE, _READY, st)
         now = clock()
         if msg is not None:  # (rid, seconds of service)
             rid, secs = msg
@@ -248,12 +258,15 @@ def serve_mpi(requests: Sequence[Request], comm, run: Callable[[Request], Any], 
         comm.send(None, dest=0, tag=_READY)
         st = MPI.Status()
         while True:
-            rid = comm.recv(source=0, tag=MPI.ANY_TAG, status=st)
+            rid = _recv_polling(comm, 0, MPI.ANY_TAG, st)
             if st.Get_tag() == _STOP:
                 break
             a = time.perf_counter()
             run(by_id[rid])
             comm.send((rid, time.perf_counter() - a), dest=0, tag=_READY)
         res = None
+    req = comm.Ibarrier()  # wait for the last worker without spinning a core
+    while not req.Test():
+        time.sleep(1e-3)
     data = comm.bcast(None if res is None else (res.policy, res.workers, [asdict(s) for s in res.served], res.busy))
     return ScheduleResult(data[0], data[1], [Served(**s) for s in data[2]], data[3])
