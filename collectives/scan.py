@@ -670,9 +670,38 @@ class _ExscanHandle(ScanHandle):
 # --------------------------------------------------------------------------- public API
 
 
-def _transport_for(ctx: CommContext, transport: Transport | None, like: Any) -> Transport:
+#: transport names accepted in place of a Transport object (see :func:`.transport.get_transport`)
+TRANSPORT_NAMES = ("host", "auto", "cuda-aware", "staged", "nccl")
+
+
+def _check_transport(transport: Any, like: Any, P: int, rank: int) -> None:
+    """Local checks of a ``transport`` argument: None, a name, or a Transport for this communicator."""
+    if transport is None:
+        return
+    if isinstance(transport, str):
+        if transport not in TRANSPORT_NAMES:
+            raise ValueError(f"transport must be one of {TRANSPORT_NAMES}, a Transport or None, got {transport!r}")
+        if transport not in ("host", "auto") and not is_device_array(like):
+            raise ValueError(f"transport {transport!r} needs device (CuPy) arrays; these are host arrays")
+        return
+    if not isinstance(transport, Transport):
+        raise TypeError(f"transport must be a Transport, a transport name or None, got {type(transport).__name__}")
+    if transport.size != P or transport.rank != rank:
+        raise ValueError(f"transport is for rank {transport.rank} of {transport.size}, this is rank {rank} of {P}")
+    if transport.xp is not get_array_module(like):
+        raise TypeError(f"transport {transport.name!r} moves {transport.xp.__name__} arrays, these are not")
+
+
+def _transport_name(transport: Any) -> str | None:
+    return transport if (transport is None or isinstance(transport, str)) else transport.name
+
+
+def _transport_for(ctx: CommContext, transport: Transport | str | None, like: Any) -> Transport:
+    """``transport`` itself, or the context's cached transport for ``like`` (of kind ``transport`` if a name)."""
     if transport is None:
         return ctx.transport(like=like)
+    if isinstance(transport, str):
+        return ctx.transport(like=like, kind=None if transport == "auto" else transport)
     return transport
 
 
@@ -685,7 +714,7 @@ def scan_start(
     blocks: int | None = None,
     reverse: bool = False,
     initial: Any = None,
-    transport: Transport | None = None,
+    transport: Transport | str | None = None,
     progress: str = "poll",
     out: Any = None,
 ) -> ScanHandle:
@@ -705,15 +734,7 @@ def scan_start(
         _check_inputs(a, S, initial, topology, blocks, reverse, pos == 0, progress)
         if out is not None:
             _check_out(out, a, S, initial)
-        if transport is not None:
-            if not isinstance(transport, Transport):
-                raise TypeError(f"transport must be a Transport or None, got {type(transport).__name__}")
-            if transport.size != P or transport.rank != rank:
-                raise ValueError(
-                    f"transport is for rank {transport.rank} of {transport.size}, this is rank {rank} of {P}"
-                )
-            if transport.xp is not get_array_module(S):
-                raise TypeError(f"transport {transport.name!r} moves {transport.xp.__name__} arrays, S is not one")
+        _check_transport(transport, S, P, rank)
         topo, nblocks = _resolve(topology, blocks, P, int(S.nbytes), int(a.shape[-1]), _memory(S))
     except (ValueError, TypeError) as exc:
         error, topo, nblocks = exc, None, None
@@ -726,7 +747,7 @@ def scan_start(
         "blocks": None if blocks is None or isinstance(blocks, (bool, np.bool_)) else blocks,
         "reverse": reverse,
         "topology/blocks used": (topo, nblocks),
-        "transport": None if transport is None else transport.name,
+        "transport": _transport_name(transport),
     }
     agree_fast(ctx.pcomm, "scan", error, agree)
     tag = ctx.next_tag()
@@ -770,7 +791,7 @@ def scan(
     blocks: int | None = None,
     reverse: bool = False,
     initial: Any = None,
-    transport: Transport | None = None,
+    transport: Transport | str | None = None,
     out: Any = None,
 ) -> Any:
     """This rank's exclusive scan ``S_in [..., K, V]`` of the pairs ``(a [..., K], S [..., K, V])`` (collective).
@@ -780,14 +801,17 @@ def scan(
     in scan order only) or zeros. ``topology``: "ring" (pipelined All-Scan, ``blocks`` pieces,
     ``None`` = the cost model's choice), "tree", "allgather", "serial", "exscan" or "auto".
     Same result on any number of ranks; errors are raised on every rank before communicating.
-    ``out`` (optional) is filled and returned instead of a new array.
+    ``out`` (optional) is filled and returned instead of a new array. ``transport``: None (the
+    arrays' transport: host, or a device transport by detection / ``$HPCZECO_TRANSPORT``, cached
+    per communicator), a name ("host", "auto", "cuda-aware", "staged", "nccl"), or a
+    :class:`~hpczeco.collectives.transport.Transport` (whose communicator then carries the messages).
     """
     return scan_start(
         a, S, comm, topology=topology, blocks=blocks, reverse=reverse, initial=initial, transport=transport, out=out
     ).wait()
 
 
-def _relay_setup(buf: Any, comm: MPI.Comm, reverse: bool, transport: Transport | None):
+def _relay_setup(buf: Any, comm: MPI.Comm, reverse: bool, transport: Transport | str | None):
     if not _is_array(buf):
         raise TypeError(f"buf must be a numpy or cupy array, got {type(buf).__name__}")
     if not buf.flags.c_contiguous:
@@ -795,13 +819,16 @@ def _relay_setup(buf: Any, comm: MPI.Comm, reverse: bool, transport: Transport |
     if not isinstance(reverse, (bool, np.bool_)):
         raise TypeError(f"reverse must be a bool, got {type(reverse).__name__}")
     ctx = get_context(comm)
+    _check_transport(transport, buf, ctx.size, ctx.rank)
     pos = ctx.size - 1 - ctx.rank if reverse else ctx.rank
     tr = _transport_for(ctx, transport, buf)
     step = -1 if reverse else 1
     return ctx, pos, tr, step
 
 
-def relay_recv(buf: Any, comm: MPI.Comm, *, reverse: bool = False, transport: Transport | None = None) -> bool:
+def relay_recv(
+    buf: Any, comm: MPI.Comm, *, reverse: bool = False, transport: Transport | str | None = None
+) -> bool:
     """Receive the whole state from the previous rank in scan order into ``buf`` (blocking).
 
     Returns False (receiving nothing) on the first rank in scan order. Pairs with
@@ -816,7 +843,9 @@ def relay_recv(buf: Any, comm: MPI.Comm, *, reverse: bool = False, transport: Tr
     return True
 
 
-def relay_send(buf: Any, comm: MPI.Comm, *, reverse: bool = False, transport: Transport | None = None) -> None:
+def relay_send(
+    buf: Any, comm: MPI.Comm, *, reverse: bool = False, transport: Transport | str | None = None
+) -> None:
     """Send the whole state ``buf`` to the next rank in scan order (blocking); no-op on the last rank."""
     ctx, pos, tr, step = _relay_setup(buf, comm, reverse, transport)
     if pos == ctx.size - 1:

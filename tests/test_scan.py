@@ -243,6 +243,29 @@ def test_mismatches_raise_everywhere(comm, rng):
         np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
 
 
+def test_transport_argument(comm, rng):
+    """None, a name, or a Transport object; a device transport name with host arrays is refused everywhere."""
+    from hpczeco.collectives.transport import HostTransport
+
+    P, rank = comm.Get_size(), comm.Get_rank()
+    A, S, _ = make_inputs(rng, P, (2,), 4, 3)
+    ref, _ = expected(A, S, None, rank, False)
+    for tr in (None, "host", "auto", HostTransport(comm)):
+        for topo in ("ring", "tree", "allgather"):
+            out = scan(A[rank], S[rank], comm, topology=topo, blocks=2, transport=tr)
+            np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12, err_msg=f"{topo} {tr}")
+    msg = _agreed_error(comm, lambda: scan(A[rank], S[rank], comm, transport="nccl"))
+    assert msg is not None and "needs device (CuPy) arrays" in msg
+    msg = _agreed_error(comm, lambda: scan(A[rank], S[rank], comm, transport="pigeon" if rank == P - 1 else None))
+    assert msg is not None and "transport must be one of" in msg
+    buf = np.empty_like(S[rank])
+    got = relay_recv(buf, comm, transport="host")
+    relay_send(S[rank], comm, transport="host")
+    assert got == (rank > 0)
+    if got:
+        np.testing.assert_array_equal(buf, S[rank - 1])
+
+
 def test_error_types(comm, rng):
     P, rank = comm.Get_size(), comm.Get_rank()
     a = rng.uniform(0.1, 1, (3,))
