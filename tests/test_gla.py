@@ -158,6 +158,28 @@ def test_forward_float16(rng):
     assert rel(o, o_ref) < 2e-3 and rel(s, s_ref) < 1e-5
 
 
+@pytest.mark.parametrize("shape,cs", [((1, 9, 2, 1, 1), 1), ((2, 13, 1, 3, 2), 1), ((1, 5, 1, 2, 3), 1000)])
+def test_tiny_dims_and_chunks(rng, shape, cs):
+    """K = V = 1, chunk_size 1 (one token per chunk) and a chunk far longer than T."""
+    d = make(rng, *shape, "mixed", grads=True)
+    o_ref, s_ref = recurrent_gla(d["q"], d["k"], d["v"], d["g"], initial_state=d["h0"], output_final_state=True)
+    o, s = chunk_gla(d["q"], d["k"], d["v"], d["g"], initial_state=d["h0"], output_final_state=True, chunk_size=cs)
+    assert rel(o, o_ref) < 1e-12 and rel(s, s_ref) < 1e-12
+    refs = recurrent_gla_bwd(d["q"], d["k"], d["v"], d["g"], d["do"], initial_state=d["h0"], dht=d["dht"])
+    grads = chunk_gla_bwd(d["q"], d["k"], d["v"], d["g"], d["do"], initial_state=d["h0"], dht=d["dht"], chunk_size=cs)
+    for x, r in zip(grads, refs):
+        assert rel(x, r) < 1e-12
+
+
+def test_empty_batch_or_heads(rng):
+    for B, H in ((0, 2), (2, 0)):
+        d = make(rng, B, 4, H, 3, 2, grads=True)
+        o, s = chunk_gla(d["q"], d["k"], d["v"], d["g"], initial_state=d["h0"], output_final_state=True)
+        assert o.shape == (B, 4, H, 2) and s.shape == (B, H, 3, 2)
+        grads = chunk_gla_bwd(d["q"], d["k"], d["v"], d["g"], d["do"], initial_state=d["h0"], dht=d["dht"])
+        assert [x.shape for x in grads] == [(B, 4, H, 3)] * 2 + [(B, 4, H, 2), (B, 4, H, 3), (B, H, 3, 2)]
+
+
 def test_recurrent_returns_input_dtype(rng):
     d = make(rng, 1, 5, 1, 3, 2)
     o, s = recurrent_gla(*[cast(d[n], np.float32) for n in ("q", "k", "v", "g")], output_final_state=True)
