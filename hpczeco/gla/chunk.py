@@ -44,6 +44,7 @@ keeps its relative accuracy in float32 when the decays are strong and dg is tiny
 
 from __future__ import annotations
 
+import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -97,12 +98,23 @@ class _Geom:
 # --------------------------------------------------------------------------------------------- decays
 
 
+@functools.cache
+def _pairs(c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Lower-triangle pairs ``(i, j), j <= i`` of a ``c x c`` block, row-major: ``I, J``, the first pair of
+    every row, the permutation sorting the pairs by ``j`` and the first pair of every column there."""
+    I, J = np.tril_indices(c)
+    rows = (np.arange(c) * (np.arange(c) + 1)) // 2
+    perm = np.argsort(J, kind="stable")
+    cols = np.concatenate(([0], np.cumsum(c - np.arange(c))[:-1]))
+    return I, J, rows, perm, cols
+
+
 def _pairwise_decay(lcb: np.ndarray) -> np.ndarray:
-    """``E[n, i, j, k] = exp(b_ik - b_jk)`` for ``j <= i`` and 0 above (``lcb: [n, c, K]``): exact, <= 1."""
-    c = lcb.shape[1]
-    d = lcb[:, :, None, :] - lcb[:, None, :, :]
-    d[:, ~np.tri(c, dtype=bool)] = -np.inf
-    return np.exp(d)
+    """``E[n, p, k] = exp(b_ik - b_jk)`` for the lower-triangle pairs ``p = (i, j)`` of :func:`_pairs`
+    (``lcb: [n, c, K]`` cumulative gates): exact, every exponent <= 0."""
+    I, J = _pairs(lcb.shape[1])[:2]
+    d = lcb[:, I] - lcb[:, J]
+    return np.exp(d, out=d)
 
 
 def _check_common(q, k, v, g, scale, initial_state, chunk_size, do=None, dht=None):
@@ -387,24 +399,28 @@ def _pairwise_A(q, k, g, b, h, n0, bad, geo: _Geom, s, L):
     """Exact pairwise diagonal blocks of ``A`` where the span is too large to factor (written into ``L``).
     Returns what :func:`_pairwise_dqdk` needs."""
     c = geo.c
+    I, J = _pairs(c)[:2]
     gb, ib = np.nonzero(bad)
     nb_ = n0 + gb
     qb, kb = _gather_sub(q, b, h, nb_, ib, geo), _gather_sub(k, b, h, nb_, ib, geo)
     E = _pairwise_decay(np.cumsum(_gather_sub(g, b, h, nb_, ib, geo), axis=1))
-    Ad = np.einsum("nik,nijk,njk->nij", qb, E, kb)
-    Ad *= s
+    blk = np.zeros((gb.size, c, c), dtype=L.dtype)
+    blk[:, I, J] = np.einsum("npk,npk->np", qb[:, I] * kb[:, J], E)
+    blk *= s
     for j in range(gb.size):
         o = ib[j] * c
-        L[gb[j], o : o + c, o : o + c] = Ad[j]
+        L[gb[j], o : o + c, o : o + c] = blk[j]
     return gb, ib, qb, kb, E
 
 
 def _pairwise_dqdk(pw, c: int, s: float, dA, DQ, DK) -> None:
     """Add the exact diagonal-block parts of dq, dk (strictly lower ``dA``, unscaled) for the flagged blocks."""
     gb, ib, qb, kb, E = pw
-    dAb = np.stack([dA[gb[j], ib[j] * c : (ib[j] + 1) * c, ib[j] * c : (ib[j] + 1) * c] for j in range(gb.size)])
-    ddq = np.einsum("nij,nijk,njk->nik", dAb, E, kb)
-    ddk = np.einsum("nij,nijk,nik->njk", dAb, E, qb)
+    I, J, rows, perm, cols = _pairs(c)
+    dAp = np.stack([dA[gb[j], ib[j] * c : (ib[j] + 1) * c, ib[j] * c : (ib[j] + 1) * c] for j in range(gb.size)])
+    dAp = dAp[:, I, J, None] * E  # [n, pairs, K]: dA_ij exp(b_i - b_j); zero for i == j (dA is strict)
+    ddq = np.add.reduceat(dAp * kb[:, J], rows, axis=1)  # sum over j of each row i
+    ddk = np.add.reduceat((dAp * qb[:, I])[:, perm], cols, axis=1)  # sum over i of each column j
     ddq *= s
     ddk *= s
     for j in range(gb.size):
