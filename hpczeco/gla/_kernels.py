@@ -457,3 +457,99 @@ def bwd_finish(q, k, b, h, n0, G, T, C, scale, X, oA, DQ, DKI, DKE, dd, DV, DV2,
             d2 = DV2[gi, pos]
             for vv in range(V):
                 dvo[vv] = d1[vv] + d2[vv]
+
+
+# ------------------------------------------------------------------------------- exact pairwise blocks
+
+
+@nb.njit(cache=True, nogil=True)
+def pw_prepare(q, k, g, b, h, n0, gb, ib, T, C, c, Qb, Kb, D):
+    """For the flagged diagonal blocks ``(gb[j], ib[j])`` (group chunk, sub-chunk): their tokens' q and k
+    (``Qb, Kb [nb, c, K]``, zeros for no-op rows) and the packed exponents ``D [nb, c (c+1)/2, K]`` =
+    ``b_i - b_j`` (<= 0) for the pairs ``j <= i`` in row-major order."""
+    K = q.shape[3]
+    dt = D.dtype
+    lc = np.empty((c, K), dt)
+    for j in range(gb.size):
+        n = n0 + gb[j]
+        for r in range(c):
+            pos = ib[j] * c + r
+            t = n * C + pos
+            qr = Qb[j, r]
+            kr = Kb[j, r]
+            lr = lc[r]
+            if pos < C and t < T:
+                qi = q[b, t, h]
+                ki = k[b, t, h]
+                gi = g[b, t, h]
+                for kk in range(K):
+                    qr[kk] = qi[kk]
+                for kk in range(K):
+                    kr[kk] = ki[kk]
+                for kk in range(K):
+                    lr[kk] = gi[kk]
+            else:
+                for kk in range(K):
+                    qr[kk] = 0
+                    kr[kk] = 0
+                    lr[kk] = 0
+            if r > 0:
+                prev = lc[r - 1]
+                for kk in range(K):
+                    lr[kk] += prev[kk]
+        p = 0
+        for r in range(c):
+            lr = lc[r]
+            for s in range(r + 1):
+                ls = lc[s]
+                dr = D[j, p]
+                for kk in range(K):
+                    dr[kk] = lr[kk] - ls[kk]
+                p += 1
+
+
+@nb.njit(cache=True, nogil=True, fastmath={"reassoc", "nsz", "contract"})
+def pw_A(Qb, Kb, E, gb, ib, c, scale, L):
+    """``L`` diagonal block of every flagged sub-chunk = scale sum_k q_ik k_jk exp(b_ik - b_jk) (j <= i)."""
+    K = Qb.shape[2]
+    for j in range(gb.size):
+        o = ib[j] * c
+        p = 0
+        for r in range(c):
+            qr = Qb[j, r]
+            lr = L[gb[j], o + r]
+            for s in range(r + 1):
+                ks = Kb[j, s]
+                er = E[j, p]
+                acc = 0.0
+                for kk in range(K):
+                    acc += qr[kk] * ks[kk] * er[kk]
+                lr[o + s] = scale * acc
+                p += 1
+            for s in range(r + 1, c):
+                lr[o + s] = 0
+
+
+@nb.njit(cache=True, nogil=True)
+def pw_dqdk(Qb, Kb, E, dA, gb, ib, c, scale, DQ, DK):
+    """Add the flagged diagonal blocks' parts to dq and dk: ``DQ_i += scale sum_j dA_ij e_ij k_j``,
+    ``DK_j += scale sum_i dA_ij e_ij q_i`` (``dA`` strictly lower, unscaled; ``e_ij = exp(b_i - b_j)``)."""
+    K = Qb.shape[2]
+    for j in range(gb.size):
+        o = ib[j] * c
+        z = gb[j]
+        p = 0
+        for r in range(c):
+            qr = Qb[j, r]
+            dqr = DQ[z, o + r]
+            for s in range(r + 1):
+                w = scale * dA[z, o + r, o + s]
+                if w != 0.0:
+                    ks = Kb[j, s]
+                    er = E[j, p]
+                    dks = DK[z, o + s]
+                    for kk in range(K):
+                        t = w * er[kk]
+                        dqr[kk] += t * ks[kk]
+                        dks[kk] += t * qr[kk]
+                p += 1

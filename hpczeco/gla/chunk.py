@@ -44,7 +44,6 @@ keeps its relative accuracy in float32 when the decays are strong and dg is tiny
 
 from __future__ import annotations
 
-import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -96,25 +95,6 @@ class _Geom:
 
 
 # --------------------------------------------------------------------------------------------- decays
-
-
-@functools.cache
-def _pairs(c: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Lower-triangle pairs ``(i, j), j <= i`` of a ``c x c`` block, row-major: ``I, J``, the first pair of
-    every row, the permutation sorting the pairs by ``j`` and the first pair of every column there."""
-    I, J = np.tril_indices(c)
-    rows = (np.arange(c) * (np.arange(c) + 1)) // 2
-    perm = np.argsort(J, kind="stable")
-    cols = np.concatenate(([0], np.cumsum(c - np.arange(c))[:-1]))
-    return I, J, rows, perm, cols
-
-
-def _pairwise_decay(lcb: np.ndarray) -> np.ndarray:
-    """``E[n, p, k] = exp(b_ik - b_jk)`` for the lower-triangle pairs ``p = (i, j)`` of :func:`_pairs`
-    (``lcb: [n, c, K]`` cumulative gates): exact, every exponent <= 0."""
-    I, J = _pairs(lcb.shape[1])[:2]
-    d = lcb[:, I] - lcb[:, J]
-    return np.exp(d, out=d)
 
 
 def _check_common(q, k, v, g, scale, initial_state, chunk_size, do=None, dht=None):
@@ -208,14 +188,6 @@ def _run_units(B: int, H: int, fn) -> None:
 def _group_size(geo: _Geom) -> int:
     """Chunks per streaming group: about _GROUP_TOKENS padded tokens, so the scratch stays in cache."""
     return max(1, min(geo.N, _GROUP_TOKENS // geo.Cp))
-
-
-def _gather_sub(x: np.ndarray, b: int, h: int, n: np.ndarray, i: np.ndarray, geo: _Geom) -> np.ndarray:
-    """Tokens of sub-chunks ``(n, i)`` of sequence ``(b, h)``: ``[nb, c, D]`` with zeros for no-op rows."""
-    pos = i[:, None] * geo.c + np.arange(geo.c)[None, :]
-    t = n[:, None] * geo.C + pos
-    valid = (pos < geo.C) & (t < geo.T)
-    return x[b, np.where(valid, t, 0), h] * valid[..., None]
 
 
 def _fwd_units(units, q, k, v, g, s, h0, geo: _Geom, out, final) -> None:
@@ -396,34 +368,20 @@ def _bwd_units(units, q, k, v, g, do, s, h0, dH_last, geo: _Geom, dq, dk, dv, dg
 
 
 def _pairwise_A(q, k, g, b, h, n0, bad, geo: _Geom, s, L):
-    """Exact pairwise diagonal blocks of ``A`` where the span is too large to factor (written into ``L``).
-    Returns what :func:`_pairwise_dqdk` needs."""
-    c = geo.c
-    I, J = _pairs(c)[:2]
-    gb, ib = np.nonzero(bad)
-    nb_ = n0 + gb
-    qb, kb = _gather_sub(q, b, h, nb_, ib, geo), _gather_sub(k, b, h, nb_, ib, geo)
-    E = _pairwise_decay(np.cumsum(_gather_sub(g, b, h, nb_, ib, geo), axis=1))
-    blk = np.zeros((gb.size, c, c), dtype=L.dtype)
-    blk[:, I, J] = np.einsum("npk,npk->np", qb[:, I] * kb[:, J], E)
-    blk *= s
-    for j in range(gb.size):
-        o = ib[j] * c
-        L[gb[j], o : o + c, o : o + c] = blk[j]
-    return gb, ib, qb, kb, E
+    """Exact pairwise diagonal blocks of ``A`` where the span is too large to factor (written into ``L``;
+    ``exp`` of the packed exponents by numpy, the rest in numba). Returns what :func:`_pairwise_dqdk` needs."""
+    c, K = geo.c, geo.K
+    gb, ib = (x.astype(np.int64) for x in np.nonzero(bad))
+    dt = L.dtype
+    Qb, Kb = np.empty((gb.size, c, K), dt), np.empty((gb.size, c, K), dt)
+    E = np.empty((gb.size, c * (c + 1) // 2, K), dt)
+    _kn.pw_prepare(q, k, g, b, h, n0, gb, ib, geo.T, geo.C, c, Qb, Kb, E)
+    np.exp(E, out=E)
+    _kn.pw_A(Qb, Kb, E, gb, ib, c, s, L)
+    return gb, ib, Qb, Kb, E
 
 
 def _pairwise_dqdk(pw, c: int, s: float, dA, DQ, DK) -> None:
     """Add the exact diagonal-block parts of dq, dk (strictly lower ``dA``, unscaled) for the flagged blocks."""
-    gb, ib, qb, kb, E = pw
-    I, J, rows, perm, cols = _pairs(c)
-    dAp = np.stack([dA[gb[j], ib[j] * c : (ib[j] + 1) * c, ib[j] * c : (ib[j] + 1) * c] for j in range(gb.size)])
-    dAp = dAp[:, I, J, None] * E  # [n, pairs, K]: dA_ij exp(b_i - b_j); zero for i == j (dA is strict)
-    ddq = np.add.reduceat(dAp * kb[:, J], rows, axis=1)  # sum over j of each row i
-    ddk = np.add.reduceat((dAp * qb[:, I])[:, perm], cols, axis=1)  # sum over i of each column j
-    ddq *= s
-    ddk *= s
-    for j in range(gb.size):
-        o = ib[j] * c
-        DQ[gb[j], o : o + c] += ddq[j]
-        DK[gb[j], o : o + c] += ddk[j]
+    gb, ib, Qb, Kb, E = pw
+    _kn.pw_dqdk(Qb, Kb, E, dA, gb, ib, c, s, DQ, DK)
