@@ -1,0 +1,766 @@
+"""Phase-split chunked GLA on the CPU: the forward and backward of :mod:`hpczeco.gla.chunk`, cut where the
+incoming state (forward) or the incoming state gradient (backward) enters, so that a sequence-parallel
+layer (ZeCO, :mod:`hpczeco.zeco`) overlaps its scan with the work that does not need it.
+
+Layout and semantics as :func:`hpczeco.gla.chunk_gla` / :func:`hpczeco.gla.chunk_gla_bwd` (``q, k, g:
+[B, T, H, K]``, ``v, do: [B, T, H, V]``, states ``[B, H, K, V]``); numpy inputs only. Everything is local:
+no communication. With ``G_n`` the gate summed over the chunks before chunk ``n`` (float64, <= 0) and
+``a = exp(sum of g over the slice)``:
+
+Forward (:class:`ForwardSplit`)::
+
+    constructor   chunk states from a zero state S_n^loc, S_local, a       (before the scan: its input)
+    intra()       A V of every chunk (intra-chunk attention), q-side operand scale q exp(b)   (overlaps)
+    finish(S_in)  S_n = S_n^loc + diag(exp(G_n)) S_in;  o = A V + scale (q exp(b)) S_n;
+                  final = diag(a) S_in + S_local                                            (after)
+
+Backward (:class:`BackwardSplit`), ``dH_n`` the gradient into chunk ``n``'s end state, linear in dht::
+
+    constructor   W_n = scale (q exp(b))^T dO per chunk, dH_n^loc by the reverse recurrence
+                  from dht = 0, U = its value at the start (dh0 when dht = 0)             (before the scan)
+    local()       chunk states from initial_state, A, dA, dq (complete), the intra parts of dk, dv, dg
+                                                                                           (overlaps)
+    finish(dht)   dH_n = dH_n^loc + diag(exp(G_T - G_{n+1})) dht; dv += K exp(b_C - b) dH_n,
+                  dk += exp(b_C - b) (V dH_n^T), dg += the S dH terms; dh0 = U + diag(a) dht   (after)
+
+Every product of chunk_gla / chunk_gla_bwd is done once (the forward's fused ``[A | Qe] [V; S]`` becomes
+``A V`` in ``intra`` and ``Qe S`` in ``finish``); the constructors use light exponent kernels (one ``exp``
+per token and key instead of the full sub-chunk exponent buffer). Numerical form as chunk.py: every
+exponent is <= 0 (strong decays go through chunk.py's exact pairwise diagonal blocks), and dg uses the
+same cancellation-free form. The per-chunk states ``[N + 1, K, V]``, state gradients ``[N, K, V]`` and
+the operands the finishing step needs (``[T, K]`` per sequence) are kept between the phases.
+
+``intra``/``local`` call ``poll()`` (if given) about every millisecond of work, from the calling thread:
+between chunk groups when one thread computes, or while waiting for the worker threads otherwise, so
+``poll`` may make MPI progress (``handle.test()``) without MPI_THREAD_MULTIPLE.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from typing import Any
+
+import numba as nb
+import numpy as np
+
+from ..backend import is_device_array
+from ..checks import check_array, check_shape, dtype_name
+from . import _kernels as _kn
+from ._blas import single_threaded_blas
+from .chunk import (
+    _SPAN_LIMIT,
+    _check_common,
+    _Geom,
+    _group_size,
+    _num_threads,
+    _pairwise_A,
+    _pairwise_dqdk,
+    _run_units,
+)
+from .validate import check_finite_values, state_dtype_ok
+
+__all__ = ["ForwardSplit", "BackwardSplit"]
+
+_POLL_S = 1e-3  # poll about every millisecond of work
+_GROUP_TOKENS_BWD = 512
+
+Poll = Callable[[], Any] | None
+
+
+# --------------------------------------------------------------------------------------------- kernels
+
+
+@nb.njit(cache=True, nogil=True)
+def _suffix_exponents(g, b, h, n0, G, T, C, Cp, X, tot):
+    """``X[gi, pos]`` = gate summed over the chunk's tokens after ``pos`` (<= 0; 0 for no-op rows),
+    ``X[gi, Cp]`` = the chunk's total; ``tot[n0 + gi]`` = the total in float64."""
+    K = g.shape[3]
+    dt = X.dtype
+    acc = np.empty(K, dt)
+    acc64 = np.empty(K, np.float64)
+    for gi in range(G):
+        n = n0 + gi
+        nv = min(C, T - n * C)
+        Xg = X[gi]
+        for kk in range(K):
+            acc[kk] = 0
+            acc64[kk] = 0
+        for pos in range(Cp - 1, nv - 1, -1):
+            for kk in range(K):
+                Xg[pos, kk] = 0
+        for pos in range(nv - 1, -1, -1):
+            xr = Xg[pos]
+            gr = g[b, n * C + pos, h]
+            for kk in range(K):
+                xr[kk] = acc[kk]
+                acc[kk] += gr[kk]
+                acc64[kk] += gr[kk]
+        for kk in range(K):
+            Xg[Cp, kk] = acc64[kk]
+            tot[n, kk] = acc64[kk]
+
+
+@nb.njit(cache=True, nogil=True)
+def _prefix_exponents(g, b, h, n0, G, T, C, Cp, X, tot):
+    """``X[gi, pos]`` = gate summed over the chunk's tokens up to ``pos`` inclusive (<= 0; 0 for no-op rows),
+    ``X[gi, Cp]`` = the chunk's total; ``tot[n0 + gi]`` = the total in float64."""
+    K = g.shape[3]
+    dt = X.dtype
+    acc = np.empty(K, dt)
+    acc64 = np.empty(K, np.float64)
+    for gi in range(G):
+        n = n0 + gi
+        nv = min(C, T - n * C)
+        Xg = X[gi]
+        for kk in range(K):
+            acc[kk] = 0
+            acc64[kk] = 0
+        for pos in range(nv):
+            xr = Xg[pos]
+            gr = g[b, n * C + pos, h]
+            for kk in range(K):
+                acc[kk] += gr[kk]
+                acc64[kk] += gr[kk]
+                xr[kk] = acc[kk]
+        for pos in range(nv, Cp):
+            for kk in range(K):
+                Xg[pos, kk] = 0
+        for kk in range(K):
+            Xg[Cp, kk] = acc64[kk]
+            tot[n, kk] = acc64[kk]
+
+
+@nb.njit(cache=True, nogil=True)
+def _scaled_rows(x, b, h, n0, G, T, C, Cp, s, X, out):
+    """``out[gi, pos] = s x[b, t, h] X[gi, pos]`` (``X`` exponentiated), zero rows for no-op tokens."""
+    D = x.shape[3]
+    for gi in range(G):
+        n = n0 + gi
+        nv = min(C, T - n * C)
+        for pos in range(nv):
+            xr = x[b, n * C + pos, h]
+            er = X[gi, pos]
+            o = out[gi, pos]
+            for d in range(D):
+                o[d] = s * xr[d] * er[d]
+        for pos in range(nv, Cp):
+            for d in range(D):
+                out[gi, pos, d] = 0
+
+
+@nb.njit(cache=True, nogil=True)
+def _gather_rows(x, b, h, n0, G, T, C, Cp, out):
+    """``out[gi, pos] = x[b, t, h]`` for the group's tokens, zero rows for no-op tokens."""
+    D = x.shape[3]
+    for gi in range(G):
+        n = n0 + gi
+        nv = min(C, T - n * C)
+        for pos in range(nv):
+            xr = x[b, n * C + pos, h]
+            o = out[gi, pos]
+            for d in range(D):
+                o[d] = xr[d]
+        for pos in range(nv, Cp):
+            for d in range(D):
+                out[gi, pos, d] = 0
+
+
+@nb.njit(cache=True, nogil=True)
+def _reverse_chain(Dh, ac, U):
+    """In place over ``Dh [N, K, V]`` holding ``W_n``: ``Dh[n]`` = gradient into chunk n's end state with
+    nothing flowing in at the end (``Dh[N-1] = 0``, ``Dh[n-1] = ac[n] Dh[n] + W_n``); ``U`` = the value
+    flowing out of the start (``ac[0] Dh[0] + W_0``)."""
+    N, K, V = Dh.shape
+    d = np.zeros((K, V), Dh.dtype)
+    for n in range(N - 1, -1, -1):
+        dn = Dh[n]
+        for kk in range(K):
+            a = ac[n, kk]
+            for vv in range(V):
+                w = dn[kk, vv]
+                dn[kk, vv] = d[kk, vv]
+                d[kk, vv] = a * d[kk, vv] + w
+    for kk in range(K):
+        for vv in range(V):
+            U[kk, vv] = d[kk, vv]
+
+
+@nb.njit(cache=True, nogil=True)
+def _corrected(Sl, e, S0, n0, G, out):
+    """``out[gi] = Sl[n0 + gi] + diag(e[n0 + gi]) S0`` (``Sl [N(+1), K, V]``, ``e [N, K]``, ``S0 [K, V]``)."""
+    K, V = S0.shape
+    for gi in range(G):
+        s = Sl[n0 + gi]
+        er = e[n0 + gi]
+        o = out[gi]
+        for kk in range(K):
+            f = er[kk]
+            for vv in range(V):
+                o[kk, vv] = s[kk, vv] + f * S0[kk, vv]
+
+
+@nb.njit(cache=True, nogil=True)
+def _add_rows(Oi, Ot, out, b, h, n0, G, T, C):
+    """``out[b, t, h] = Oi[b, t, h] + Ot[gi, pos]`` for the group's valid tokens."""
+    D = out.shape[3]
+    for gi in range(G):
+        n = n0 + gi
+        nv = min(C, T - n * C)
+        for pos in range(nv):
+            t = n * C + pos
+            a = Oi[b, t, h]
+            c = Ot[gi, pos]
+            o = out[b, t, h]
+            for d in range(D):
+                o[d] = a[d] + c[d]
+
+
+@nb.njit(cache=True, nogil=True)
+def _local_combine(X, G, ns, c, scale, M1, DQ, DK, E):
+    """In place: ``DQ = scale eq (er M1 + DQ)`` (dq without its diagonal term), ``DK = ek DK`` (intra part of
+    dk without its diagonal term); ``E[gi]`` = ``ek eb`` = exp(b_C - b) (kept for :func:`_bwd_finish`)."""
+    K = DQ.shape[2]
+    cp = ns * c
+    oR = 2 * cp + ns * (ns + 1) // 2
+    oB = oR + ns
+    for gi in range(G):
+        Xg = X[gi]
+        for i in range(ns):
+            er = Xg[oR + i]
+            eb = Xg[oB + i]
+            for p in range(c):
+                pos = i * c + p
+                eq = Xg[pos]
+                ek = Xg[cp + pos]
+                m1 = M1[gi, pos]
+                dq = DQ[gi, pos]
+                dk = DK[gi, pos]
+                e = E[gi, pos]
+                for kk in range(K):
+                    dq[kk] = scale * eq[kk] * (er[kk] * m1[kk] + dq[kk])
+                for kk in range(K):
+                    dk[kk] = ek[kk] * dk[kk]
+                for kk in range(K):
+                    e[kk] = ek[kk] * eb[kk]
+
+
+@nb.njit(cache=True, nogil=True)
+def _local_write(q, k, b, h, n0, G, T, C, scale, DQ, DKI, dd, DV, dq, dk, dv, dg):
+    """Write the dht-independent parts: ``dq = DQ + scale dd k`` (complete), ``dk = DKI + scale dd q``,
+    ``dv = DV``, ``dg_t = sum_{tau >= t} (q DQ - k DKI)_tau`` (sum inside the chunk)."""
+    K = q.shape[3]
+    V = dv.shape[3]
+    dt = DQ.dtype
+    acc = np.empty(K, dt)
+    for gi in range(G):
+        n = n0 + gi
+        nv = min(C, T - n * C)
+        for kk in range(K):
+            acc[kk] = 0
+        for pos in range(nv - 1, -1, -1):
+            t = n * C + pos
+            qr = q[b, t, h]
+            kr = k[b, t, h]
+            dqr = DQ[gi, pos]
+            dkr = DKI[gi, pos]
+            sd = scale * dd[gi, pos]
+            dgo = dg[b, t, h]
+            dqo = dq[b, t, h]
+            dko = dk[b, t, h]
+            for kk in range(K):
+                acc[kk] += qr[kk] * dqr[kk] - kr[kk] * dkr[kk]
+                dgo[kk] = acc[kk]
+            for kk in range(K):
+                dqo[kk] = dqr[kk] + sd * kr[kk]
+            for kk in range(K):
+                dko[kk] = dkr[kk] + sd * qr[kk]
+            dvo = dv[b, t, h]
+            d1 = DV[gi, pos]
+            for vv in range(V):
+                dvo[vv] = d1[vv]
+
+
+@nb.njit(cache=True, nogil=True)
+def _bwd_finish(k, b, h, n0, G, T, C, E, VdH, DV2, ac, Sst, dHe, dk_l, dv_l, dg_l, dk, dv, dg):
+    """Add the dH terms: ``dk = dk_l + E VdH``, ``dv = dv_l + DV2``,
+    ``dg = dg_l + sum_{j < t} (k E VdH)_j + ac sum_v(S_prev dH)`` (sums inside the chunk)."""
+    K = k.shape[3]
+    V = dv.shape[3]
+    dt = E.dtype
+    acc = np.empty(K, dt)
+    base = np.empty(K, dt)
+    for gi in range(G):
+        n = n0 + gi
+        nv = min(C, T - n * C)
+        sp = Sst[n]
+        de = dHe[gi]
+        a = ac[n]
+        for kk in range(K):
+            s = 0.0
+            for vv in range(V):
+                s += sp[kk, vv] * de[kk, vv]
+            base[kk] = a[kk] * s
+            acc[kk] = 0
+        for pos in range(nv):
+            t = n * C + pos
+            kr = k[b, t, h]
+            er = E[gi, pos]
+            z = VdH[gi, pos]
+            dgl = dg_l[b, t, h]
+            dgo = dg[b, t, h]
+            dkl = dk_l[b, t, h]
+            dko = dk[b, t, h]
+            for kk in range(K):
+                x = er[kk] * z[kk]
+                dko[kk] = dkl[kk] + x
+                dgo[kk] = dgl[kk] + acc[kk] + base[kk]
+                acc[kk] += kr[kk] * x
+            dvo = dv[b, t, h]
+            dvl = dv_l[b, t, h]
+            d2 = DV2[gi, pos]
+            for vv in range(V):
+                dvo[vv] = dvl[vv] + d2[vv]
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+def _check_numpy(**arrays: Any) -> None:
+    for name, x in arrays.items():
+        if x is not None and is_device_array(x):
+            raise TypeError(f"{name} is a CuPy array: the phase-split GLA runs on numpy arrays (use hpczeco.gpu.gla)")
+
+
+def _check_state(name: str, x: Any, B: int, H: int, K: int, V: int, in_dtype: str) -> None:
+    """``x`` is a numpy ``[B, H, K, V]`` state with the input dtype (float32 too for half inputs), finite."""
+    check_array(name, x, ndim=4)
+    _check_numpy(**{name: x})
+    check_shape(name, x, (B, H, K, V), "([B, H, K, V] from q and v)")
+    if not state_dtype_ok(in_dtype, dtype_name(x)):
+        raise TypeError(f"{name} has dtype {dtype_name(x)}, expected {in_dtype} (the dtype of q)")
+    check_finite_values(name, x)
+
+
+def _rows(x: np.ndarray, b: int, h: int, n0: int, gc: int, geo: _Geom, buf: np.ndarray) -> np.ndarray:
+    """The group's token rows of ``x[b, :, h]`` as ``[gc, Cp, D]``: a strided view for whole chunks, else
+    gathered into ``buf`` with zero rows for no-op tokens."""
+    C, Cp = geo.C, geo.Cp
+    t0, t1 = n0 * C, (n0 + gc) * C
+    if Cp == C and t1 <= geo.T:
+        return np.reshape(x[b, t0:t1, h], (gc, C, x.shape[3]), copy=False)
+    _gather_rows(x, b, h, n0, gc, geo.T, C, Cp, buf)
+    return buf[:gc]
+
+
+class _Ticker:
+    """Calls ``poll`` when at least ``_POLL_S`` has passed since the last call (single-thread phases)."""
+
+    def __init__(self, poll: Poll):
+        self.poll = poll
+        self.last = time.perf_counter()
+
+    def __call__(self) -> None:
+        if self.poll is not None:
+            now = time.perf_counter()
+            if now - self.last >= _POLL_S:
+                self.poll()
+                self.last = time.perf_counter()
+
+
+def _run_polled(B: int, H: int, fn: Callable[[list, Callable[[], None]], None], poll: Poll) -> None:
+    """As chunk.py's ``_run_units`` (``fn(units, tick)`` over blocks of sequences in worker threads), with
+    ``poll()`` called from this thread: once at the start, then about every ``_POLL_S`` — between chunk
+    groups (``tick``) when one thread computes, while waiting for the workers otherwise."""
+    units = [(b, h) for b in range(B) for h in range(H)]
+    nt = _num_threads(len(units))
+    if poll is not None:
+        poll()
+    if nt == 1:
+        with single_threaded_blas():
+            fn(units, _Ticker(poll))
+        return
+
+    def work(part):
+        with single_threaded_blas():
+            fn(part, _Ticker(None))
+
+    bounds = [len(units) * i // nt for i in range(nt + 1)]
+    with ThreadPoolExecutor(nt) as ex:
+        futs = [ex.submit(work, units[bounds[i] : bounds[i + 1]]) for i in range(nt)]
+        pending = set(futs)
+        while pending:
+            _, pending = wait(pending, timeout=_POLL_S if poll is not None else None, return_when=FIRST_COMPLETED)
+            if poll is not None:
+                poll()
+        for f in futs:
+            f.result()
+
+
+# --------------------------------------------------------------------------------------------- forward
+
+
+class ForwardSplit:
+    """Chunked GLA forward in three phases (numpy): equal to ``chunk_gla(q, k, v, g, scale,
+    initial_state=S_in, output_final_state=True, chunk_size)`` once :meth:`finish` gets ``S_in``.
+
+    The constructor computes the chunk states from a zero state and exposes ``S_local [B, H, K, V]`` (the
+    slice's final state from a zero state, compute dtype) and ``a [B, H, K]`` (``exp`` of the gate summed
+    over the slice, summed in float64, compute dtype). ``q, k, g: [B, T, H, K]``, ``v: [B, T, H, V]``;
+    validation and dtypes as :func:`hpczeco.gla.chunk_gla`. Local: no communication.
+    """
+
+    S_local: np.ndarray
+    a: np.ndarray
+
+    def __init__(self, q: Any, k: Any, v: Any, g: Any, scale: float | None = None, chunk_size: int = 64):
+        _check_numpy(q=q, k=k, v=v, g=g)
+        B, T, H, K, V, s, chunk_size, cdt = _check_common(q, k, v, g, scale, None, chunk_size)
+        self.shape = (B, T, H, K, V)
+        self.scale, self.chunk_size, self.dtype, self.in_dtype = s, chunk_size, cdt, q.dtype
+        self._done_intra = False
+        if T == 0 or B * H == 0:
+            self._geo = None
+            self.S_local = np.zeros((B, H, K, V), cdt)
+            self.a = np.ones((B, H, K), cdt)
+            return
+        geo = self._geo = _Geom(B, T, H, K, V, chunk_size)
+        self._q, self._k, self._v, self._g = (np.ascontiguousarray(x, dtype=cdt) for x in (q, k, v, g))
+        N = geo.N
+        self._Sst = np.empty((B, H, N + 1, K, V), cdt)  # state entering every chunk (and the end), zero start
+        tot = np.empty((B, H, N, K), np.float64)
+        _run_units(B, H, lambda units: self._states(units, tot))
+        cum = np.cumsum(tot, axis=2)  # gate summed up to the end of each chunk, float64
+        self.a = np.exp(cum[:, :, -1]).astype(cdt)
+        cum -= tot  # ... up to the start of each chunk
+        self._e = np.exp(cum).astype(cdt)  # [B, H, N, K] decay from the slice start to chunk n's start
+        self.S_local = np.ascontiguousarray(self._Sst[:, :, N])
+
+    def _states(self, units, tot) -> None:
+        geo = self._geo
+        K, V, C, T, N, Cp = geo.K, geo.V, geo.C, geo.T, geo.N, geo.Cp
+        G = _group_size(geo)
+        dt = self.dtype
+        X = np.empty((G, Cp + 1, K), dt)
+        Kd = np.empty((G, Cp, K), dt)
+        Vb = np.empty((G, Cp, V), dt)
+        U = np.empty((G, K, V), dt)
+        for b, h in units:
+            self._Sst[b, h, 0] = 0
+        for n0 in range(0, N, G):
+            gc = min(G, N - n0)
+            for b, h in units:
+                _suffix_exponents(self._g, b, h, n0, gc, T, C, Cp, X, tot[b, h])
+                np.exp(X[:gc], out=X[:gc])
+                _scaled_rows(self._k, b, h, n0, gc, T, C, Cp, 1.0, X, Kd)
+                vr = _rows(self._v, b, h, n0, gc, geo, Vb)
+                np.matmul(Kd[:gc].transpose(0, 2, 1), vr, out=U[:gc])
+                _kn.state_chain(U, X, Cp, gc, self._Sst[b, h], n0)
+
+    def intra(self, poll: Poll = None) -> None:
+        """The state-independent work: the intra-chunk attention ``A V`` of every chunk (and the q-side
+        operand of the inter-chunk product). Calls ``poll()`` about every millisecond. Idempotent."""
+        if self._done_intra:
+            return
+        geo = self._geo
+        if geo is not None:
+            B, T, H, K, V = self.shape
+            self._Oi = np.empty((B, T, H, V), self.dtype)
+            self._Qs = np.empty((B, H, geo.N, geo.Cp, K), self.dtype)
+            _run_polled(B, H, self._intra_units, poll)
+        elif poll is not None:
+            poll()
+        self._done_intra = True
+
+    def _intra_units(self, units, tick) -> None:
+        geo = self._geo
+        K, V, C, T, ns, c, Cp = geo.K, geo.V, geo.C, geo.T, geo.ns, geo.c, geo.Cp
+        G = _group_size(geo)
+        dt, s = self.dtype, self.scale
+        q, k, v, g = self._q, self._k, self._v, self._g
+        limit = _SPAN_LIMIT[dt]
+        LX = _kn.layout(ns, c)[4]
+        X = np.empty((G, LX, K), dt)
+        bad = np.empty((G, ns), np.bool_)
+        Qp = np.empty((G, Cp, K), dt)
+        KX = np.empty((G, c * ns * (ns + 1) // 2, K), dt)
+        L = np.zeros((G, Cp, Cp + K), dt)  # blocks above the diagonal stay zero
+        Kd = np.empty((G, Cp, K), dt)
+        R = np.empty((G, Cp + K, V), dt)
+        Ot = np.empty((G, Cp, V), dt)
+        for n0 in range(0, geo.N, G):
+            gc = min(G, geo.N - n0)
+            for b, h in units:
+                _kn.prep_exponents(g, b, h, n0, gc, T, C, ns, c, limit, X, bad)
+                np.exp(X[:gc], out=X[:gc])
+                _kn.prep_fwd_operands(q, k, v, b, h, n0, gc, T, C, ns, c, s, X, bad, Qp, KX, L, Kd, R)
+                for i in range(ns):
+                    off = c * i * (i + 1) // 2
+                    np.matmul(
+                        Qp[:gc, i * c : (i + 1) * c],
+                        KX[:gc, off : off + (i + 1) * c].transpose(0, 2, 1),
+                        out=L[:gc, i * c : (i + 1) * c, : (i + 1) * c],
+                    )
+                _kn.mask_diag(L, gc, ns, c)
+                if bad[:gc].any():
+                    _pairwise_A(q, k, g, b, h, n0, bad[:gc], geo, s, L)
+                self._Qs[b, h, n0 : n0 + gc] = L[:gc, :, Cp:]
+                t0, t1 = n0 * C, (n0 + gc) * C
+                if Cp == C and t1 <= T:
+                    np.matmul(
+                        L[:gc, :, :Cp], R[:gc, :Cp], out=np.reshape(self._Oi[b, t0:t1, h], (gc, C, V), copy=False)
+                    )
+                else:
+                    np.matmul(L[:gc, :, :Cp], R[:gc, :Cp], out=Ot[:gc])
+                    _kn.write_rows(Ot, self._Oi, b, h, n0, gc, T, C)
+                tick()
+
+    def finish(self, S_in: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(o [B, T, H, V] input dtype, final [B, H, K, V] compute dtype)`` with the incoming state
+        ``S_in [B, H, K, V]`` (None: zeros): the inter-chunk product with the corrected chunk states
+        ``S_n^loc + diag(exp(G_n)) S_in``, and ``final = diag(a) S_in + S_local``. Runs :meth:`intra`
+        first if it has not run. May be called again (fresh output arrays each time)."""
+        B, T, H, K, V = self.shape
+        if S_in is not None:
+            _check_state("S_in", S_in, B, H, K, V, dtype_name(np.empty(0, self.in_dtype)))
+        S0 = None if S_in is None else np.ascontiguousarray(S_in, dtype=self.dtype)
+        self.intra()
+        if self._geo is None:
+            o = np.zeros((B, T, H, V), self.in_dtype)
+            return o, (np.zeros((B, H, K, V), self.dtype) if S0 is None else S0.copy())
+        o = np.empty((B, T, H, V), self.dtype)
+        _run_units(B, H, lambda units: self._finish_units(units, S0, o))
+        if S0 is None:
+            final = self.S_local.copy()
+        else:
+            final = (self.a[..., None] * S0 + self.S_local).astype(self.dtype, copy=False)
+        if o.dtype != self.in_dtype:
+            o = o.astype(self.in_dtype)
+        return o, final
+
+    def _finish_units(self, units, S0, o) -> None:
+        geo = self._geo
+        K, V, C, T, Cp = geo.K, geo.V, geo.C, geo.T, geo.Cp
+        G = _group_size(geo)
+        Sc = np.empty((G, K, V), self.dtype)
+        Ot = np.empty((G, Cp, V), self.dtype)
+        for n0 in range(0, geo.N, G):
+            gc = min(G, geo.N - n0)
+            for b, h in units:
+                if S0 is None:
+                    S = self._Sst[b, h, n0 : n0 + gc]
+                else:
+                    _corrected(self._Sst[b, h], self._e[b, h], S0[b, h], n0, gc, Sc)
+                    S = Sc[:gc]
+                np.matmul(self._Qs[b, h, n0 : n0 + gc], S, out=Ot[:gc])
+                _add_rows(self._Oi, Ot, o, b, h, n0, gc, T, C)
+
+
+# --------------------------------------------------------------------------------------------- backward
+
+
+class BackwardSplit:
+    """Chunked GLA backward in three phases (numpy): :meth:`finish` returns ``(dq, dk, dv, dg, dh0)`` equal
+    (to rounding) to ``chunk_gla_bwd(q, k, v, g, do, scale, initial_state, dht, chunk_size)``.
+
+    The constructor computes ``U [B, H, K, V]`` (compute dtype): the gradient into the initial state when
+    ``dht = 0``, ``scale sum_t (q_t exp(G_t))^T do_t`` — and ``a [B, H, K]`` as :class:`ForwardSplit`.
+    Shapes, validation and dtypes as :func:`hpczeco.gla.chunk_gla_bwd`. Local: no communication.
+    """
+
+    U: np.ndarray
+    a: np.ndarray
+
+    def __init__(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        g: Any,
+        do: Any,
+        scale: float | None = None,
+        initial_state: Any = None,
+        chunk_size: int = 64,
+    ):
+        _check_numpy(q=q, k=k, v=v, g=g, do=do, initial_state=initial_state)
+        B, T, H, K, V, s, chunk_size, cdt = _check_common(q, k, v, g, scale, initial_state, chunk_size, do=do)
+        self.shape = (B, T, H, K, V)
+        self.scale, self.chunk_size, self.dtype, self.in_dtype = s, chunk_size, cdt, q.dtype
+        self._dh0_dtype = cdt if initial_state is None else initial_state.dtype
+        self._h0 = None if initial_state is None else np.asarray(initial_state, dtype=cdt)
+        self._done_local = False
+        if T == 0 or B * H == 0:
+            self._geo = None
+            self.U = np.zeros((B, H, K, V), cdt)
+            self.a = np.ones((B, H, K), cdt)
+            return
+        geo = self._geo = _Geom(B, T, H, K, V, chunk_size)
+        self._q, self._k, self._v, self._g, self._do = (np.ascontiguousarray(x, dtype=cdt) for x in (q, k, v, g, do))
+        N = geo.N
+        self._dHl = np.empty((B, H, N, K, V), cdt)  # gradient into every chunk's end state when dht = 0
+        self._ac = np.empty((B, H, N, K), cdt)  # exp(gate summed over chunk n)
+        self.U = np.empty((B, H, K, V), cdt)
+        tot = np.empty((B, H, N, K), np.float64)
+        _run_units(B, H, lambda units: self._ctor_units(units, tot))
+        cum = np.cumsum(tot[:, :, ::-1], axis=2)[:, :, ::-1]  # gate summed from chunk n's start to the end
+        self.a = np.exp(cum[:, :, 0]).astype(cdt)
+        cum -= tot  # ... from chunk n's end to the end
+        self._e = np.exp(cum).astype(cdt)  # [B, H, N, K] decay from chunk n's end to the slice end
+        self._a64 = np.exp(cum[:, :, 0] + tot[:, :, 0])
+
+    def _ctor_units(self, units, tot) -> None:
+        geo = self._geo
+        K, V, C, T, N, Cp = geo.K, geo.V, geo.C, geo.T, geo.N, geo.Cp
+        G = _group_size(geo)
+        dt = self.dtype
+        X = np.empty((G, Cp + 1, K), dt)
+        Qe = np.empty((G, Cp, K), dt)
+        dOb = np.empty((G, Cp, V), dt)
+        for n0 in range(0, N, G):
+            gc = min(G, N - n0)
+            for b, h in units:
+                _prefix_exponents(self._g, b, h, n0, gc, T, C, Cp, X, tot[b, h])
+                np.exp(X[:gc], out=X[:gc])
+                _scaled_rows(self._q, b, h, n0, gc, T, C, Cp, self.scale, X, Qe)
+                self._ac[b, h, n0 : n0 + gc] = X[:gc, Cp]
+                dor = _rows(self._do, b, h, n0, gc, geo, dOb)
+                np.matmul(Qe[:gc].transpose(0, 2, 1), dor, out=self._dHl[b, h, n0 : n0 + gc])
+        for b, h in units:
+            _reverse_chain(self._dHl[b, h], self._ac[b, h], self.U[b, h])
+
+    def local(self, poll: Poll = None) -> None:
+        """All dht-independent work: the chunk states from ``initial_state``, ``A``, ``dA``, dq (complete)
+        and the intra-chunk parts of dk, dv, dg. Calls ``poll()`` about every millisecond. Idempotent."""
+        if self._done_local:
+            return
+        geo = self._geo
+        if geo is not None:
+            B, T, H, K, V = self.shape
+            cdt = self.dtype
+            self._Sst = np.empty((B, H, geo.N + 1, K, V), cdt)
+            self._Kd = np.empty((B, H, geo.N, geo.Cp, K), cdt)
+            self._E = np.empty((B, H, geo.N, geo.Cp, K), cdt)
+            self._dq, self._dk, self._dg = (np.empty((B, T, H, K), cdt) for _ in range(3))
+            self._dv = np.empty((B, T, H, V), cdt)
+            _run_polled(B, H, self._local_units, poll)
+        elif poll is not None:
+            poll()
+        self._done_local = True
+
+    def _local_units(self, units, tick) -> None:
+        geo = self._geo
+        K, V, C, T, N, ns, c, Cp = geo.K, geo.V, geo.C, geo.T, geo.N, geo.ns, geo.c, geo.Cp
+        G = max(1, min(N, _GROUP_TOKENS_BWD // Cp))
+        dt, s = self.dtype, self.scale
+        q, k, v, g, do = self._q, self._k, self._v, self._g, self._do
+        limit = _SPAN_LIMIT[dt]
+        oA, LX = _kn.layout(ns, c)[3:]
+        nx = c * ns * (ns + 1) // 2
+        X = np.empty((G, LX, K), dt)
+        bad = np.empty((G, ns), np.bool_)
+        Qp, Qe, M1, DQ, DK = (np.empty((G, Cp, K), dt) for _ in range(5))
+        KX, QX = np.empty((G, nx, K), dt), np.empty((G, nx, K), dt)
+        Vb, dOb, DV = (np.empty((G, Cp, V), dt) for _ in range(3))
+        LA, dA = np.zeros((G, Cp, Cp), dt), np.empty((G, Cp, Cp), dt)  # LA: blocks above the diagonal stay zero
+        dd = np.empty((G, Cp), dt)
+        U = np.empty((G, K, V), dt)
+        for b, h in units:
+            self._Sst[b, h, 0] = 0 if self._h0 is None else self._h0[b, h]
+        for n0 in range(0, N, G):
+            gc = min(G, N - n0)
+            for b, h in units:
+                Kd = self._Kd[b, h, n0 : n0 + gc]
+                Sst = self._Sst[b, h]
+                _kn.prep_exponents(g, b, h, n0, gc, T, C, ns, c, limit, X, bad)
+                np.exp(X[:gc], out=X[:gc])
+                _kn.prep_bwd_operands(q, k, v, do, b, h, n0, gc, T, C, ns, c, s, X, bad, Qp, Qe, KX, QX, Kd, Vb, dOb)
+                np.matmul(Kd.transpose(0, 2, 1), Vb[:gc], out=U[:gc])
+                _kn.state_chain(U, X, oA, gc, Sst, n0)
+                for i in range(ns):  # A (scaled, lower triangular) as in the forward
+                    off = c * i * (i + 1) // 2
+                    np.matmul(
+                        Qp[:gc, i * c : (i + 1) * c],
+                        KX[:gc, off : off + (i + 1) * c].transpose(0, 2, 1),
+                        out=LA[:gc, i * c : (i + 1) * c, : (i + 1) * c],
+                    )
+                _kn.mask_diag(LA, gc, ns, c)
+                pw = _pairwise_A(q, k, g, b, h, n0, bad[:gc], geo, s, LA) if bad[:gc].any() else None
+                np.matmul(dOb[:gc], Vb[:gc].transpose(0, 2, 1), out=dA[:gc])  # dO V^T (unscaled)
+                _kn.mask_dA(dA, dd, gc, ns, c)
+                np.matmul(LA[:gc].transpose(0, 2, 1), dOb[:gc], out=DV[:gc])
+                np.matmul(dOb[:gc], Sst[n0 : n0 + gc].transpose(0, 2, 1), out=M1[:gc])
+                for i in range(ns):
+                    off = c * i * (i + 1) // 2
+                    np.matmul(
+                        dA[:gc, i * c : (i + 1) * c, : (i + 1) * c],
+                        KX[:gc, off : off + (i + 1) * c],
+                        out=DQ[:gc, i * c : (i + 1) * c],
+                    )
+                    oq = _kn.qx_offset(i, ns, c)
+                    np.matmul(
+                        dA[:gc, i * c :, i * c : (i + 1) * c].transpose(0, 2, 1),
+                        QX[:gc, oq : oq + (ns - i) * c],
+                        out=DK[:gc, i * c : (i + 1) * c],
+                    )
+                _local_combine(X, gc, ns, c, s, M1, DQ, DK, self._E[b, h, n0 : n0 + gc])
+                if pw is not None:
+                    _pairwise_dqdk(pw, c, s, dA, DQ, DK)
+                _local_write(q, k, b, h, n0, gc, T, C, s, DQ, DK, dd, DV, self._dq, self._dk, self._dv, self._dg)
+                tick()
+
+    def finish(self, dht: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(dq, dk, dv, dg, dh0)`` of ``chunk_gla_bwd`` with the gradient ``dht [B, H, K, V]`` into the final
+        state (None: zeros): the dH terms with ``dH_n = dH_n^loc + diag(exp(G_T - G_{n+1})) dht`` and
+        ``dh0 = U + diag(a) dht``. Gradients in the input dtype, dh0 in ``initial_state``'s dtype (compute
+        dtype without one). Runs :meth:`local` first if it has not run. May be called again (fresh dk, dv,
+        dg, dh0; dq is the same array each time)."""
+        B, T, H, K, V = self.shape
+        if dht is not None:
+            _check_state("dht", dht, B, H, K, V, dtype_name(np.empty(0, self.in_dtype)))
+        D0 = None if dht is None else np.ascontiguousarray(dht, dtype=self.dtype)
+        self.local()
+        if self._geo is None:
+            dq = np.zeros((B, T, H, K), self.in_dtype)
+            dh0 = np.zeros((B, H, K, V), self._dh0_dtype) if D0 is None else D0.astype(self._dh0_dtype)
+            return dq, dq.copy(), np.zeros((B, T, H, V), self.in_dtype), dq.copy(), dh0
+        cdt = self.dtype
+        dk, dg = np.empty((B, T, H, K), cdt), np.empty((B, T, H, K), cdt)
+        dv = np.empty((B, T, H, V), cdt)
+        _run_units(B, H, lambda units: self._finish_units(units, D0, dk, dv, dg))
+        if D0 is None:
+            dh0 = self.U.astype(self._dh0_dtype)
+        else:
+            dh0 = (self.U + self._a64[..., None] * D0).astype(self._dh0_dtype)
+        it = self.in_dtype
+        return (
+            self._dq.astype(it, copy=False),
+            dk.astype(it, copy=False),
+            dv.astype(it, copy=False),
+            dg.astype(it, copy=False),
+            dh0,
+        )
+
+    def _finish_units(self, units, D0, dk, dv, dg) -> None:
+        geo = self._geo
+        K, V, C, T, N, Cp = geo.K, geo.V, geo.C, geo.T, geo.N, geo.Cp
+        G = max(1, min(N, _GROUP_TOKENS_BWD // Cp))
+        dt = self.dtype
+        dHt = np.empty((G, K, V), dt)
+        Vb, DV2 = np.empty((G, Cp, V), dt), np.empty((G, Cp, V), dt)
+        VdH = np.empty((G, Cp, K), dt)
+        for n0 in range(0, N, G):
+            gc = min(G, N - n0)
+            for b, h in units:
+                if D0 is None:
+                    dH = self._dHl[b, h, n0 : n0 + gc]
+                else:
+                    _corrected(self._dHl[b, h], self._e[b, h], D0[b, h], n0, gc, dHt)
+                    dH = dHt[:gc]
+                np.matmul(self._Kd[b, h, n0 : n0 + gc], dH, out=DV2[:gc])
+                vr = _rows(self._v, b, h, n0, gc, geo, Vb)
+                np.matmul(vr, dH.transpose(0, 2, 1), out=VdH[:gc])
+                _bwd_finish(
+                    self._k, b, h, n0, gc, T, C, self._E[b, h, n0 : n0 + gc], VdH, DV2, self._ac[b, h],
+                    self._Sst[b, h], dH, self._dk, self._dv, self._dg, dk, dv, dg,
+                )  # fmt: skip
