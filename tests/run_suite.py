@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-SUMMARY = re.compile(r"=+ (.*?) in [\d.]+s")
+SUMMARY = re.compile(r"^=*\s*((?:\d+ (?:passed|failed|skipped|errors?|deselected|xfailed|xpassed|warnings?)(?:, )?)+) in [\d.]+s")
 
 
 def find_mpiexec() -> str:

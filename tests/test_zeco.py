@@ -73,11 +73,12 @@ def test_zeco_matches_single_process(comm, rng, topology, dtype, with_states):
 
     tol = 1e-9 if dtype == np.float64 else 1e-4
     assert o.shape == (B, hi - lo, H, V) and o.dtype == dtype
-    if hi > lo:
-        assert rel(o, o_ref[:, sl]) < tol
-        for name, got, ref in zip("dq dk dv dg".split(), (dq, dk, dv, dg), grads_ref[:4]):
-            assert got.shape == ref[:, sl].shape, name
-            assert rel(got, ref[:, sl]) < tol, (name, rel(got, ref[:, sl]))
+    # the slices assembled from every rank equal the one-device result (a slice alone can be ~0, e.g. dg of
+    # a first token with no initial state, so the comparison is of the whole sequence)
+    for name, got, ref in zip("o dq dk dv dg".split(), (o, dq, dk, dv, dg), (o_ref, *grads_ref[:4])):
+        assert got.shape == ref[:, sl].shape, name
+        full = np.concatenate(comm.allgather(np.asarray(got, dtype=np.float64)), axis=1)
+        assert rel(full, ref) < tol, (name, rel(full, ref))
     assert rel(layer.final_state, prefix_state) < tol
     if r == P - 1:
         assert rel(layer.final_state, fin_ref) < tol
