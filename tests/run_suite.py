@@ -18,7 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-SUMMARY = re.compile(r"^=*\s*((?:\d+ (?:passed|failed|skipped|errors?|deselected|xfailed|xpassed|warnings?)(?:, )?)+) in [\d.]+s")
+_WORDS = "passed|failed|skipped|errors?|deselected|xfailed|xpassed|warnings?"
+SUMMARY = re.compile(rf"^=*\s*((?:\d+ (?:{_WORDS})(?:, )?)+) in [\d.]+s")
 
 
 def find_mpiexec() -> str:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hpczeco.collectives import CollectiveInputError
 
 from hpczeco import ZeCOGLA, zeco_gla
-from hpczeco.collectives import CollectiveInputError
 from hpczeco.gla import chunk_gla, chunk_gla_bwd
 
 pytestmark = pytest.mark.mpi
