@@ -153,6 +153,27 @@ class ZeCOGLA:
             self._finish_forward(q, k, v, g, G, a, s_in, final, scale, tm, t0)
             return o
 
+        init = initial_state.astype(sdt) if (self.rank == 0 and initial_state is not None) else None
+        if xp is np:
+            # numpy: the phase-split chunked GLA does every product once (the inter-chunk product waits
+            # for S_in with corrected chunk states), and polls the scan while it computes.
+            from .gla.split import ForwardSplit
+
+            fs = ForwardSplit(q, k, v, g, scale=scale, chunk_size=self.chunk_size)
+            tm["states"] = time.perf_counter() - t0
+            handle = scan_start(fs.a, fs.S_local, self.comm, initial=init, **self._scan_kwargs())
+            t1 = time.perf_counter()
+            fs.intra(poll=handle.test)
+            tm["overlap"] = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            s_in = handle.wait()
+            tm["wait"] = time.perf_counter() - t2
+            t3 = time.perf_counter()
+            o, final = fs.finish(s_in)
+            tm["correction"] = time.perf_counter() - t3
+            self._finish_forward(q, k, v, g, None, fs.a, s_in, final, scale, tm, t0)
+            return o
+
         # 1. local decay and state from a zero state (independent of other ranks)
         G = xp.cumsum(g.astype(xp.float64), axis=1)                       # [B, L, H, K], inclusive
         if g.shape[1]:
@@ -166,7 +187,6 @@ class ZeCOGLA:
         tm["states"] = time.perf_counter() - t0
 
         # 2. All-Scan in flight while 3. the local chunked attention runs
-        init = initial_state.astype(sdt) if (self.rank == 0 and initial_state is not None) else None
         handle = scan_start(a, S_local, self.comm, initial=init, **self._scan_kwargs())
         t1 = time.perf_counter()
         o_local, _ = chunk_gla(q, k, v, g, scale=scale, chunk_size=self.chunk_size)
@@ -250,6 +270,26 @@ class ZeCOGLA:
             self.timings.bwd = tm
             return dq, dk, dv, dg, (dh0 if self.rank == 0 else None)
 
+        init = dht.astype(sdt) if (self.rank == last and dht is not None) else None
+        if xp is np:
+            from .gla.split import BackwardSplit
+
+            bs = BackwardSplit(q, k, v, g, do, scale=scale, initial_state=s_in, chunk_size=self.chunk_size)
+            tm["states"] = time.perf_counter() - t0
+            handle = scan_start(a, bs.U, self.comm, reverse=True, initial=init, **self._scan_kwargs())
+            t1 = time.perf_counter()
+            bs.local(poll=handle.test)
+            tm["overlap"] = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            D = handle.wait()
+            tm["wait"] = time.perf_counter() - t2
+            t3 = time.perf_counter()
+            dq, dk, dv, dg, dh0 = bs.finish(None if (self.rank == last and not has_dht) else D)
+            tm["correction"] = time.perf_counter() - t3
+            tm["total"] = time.perf_counter() - t0
+            self.timings.bwd = tm
+            return dq, dk, dv, dg, (dh0 if self.rank == 0 else None)
+
         # 1. U_p = scale sum_t (q_t exp(G_t))^T do_t: what this slice sends into its initial state
         if L:
             qd = (q.astype(xp.float64) * xp.exp(G)).astype(sdt) * scale
@@ -261,7 +301,6 @@ class ZeCOGLA:
 
         # 2. reverse All-Scan of (a_p, U_p) seeded with dht on the last rank, while
         # 3. the local backward (initial state known from the forward, no dht yet) runs
-        init = dht.astype(sdt) if (self.rank == last and dht is not None) else None
         handle = scan_start(a, U, self.comm, reverse=True, initial=init, **self._scan_kwargs())
         t1 = time.perf_counter()
         dq, dk, dv, dg, dh0 = chunk_gla_bwd(q, k, v, g, do, scale=scale, initial_state=s_in,
