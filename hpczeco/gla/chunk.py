@@ -94,7 +94,7 @@ class _Geom:
         self.Z = B * H * self.N
 
 
-# --------------------------------------------------------------------------------------------- decays
+# --------------------------------------------------------------------------------------------- checks
 
 
 def _check_common(q, k, v, g, scale, initial_state, chunk_size, do=None, dht=None):
@@ -127,7 +127,7 @@ def chunk_gla(
     (:func:`hpczeco.gpu.gla.chunk_gla`). Local: no communication.
     """
     if _any_device(q, k, v, g, initial_state):
-        validate_gla_inputs(q, k, v, g, initial_state=initial_state)
+        _check_common(q, k, v, g, scale, initial_state, chunk_size)
         return _gpu_module().chunk_gla(
             q,
             k,
@@ -261,7 +261,7 @@ def chunk_gla_bwd(
     CuPy inputs run on the device (:func:`hpczeco.gpu.gla.chunk_gla_bwd`). Local: no communication.
     """
     if _any_device(q, k, v, g, do, initial_state, dht):
-        validate_gla_inputs(q, k, v, g, initial_state=initial_state, do=do, dht=dht)
+        _check_common(q, k, v, g, scale, initial_state, chunk_size, do=do, dht=dht)
         return _gpu_module().chunk_gla_bwd(
             q, k, v, g, do, scale=scale, initial_state=initial_state, dht=dht, chunk_size=chunk_size
         )
