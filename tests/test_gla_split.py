@@ -113,20 +113,24 @@ def test_backward_split_matches_chunk_gla_bwd(rng, case, dt, kind):
         assert rel(x, r) < TOL[dt], (name, rel(x, r))
 
 
-def test_finish_repeatable_and_phases_optional(rng):
-    """finish() without intra()/local() runs them; finish may be called with several incoming states."""
+def test_phases_optional_and_finish_once(rng):
+    """finish() without intra()/local() runs them; a second finish() (they work in place) raises."""
     d = make(rng, 2, 90, 2, 8, 5, "mixed", np.float64)
     args = (d["q"], d["k"], d["v"], d["g"])
-    fs = ForwardSplit(*args, chunk_size=32)
-    bs = BackwardSplit(*args, d["do"], initial_state=d["s0"], chunk_size=32)
-    for S_in, dht in ((d["s0"], d["dht"]), (None, None), (2.0 * d["dht"], -d["s0"])):
+    for S_in, dht in ((d["s0"], d["dht"]), (None, None)):
+        fs = ForwardSplit(*args, chunk_size=32)
         o, f = fs.finish(S_in)
         o_ref, f_ref = chunk_gla(*args, initial_state=S_in, output_final_state=True, chunk_size=32)
         assert rel(o, o_ref) < 1e-10 and rel(f, f_ref) < 1e-10
+        with pytest.raises(RuntimeError, match="finish"):
+            fs.finish(S_in)
+        bs = BackwardSplit(*args, d["do"], initial_state=d["s0"], chunk_size=32)
         got = bs.finish(dht)
         ref = chunk_gla_bwd(*args, d["do"], initial_state=d["s0"], dht=dht, chunk_size=32)
         for x, r in zip(got, ref):
             assert rel(x, r) < 1e-10
+        with pytest.raises(RuntimeError, match="finish"):
+            bs.finish(dht)
 
 
 @pytest.mark.parametrize("group_tokens", [1, 40, 10_000])
@@ -135,6 +139,7 @@ def test_groups_threads_and_poll_thread(rng, monkeypatch, group_tokens):
     thread counts, and poll runs in the calling thread."""
     monkeypatch.setattr(chunk_mod, "_GROUP_TOKENS", group_tokens)
     monkeypatch.setattr(split_mod, "_GROUP_TOKENS_BWD", group_tokens)
+    monkeypatch.setattr(split_mod, "_GROUP_TOKENS_LIGHT", group_tokens)
     d = make(rng, 2, 203, 3, 8, 6, "mixed", np.float64)
     args = (d["q"], d["k"], d["v"], d["g"])
     o_ref, f_ref = chunk_gla(*args, initial_state=d["s0"], output_final_state=True, chunk_size=16)

@@ -64,72 +64,82 @@ from .validate import check_finite_values, state_dtype_ok
 __all__ = ["ForwardSplit", "BackwardSplit"]
 
 _POLL_S = 1e-3  # poll about every millisecond of work
-_GROUP_TOKENS_BWD = 512
+_GROUP_TOKENS_BWD = 512  # padded tokens per chunk group in BackwardSplit.local (as chunk.py)
+_GROUP_TOKENS_LIGHT = 1024  # ... in the light phases (constructors, finish): little scratch per chunk
 
 Poll = Callable[[], Any] | None
 
 
 # --------------------------------------------------------------------------------------------- kernels
+# One (batch b, head h) sequence and a group of G chunks from chunk n0, as chunk.py's kernels: token
+# t = n C + pos of chunk n sits at row pos of a chunk padded to Cp rows; the valid rows are a prefix.
+# Scalars (scale) arrive in the compute dtype so float32 work stays in float32.
 
 
 @nb.njit(cache=True, nogil=True)
 def _suffix_exponents(g, b, h, n0, G, T, C, Cp, X, tot):
     """``X[gi, pos]`` = gate summed over the chunk's tokens after ``pos`` (<= 0; 0 for no-op rows),
-    ``X[gi, Cp]`` = the chunk's total; ``tot[n0 + gi]`` = the total in float64."""
+    ``X[gi, Cp]`` = the chunk's total, summed in float64 into ``tot[n0 + gi]``."""
     K = g.shape[3]
-    dt = X.dtype
-    acc = np.empty(K, dt)
-    acc64 = np.empty(K, np.float64)
     for gi in range(G):
         n = n0 + gi
         nv = min(C, T - n * C)
         Xg = X[gi]
-        for kk in range(K):
-            acc[kk] = 0
-            acc64[kk] = 0
-        for pos in range(Cp - 1, nv - 1, -1):
-            for kk in range(K):
-                Xg[pos, kk] = 0
-        for pos in range(nv - 1, -1, -1):
+        for pos in range(nv - 1, Cp):
             xr = Xg[pos]
+            for kk in range(K):
+                xr[kk] = 0
+        for pos in range(nv - 1, 0, -1):
+            gr = g[b, n * C + pos, h]
+            xr = Xg[pos]
+            xn = Xg[pos - 1]
+            for kk in range(K):
+                xn[kk] = xr[kk] + gr[kk]
+        tr = tot[n]
+        for kk in range(K):
+            tr[kk] = 0.0
+        for pos in range(nv):
             gr = g[b, n * C + pos, h]
             for kk in range(K):
-                xr[kk] = acc[kk]
-                acc[kk] += gr[kk]
-                acc64[kk] += gr[kk]
+                tr[kk] += gr[kk]
+        xr = Xg[Cp]
         for kk in range(K):
-            Xg[Cp, kk] = acc64[kk]
-            tot[n, kk] = acc64[kk]
+            xr[kk] = tr[kk]
 
 
 @nb.njit(cache=True, nogil=True)
 def _prefix_exponents(g, b, h, n0, G, T, C, Cp, X, tot):
     """``X[gi, pos]`` = gate summed over the chunk's tokens up to ``pos`` inclusive (<= 0; 0 for no-op rows),
-    ``X[gi, Cp]`` = the chunk's total; ``tot[n0 + gi]`` = the total in float64."""
+    ``X[gi, Cp]`` = the chunk's total, summed in float64 into ``tot[n0 + gi]``."""
     K = g.shape[3]
-    dt = X.dtype
-    acc = np.empty(K, dt)
-    acc64 = np.empty(K, np.float64)
     for gi in range(G):
         n = n0 + gi
         nv = min(C, T - n * C)
         Xg = X[gi]
+        g0 = g[b, n * C, h]
+        x0 = Xg[0]
         for kk in range(K):
-            acc[kk] = 0
-            acc64[kk] = 0
-        for pos in range(nv):
+            x0[kk] = g0[kk]
+        for pos in range(1, nv):
+            gr = g[b, n * C + pos, h]
+            xp = Xg[pos - 1]
             xr = Xg[pos]
+            for kk in range(K):
+                xr[kk] = xp[kk] + gr[kk]
+        for pos in range(nv, Cp):
+            xr = Xg[pos]
+            for kk in range(K):
+                xr[kk] = 0
+        tr = tot[n]
+        for kk in range(K):
+            tr[kk] = 0.0
+        for pos in range(nv):
             gr = g[b, n * C + pos, h]
             for kk in range(K):
-                acc[kk] += gr[kk]
-                acc64[kk] += gr[kk]
-                xr[kk] = acc[kk]
-        for pos in range(nv, Cp):
-            for kk in range(K):
-                Xg[pos, kk] = 0
+                tr[kk] += gr[kk]
+        xr = Xg[Cp]
         for kk in range(K):
-            Xg[Cp, kk] = acc64[kk]
-            tot[n, kk] = acc64[kk]
+            xr[kk] = tr[kk]
 
 
 @nb.njit(cache=True, nogil=True)
@@ -146,8 +156,9 @@ def _scaled_rows(x, b, h, n0, G, T, C, Cp, s, X, out):
             for d in range(D):
                 o[d] = s * xr[d] * er[d]
         for pos in range(nv, Cp):
+            o = out[gi, pos]
             for d in range(D):
-                out[gi, pos, d] = 0
+                o[d] = 0
 
 
 @nb.njit(cache=True, nogil=True)
@@ -163,73 +174,129 @@ def _gather_rows(x, b, h, n0, G, T, C, Cp, out):
             for d in range(D):
                 o[d] = xr[d]
         for pos in range(nv, Cp):
+            o = out[gi, pos]
             for d in range(D):
-                out[gi, pos, d] = 0
+                o[d] = 0
 
 
 @nb.njit(cache=True, nogil=True)
-def _reverse_chain(Dh, ac, U):
-    """In place over ``Dh [N, K, V]`` holding ``W_n``: ``Dh[n]`` = gradient into chunk n's end state with
-    nothing flowing in at the end (``Dh[N-1] = 0``, ``Dh[n-1] = ac[n] Dh[n] + W_n``); ``U`` = the value
-    flowing out of the start (``ac[0] Dh[0] + W_0``)."""
-    N, K, V = Dh.shape
-    d = np.zeros((K, V), Dh.dtype)
-    for n in range(N - 1, -1, -1):
-        dn = Dh[n]
-        for kk in range(K):
-            a = ac[n, kk]
-            for vv in range(V):
-                w = dn[kk, vv]
-                dn[kk, vv] = d[kk, vv]
-                d[kk, vv] = a * d[kk, vv] + w
-    for kk in range(K):
-        for vv in range(V):
-            U[kk, vv] = d[kk, vv]
-
-
-@nb.njit(cache=True, nogil=True)
-def _corrected(Sl, e, S0, n0, G, out):
-    """``out[gi] = Sl[n0 + gi] + diag(e[n0 + gi]) S0`` (``Sl [N(+1), K, V]``, ``e [N, K]``, ``S0 [K, V]``)."""
-    K, V = S0.shape
-    for gi in range(G):
-        s = Sl[n0 + gi]
-        er = e[n0 + gi]
-        o = out[gi]
-        for kk in range(K):
-            f = er[kk]
-            for vv in range(V):
-                o[kk, vv] = s[kk, vv] + f * S0[kk, vv]
-
-
-@nb.njit(cache=True, nogil=True)
-def _add_rows(Oi, Ot, out, b, h, n0, G, T, C):
-    """``out[b, t, h] = Oi[b, t, h] + Ot[gi, pos]`` for the group's valid tokens."""
-    D = out.shape[3]
+def _prep_intra(q, k, b, h, n0, G, T, C, ns, c, scale, X, bad, Qp, KX, Qs):
+    """Forward operands without the state ones (chunk.py's ``prep_fwd_operands`` less ``Kd`` and ``v``):
+    ``Qp`` = scale q exp(b - r_I), ``KX`` (k side of the ``A`` row blocks, diagonal rows zero where ``bad``),
+    ``Qs`` = scale q exp(b) (the inter-chunk operand, kept for ``finish``)."""
+    K = q.shape[3]
+    cp = ns * c
+    oF = 2 * cp
+    oR = oF + ns * (ns + 1) // 2
+    kp = np.empty(K, X.dtype)
     for gi in range(G):
         n = n0 + gi
-        nv = min(C, T - n * C)
-        for pos in range(nv):
-            t = n * C + pos
-            a = Oi[b, t, h]
-            c = Ot[gi, pos]
-            o = out[b, t, h]
-            for d in range(D):
-                o[d] = a[d] + c[d]
+        Xg = X[gi]
+        for i in range(ns):
+            er = Xg[oR + i]
+            for p in range(c):
+                pos = i * c + p
+                t = n * C + pos
+                qpr = Qp[gi, pos]
+                qsr = Qs[gi, pos]
+                if pos < C and t < T:
+                    qr = q[b, t, h]
+                    kr = k[b, t, h]
+                    eq = Xg[pos]
+                    ek = Xg[cp + pos]
+                    for kk in range(K):
+                        qpr[kk] = qr[kk] * scale * eq[kk]
+                    for kk in range(K):
+                        qsr[kk] = qpr[kk] * er[kk]
+                    for kk in range(K):
+                        kp[kk] = kr[kk] * ek[kk]
+                else:
+                    for kk in range(K):
+                        kp[kk] = 0
+                        qpr[kk] = 0
+                        qsr[kk] = 0
+                for i2 in range(i, ns):
+                    kxr = KX[gi, c * i2 * (i2 + 1) // 2 + pos]
+                    if i2 == i and bad[gi, i]:
+                        for kk in range(K):
+                            kxr[kk] = 0
+                    else:
+                        fr = Xg[oF + i2 * (i2 + 1) // 2 + i]
+                        for kk in range(K):
+                            kxr[kk] = kp[kk] * fr[kk]
 
 
 @nb.njit(cache=True, nogil=True)
-def _local_combine(X, G, ns, c, scale, M1, DQ, DK, E):
+def _prep_local(q, k, b, h, n0, G, T, C, ns, c, scale, X, bad, Qp, KX, QX, Kd, E):
+    """Backward operands (chunk.py's ``prep_bwd_operands`` less ``Qe``, ``v``, ``do``): ``Qp``, ``KX``,
+    ``QX``, ``Kd`` = k exp(b_C - b), and ``E`` = exp(b_C - b) (kept for ``finish``; zero for no-op rows)."""
+    K = q.shape[3]
+    cp = ns * c
+    oF = 2 * cp
+    oR = oF + ns * (ns + 1) // 2
+    oB = oR + ns
+    kp = np.empty(K, X.dtype)
+    for gi in range(G):
+        n = n0 + gi
+        Xg = X[gi]
+        for i in range(ns):
+            eb = Xg[oB + i]
+            for p in range(c):
+                pos = i * c + p
+                t = n * C + pos
+                qpr = Qp[gi, pos]
+                kdr = Kd[gi, pos]
+                erow = E[gi, pos]
+                if pos < C and t < T:
+                    qr = q[b, t, h]
+                    kr = k[b, t, h]
+                    eq = Xg[pos]
+                    ek = Xg[cp + pos]
+                    for kk in range(K):
+                        qpr[kk] = qr[kk] * scale * eq[kk]
+                    for kk in range(K):
+                        kp[kk] = kr[kk] * ek[kk]
+                    for kk in range(K):
+                        kdr[kk] = kp[kk] * eb[kk]
+                    for kk in range(K):
+                        erow[kk] = ek[kk] * eb[kk]
+                else:
+                    for kk in range(K):
+                        kp[kk] = 0
+                        qpr[kk] = 0
+                        kdr[kk] = 0
+                        erow[kk] = 0
+                for i2 in range(i, ns):
+                    kxr = KX[gi, c * i2 * (i2 + 1) // 2 + pos]
+                    if i2 == i and bad[gi, i]:
+                        for kk in range(K):
+                            kxr[kk] = 0
+                    else:
+                        fr = Xg[oF + i2 * (i2 + 1) // 2 + i]
+                        for kk in range(K):
+                            kxr[kk] = kp[kk] * fr[kk]
+                for j in range(i + 1):
+                    qxr = QX[gi, c * (j * ns - j * (j - 1) // 2) + (i - j) * c + p]
+                    if j == i and bad[gi, i]:
+                        for kk in range(K):
+                            qxr[kk] = 0
+                    else:
+                        fr = Xg[oF + i * (i + 1) // 2 + j]
+                        for kk in range(K):
+                            qxr[kk] = qpr[kk] * fr[kk]
+
+
+@nb.njit(cache=True, nogil=True)
+def _local_combine(X, G, ns, c, scale, M1, DQ, DK):
     """In place: ``DQ = scale eq (er M1 + DQ)`` (dq without its diagonal term), ``DK = ek DK`` (intra part of
-    dk without its diagonal term); ``E[gi]`` = ``ek eb`` = exp(b_C - b) (kept for :func:`_bwd_finish`)."""
+    dk without its diagonal term)."""
     K = DQ.shape[2]
     cp = ns * c
     oR = 2 * cp + ns * (ns + 1) // 2
-    oB = oR + ns
     for gi in range(G):
         Xg = X[gi]
         for i in range(ns):
             er = Xg[oR + i]
-            eb = Xg[oB + i]
             for p in range(c):
                 pos = i * c + p
                 eq = Xg[pos]
@@ -237,13 +304,10 @@ def _local_combine(X, G, ns, c, scale, M1, DQ, DK, E):
                 m1 = M1[gi, pos]
                 dq = DQ[gi, pos]
                 dk = DK[gi, pos]
-                e = E[gi, pos]
                 for kk in range(K):
                     dq[kk] = scale * eq[kk] * (er[kk] * m1[kk] + dq[kk])
                 for kk in range(K):
                     dk[kk] = ek[kk] * dk[kk]
-                for kk in range(K):
-                    e[kk] = ek[kk] * eb[kk]
 
 
 @nb.njit(cache=True, nogil=True)
@@ -252,8 +316,7 @@ def _local_write(q, k, b, h, n0, G, T, C, scale, DQ, DKI, dd, DV, dq, dk, dv, dg
     ``dv = DV``, ``dg_t = sum_{tau >= t} (q DQ - k DKI)_tau`` (sum inside the chunk)."""
     K = q.shape[3]
     V = dv.shape[3]
-    dt = DQ.dtype
-    acc = np.empty(K, dt)
+    acc = np.empty(K, DQ.dtype)
     for gi in range(G):
         n = n0 + gi
         nv = min(C, T - n * C)
@@ -271,6 +334,7 @@ def _local_write(q, k, b, h, n0, G, T, C, scale, DQ, DKI, dd, DV, dq, dk, dv, dg
             dko = dk[b, t, h]
             for kk in range(K):
                 acc[kk] += qr[kk] * dqr[kk] - kr[kk] * dkr[kk]
+            for kk in range(K):
                 dgo[kk] = acc[kk]
             for kk in range(K):
                 dqo[kk] = dqr[kk] + sd * kr[kk]
@@ -283,45 +347,83 @@ def _local_write(q, k, b, h, n0, G, T, C, scale, DQ, DKI, dd, DV, dq, dk, dv, dg
 
 
 @nb.njit(cache=True, nogil=True)
-def _bwd_finish(k, b, h, n0, G, T, C, E, VdH, DV2, ac, Sst, dHe, dk_l, dv_l, dg_l, dk, dv, dg):
-    """Add the dH terms: ``dk = dk_l + E VdH``, ``dv = dv_l + DV2``,
-    ``dg = dg_l + sum_{j < t} (k E VdH)_j + ac sum_v(S_prev dH)`` (sums inside the chunk)."""
-    K = k.shape[3]
-    V = dv.shape[3]
-    dt = E.dtype
-    acc = np.empty(K, dt)
-    base = np.empty(K, dt)
+def _corrected(Sl, e, S0, n0, G, out):
+    """``out[gi] = Sl[n0 + gi] + diag(e[n0 + gi]) S0`` (``Sl [N(+1), K, V]``, ``e [N, K]``, ``S0 [K, V]``)."""
+    K, V = S0.shape
+    for gi in range(G):
+        s = Sl[n0 + gi]
+        er = e[n0 + gi]
+        o = out[gi]
+        for kk in range(K):
+            f = er[kk]
+            sr = s[kk]
+            s0 = S0[kk]
+            orow = o[kk]
+            for vv in range(V):
+                orow[vv] = sr[vv] + f * s0[vv]
+
+
+@nb.njit(cache=True, nogil=True)
+def _add_rows(Ot, out, b, h, n0, G, T, C):
+    """``out[b, t, h] += Ot[gi, pos]`` for the group's valid tokens."""
+    D = out.shape[3]
     for gi in range(G):
         n = n0 + gi
         nv = min(C, T - n * C)
-        sp = Sst[n]
-        de = dHe[gi]
-        a = ac[n]
+        for pos in range(nv):
+            c = Ot[gi, pos]
+            o = out[b, n * C + pos, h]
+            for d in range(D):
+                o[d] += c[d]
+
+
+@nb.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def _row_dots(S, D, a, out):
+    """``out[kk] = a[kk] sum_v S[kk, v] D[kk, v]`` (``S, D [K, V]``)."""
+    K, V = S.shape
+    for kk in range(K):
+        sr = S[kk]
+        dr = D[kk]
+        acc = 0.0
+        for vv in range(V):
+            acc += sr[vv] * dr[vv]
+        out[kk] = a[kk] * acc
+
+
+@nb.njit(cache=True, nogil=True)
+def _bwd_finish(k, b, h, n0, G, T, C, E, VdH, DV2, ac, Sst, dHe, dk, dv, dg):
+    """Add the dH terms in place: ``dk += E VdH``, ``dv += DV2``,
+    ``dg += sum_{j < t} (k E VdH)_j + ac sum_v(S_prev dH)`` (sums inside the chunk)."""
+    K = k.shape[3]
+    V = dv.shape[3]
+    acc = np.empty(K, E.dtype)
+    base = np.empty(K, E.dtype)
+    x = np.empty(K, E.dtype)
+    for gi in range(G):
+        n = n0 + gi
+        nv = min(C, T - n * C)
+        _row_dots(Sst[n], dHe[gi], ac[n], base)
         for kk in range(K):
-            s = 0.0
-            for vv in range(V):
-                s += sp[kk, vv] * de[kk, vv]
-            base[kk] = a[kk] * s
-            acc[kk] = 0
+            acc[kk] = base[kk]
         for pos in range(nv):
             t = n * C + pos
             kr = k[b, t, h]
             er = E[gi, pos]
             z = VdH[gi, pos]
-            dgl = dg_l[b, t, h]
             dgo = dg[b, t, h]
-            dkl = dk_l[b, t, h]
             dko = dk[b, t, h]
             for kk in range(K):
-                x = er[kk] * z[kk]
-                dko[kk] = dkl[kk] + x
-                dgo[kk] = dgl[kk] + acc[kk] + base[kk]
-                acc[kk] += kr[kk] * x
+                x[kk] = er[kk] * z[kk]
+            for kk in range(K):
+                dko[kk] += x[kk]
+            for kk in range(K):
+                dgo[kk] += acc[kk]
+            for kk in range(K):
+                acc[kk] += kr[kk] * x[kk]
             dvo = dv[b, t, h]
-            dvl = dv_l[b, t, h]
             d2 = DV2[gi, pos]
             for vv in range(V):
-                dvo[vv] = dvl[vv] + d2[vv]
+                dvo[vv] += d2[vv]
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -333,13 +435,14 @@ def _check_numpy(**arrays: Any) -> None:
             raise TypeError(f"{name} is a CuPy array: the phase-split GLA runs on numpy arrays (use hpczeco.gpu.gla)")
 
 
-def _check_state(name: str, x: Any, B: int, H: int, K: int, V: int, in_dtype: str) -> None:
+def _check_state(name: str, x: Any, B: int, H: int, K: int, V: int, in_dtype: np.dtype) -> None:
     """``x`` is a numpy ``[B, H, K, V]`` state with the input dtype (float32 too for half inputs), finite."""
     check_array(name, x, ndim=4)
     _check_numpy(**{name: x})
     check_shape(name, x, (B, H, K, V), "([B, H, K, V] from q and v)")
-    if not state_dtype_ok(in_dtype, dtype_name(x)):
-        raise TypeError(f"{name} has dtype {dtype_name(x)}, expected {in_dtype} (the dtype of q)")
+    want = dtype_name(np.empty(0, in_dtype))
+    if not state_dtype_ok(want, dtype_name(x)):
+        raise TypeError(f"{name} has dtype {dtype_name(x)}, expected {want} (the dtype of q)")
     check_finite_values(name, x)
 
 
@@ -349,9 +452,17 @@ def _rows(x: np.ndarray, b: int, h: int, n0: int, gc: int, geo: _Geom, buf: np.n
     C, Cp = geo.C, geo.Cp
     t0, t1 = n0 * C, (n0 + gc) * C
     if Cp == C and t1 <= geo.T:
-        return np.reshape(x[b, t0:t1, h], (gc, C, x.shape[3]), copy=False)
+        return x[b, t0:t1, h].reshape(gc, C, x.shape[3])
     _gather_rows(x, b, h, n0, gc, geo.T, C, Cp, buf)
     return buf[:gc]
+
+
+def _group_size_bwd(geo: _Geom) -> int:
+    return max(1, min(geo.N, _GROUP_TOKENS_BWD // geo.Cp))
+
+
+def _group_size_light(geo: _Geom) -> int:
+    return max(1, min(geo.N, _GROUP_TOKENS_LIGHT // geo.Cp))
 
 
 class _Ticker:
@@ -402,13 +513,13 @@ def _run_polled(B: int, H: int, fn: Callable[[list, Callable[[], None]], None], 
 
 
 class ForwardSplit:
-    """Chunked GLA forward in three phases (numpy): equal to ``chunk_gla(q, k, v, g, scale,
-    initial_state=S_in, output_final_state=True, chunk_size)`` once :meth:`finish` gets ``S_in``.
+    """Chunked GLA forward in three phases (numpy): :meth:`finish` returns what ``chunk_gla(q, k, v, g,
+    scale, initial_state=S_in, output_final_state=True, chunk_size)`` returns.
 
     The constructor computes the chunk states from a zero state and exposes ``S_local [B, H, K, V]`` (the
     slice's final state from a zero state, compute dtype) and ``a [B, H, K]`` (``exp`` of the gate summed
-    over the slice, summed in float64, compute dtype). ``q, k, g: [B, T, H, K]``, ``v: [B, T, H, V]``;
-    validation and dtypes as :func:`hpczeco.gla.chunk_gla`. Local: no communication.
+    over the slice, summed in float64, compute dtype): the slice's scan element. ``q, k, g: [B, T, H, K]``,
+    ``v: [B, T, H, V]``; validation and dtypes as :func:`hpczeco.gla.chunk_gla`. Local: no communication.
     """
 
     S_local: np.ndarray
@@ -418,8 +529,9 @@ class ForwardSplit:
         _check_numpy(q=q, k=k, v=v, g=g)
         B, T, H, K, V, s, chunk_size, cdt = _check_common(q, k, v, g, scale, None, chunk_size)
         self.shape = (B, T, H, K, V)
-        self.scale, self.chunk_size, self.dtype, self.in_dtype = s, chunk_size, cdt, q.dtype
-        self._done_intra = False
+        self.chunk_size, self.dtype, self.in_dtype = chunk_size, cdt, q.dtype
+        self.scale = cdt.type(s)
+        self._intra_done = self._finished = False
         if T == 0 or B * H == 0:
             self._geo = None
             self.S_local = np.zeros((B, H, K, V), cdt)
@@ -440,7 +552,7 @@ class ForwardSplit:
     def _states(self, units, tot) -> None:
         geo = self._geo
         K, V, C, T, N, Cp = geo.K, geo.V, geo.C, geo.T, geo.N, geo.Cp
-        G = _group_size(geo)
+        G = _group_size_light(geo)
         dt = self.dtype
         X = np.empty((G, Cp + 1, K), dt)
         Kd = np.empty((G, Cp, K), dt)
@@ -453,7 +565,7 @@ class ForwardSplit:
             for b, h in units:
                 _suffix_exponents(self._g, b, h, n0, gc, T, C, Cp, X, tot[b, h])
                 np.exp(X[:gc], out=X[:gc])
-                _scaled_rows(self._k, b, h, n0, gc, T, C, Cp, 1.0, X, Kd)
+                _scaled_rows(self._k, b, h, n0, gc, T, C, Cp, dt.type(1), X, Kd)
                 vr = _rows(self._v, b, h, n0, gc, geo, Vb)
                 np.matmul(Kd[:gc].transpose(0, 2, 1), vr, out=U[:gc])
                 _kn.state_chain(U, X, Cp, gc, self._Sst[b, h], n0)
@@ -461,40 +573,39 @@ class ForwardSplit:
     def intra(self, poll: Poll = None) -> None:
         """The state-independent work: the intra-chunk attention ``A V`` of every chunk (and the q-side
         operand of the inter-chunk product). Calls ``poll()`` about every millisecond. Idempotent."""
-        if self._done_intra:
+        if self._intra_done:
             return
         geo = self._geo
         if geo is not None:
             B, T, H, K, V = self.shape
-            self._Oi = np.empty((B, T, H, V), self.dtype)
+            self._o = np.empty((B, T, H, V), self.dtype)
             self._Qs = np.empty((B, H, geo.N, geo.Cp, K), self.dtype)
             _run_polled(B, H, self._intra_units, poll)
         elif poll is not None:
             poll()
-        self._done_intra = True
+        self._intra_done = True
 
     def _intra_units(self, units, tick) -> None:
         geo = self._geo
         K, V, C, T, ns, c, Cp = geo.K, geo.V, geo.C, geo.T, geo.ns, geo.c, geo.Cp
         G = _group_size(geo)
         dt, s = self.dtype, self.scale
-        q, k, v, g = self._q, self._k, self._v, self._g
+        q, k, g = self._q, self._k, self._g
         limit = _SPAN_LIMIT[dt]
         LX = _kn.layout(ns, c)[4]
         X = np.empty((G, LX, K), dt)
         bad = np.empty((G, ns), np.bool_)
         Qp = np.empty((G, Cp, K), dt)
         KX = np.empty((G, c * ns * (ns + 1) // 2, K), dt)
-        L = np.zeros((G, Cp, Cp + K), dt)  # blocks above the diagonal stay zero
-        Kd = np.empty((G, Cp, K), dt)
-        R = np.empty((G, Cp + K, V), dt)
+        L = np.zeros((G, Cp, Cp), dt)  # blocks above the diagonal stay zero
+        Vb = np.empty((G, Cp, V), dt)
         Ot = np.empty((G, Cp, V), dt)
         for n0 in range(0, geo.N, G):
             gc = min(G, geo.N - n0)
             for b, h in units:
                 _kn.prep_exponents(g, b, h, n0, gc, T, C, ns, c, limit, X, bad)
                 np.exp(X[:gc], out=X[:gc])
-                _kn.prep_fwd_operands(q, k, v, b, h, n0, gc, T, C, ns, c, s, X, bad, Qp, KX, L, Kd, R)
+                _prep_intra(q, k, b, h, n0, gc, T, C, ns, c, s, X, bad, Qp, KX, self._Qs[b, h, n0 : n0 + gc])
                 for i in range(ns):
                     off = c * i * (i + 1) // 2
                     np.matmul(
@@ -504,45 +615,42 @@ class ForwardSplit:
                     )
                 _kn.mask_diag(L, gc, ns, c)
                 if bad[:gc].any():
-                    _pairwise_A(q, k, g, b, h, n0, bad[:gc], geo, s, L)
-                self._Qs[b, h, n0 : n0 + gc] = L[:gc, :, Cp:]
+                    _pairwise_A(q, k, g, b, h, n0, bad[:gc], geo, float(s), L)
+                vr = _rows(self._v, b, h, n0, gc, geo, Vb)
                 t0, t1 = n0 * C, (n0 + gc) * C
-                if Cp == C and t1 <= T:
-                    np.matmul(
-                        L[:gc, :, :Cp], R[:gc, :Cp], out=np.reshape(self._Oi[b, t0:t1, h], (gc, C, V), copy=False)
-                    )
+                if Cp == C and t1 <= T:  # whole chunks: BLAS writes the strided rows of o[b, :, h] directly
+                    np.matmul(L[:gc], vr, out=self._o[b, t0:t1, h].reshape(gc, C, V))
                 else:
-                    np.matmul(L[:gc, :, :Cp], R[:gc, :Cp], out=Ot[:gc])
-                    _kn.write_rows(Ot, self._Oi, b, h, n0, gc, T, C)
+                    np.matmul(L[:gc], vr, out=Ot[:gc])
+                    _kn.write_rows(Ot, self._o, b, h, n0, gc, T, C)
                 tick()
 
     def finish(self, S_in: Any = None) -> tuple[np.ndarray, np.ndarray]:
         """``(o [B, T, H, V] input dtype, final [B, H, K, V] compute dtype)`` with the incoming state
         ``S_in [B, H, K, V]`` (None: zeros): the inter-chunk product with the corrected chunk states
-        ``S_n^loc + diag(exp(G_n)) S_in``, and ``final = diag(a) S_in + S_local``. Runs :meth:`intra`
-        first if it has not run. May be called again (fresh output arrays each time)."""
+        ``S_n^loc + diag(exp(G_n)) S_in`` added to the intra part in place, and ``final = diag(a) S_in +
+        S_local``. Runs :meth:`intra` first if it has not run. Once per object (it releases the kept state)."""
+        if self._finished:
+            raise RuntimeError("ForwardSplit.finish() was already called (it works in place): make a new ForwardSplit")
         B, T, H, K, V = self.shape
         if S_in is not None:
-            _check_state("S_in", S_in, B, H, K, V, dtype_name(np.empty(0, self.in_dtype)))
+            _check_state("S_in", S_in, B, H, K, V, self.in_dtype)
         S0 = None if S_in is None else np.ascontiguousarray(S_in, dtype=self.dtype)
         self.intra()
+        self._finished = True
         if self._geo is None:
             o = np.zeros((B, T, H, V), self.in_dtype)
             return o, (np.zeros((B, H, K, V), self.dtype) if S0 is None else S0.copy())
-        o = np.empty((B, T, H, V), self.dtype)
-        _run_units(B, H, lambda units: self._finish_units(units, S0, o))
-        if S0 is None:
-            final = self.S_local.copy()
-        else:
-            final = (self.a[..., None] * S0 + self.S_local).astype(self.dtype, copy=False)
-        if o.dtype != self.in_dtype:
-            o = o.astype(self.in_dtype)
-        return o, final
+        o = self._o
+        _run_units(B, H, lambda units: self._finish_units(units, S0))
+        final = self.S_local.copy() if S0 is None else (self.a[..., None] * S0 + self.S_local).astype(self.dtype)
+        del self._o, self._Qs, self._Sst, self._q, self._k, self._v, self._g
+        return o.astype(self.in_dtype, copy=False), final
 
-    def _finish_units(self, units, S0, o) -> None:
+    def _finish_units(self, units, S0) -> None:
         geo = self._geo
         K, V, C, T, Cp = geo.K, geo.V, geo.C, geo.T, geo.Cp
-        G = _group_size(geo)
+        G = _group_size_light(geo)
         Sc = np.empty((G, K, V), self.dtype)
         Ot = np.empty((G, Cp, V), self.dtype)
         for n0 in range(0, geo.N, G):
@@ -554,7 +662,7 @@ class ForwardSplit:
                     _corrected(self._Sst[b, h], self._e[b, h], S0[b, h], n0, gc, Sc)
                     S = Sc[:gc]
                 np.matmul(self._Qs[b, h, n0 : n0 + gc], S, out=Ot[:gc])
-                _add_rows(self._Oi, Ot, o, b, h, n0, gc, T, C)
+                _add_rows(Ot, self._o, b, h, n0, gc, T, C)
 
 
 # --------------------------------------------------------------------------------------------- backward
@@ -586,10 +694,11 @@ class BackwardSplit:
         _check_numpy(q=q, k=k, v=v, g=g, do=do, initial_state=initial_state)
         B, T, H, K, V, s, chunk_size, cdt = _check_common(q, k, v, g, scale, initial_state, chunk_size, do=do)
         self.shape = (B, T, H, K, V)
-        self.scale, self.chunk_size, self.dtype, self.in_dtype = s, chunk_size, cdt, q.dtype
+        self.chunk_size, self.dtype, self.in_dtype = chunk_size, cdt, q.dtype
+        self.scale = cdt.type(s)
         self._dh0_dtype = cdt if initial_state is None else initial_state.dtype
         self._h0 = None if initial_state is None else np.asarray(initial_state, dtype=cdt)
-        self._done_local = False
+        self._local_done = self._finished = False
         if T == 0 or B * H == 0:
             self._geo = None
             self.U = np.zeros((B, H, K, V), cdt)
@@ -604,62 +713,67 @@ class BackwardSplit:
         tot = np.empty((B, H, N, K), np.float64)
         _run_units(B, H, lambda units: self._ctor_units(units, tot))
         cum = np.cumsum(tot[:, :, ::-1], axis=2)[:, :, ::-1]  # gate summed from chunk n's start to the end
-        self.a = np.exp(cum[:, :, 0]).astype(cdt)
+        self._a64 = cum[:, :, 0].copy()
+        self.a = np.exp(self._a64).astype(cdt)
+        self._a64 = np.exp(self._a64)
         cum -= tot  # ... from chunk n's end to the end
         self._e = np.exp(cum).astype(cdt)  # [B, H, N, K] decay from chunk n's end to the slice end
-        self._a64 = np.exp(cum[:, :, 0] + tot[:, :, 0])
 
     def _ctor_units(self, units, tot) -> None:
+        """Per chunk ``W_n = scale (q exp(b))^T dO``, reverse time order with the recurrence
+        ``dH <- exp(b_C) dH + W_n`` from dH = 0: ``_dHl[n]`` = dH entering from the right, ``U`` = the end."""
         geo = self._geo
         K, V, C, T, N, Cp = geo.K, geo.V, geo.C, geo.T, geo.N, geo.Cp
-        G = _group_size(geo)
+        G = _group_size_light(geo)
         dt = self.dtype
         X = np.empty((G, Cp + 1, K), dt)
         Qe = np.empty((G, Cp, K), dt)
         dOb = np.empty((G, Cp, V), dt)
-        for n0 in range(0, N, G):
+        W = np.empty((G, K, V), dt)
+        dH = np.zeros((len(units), K, V), dt)
+        for n0 in range(((N - 1) // G) * G, -1, -G):
             gc = min(G, N - n0)
-            for b, h in units:
+            for u, (b, h) in enumerate(units):
                 _prefix_exponents(self._g, b, h, n0, gc, T, C, Cp, X, tot[b, h])
                 np.exp(X[:gc], out=X[:gc])
                 _scaled_rows(self._q, b, h, n0, gc, T, C, Cp, self.scale, X, Qe)
                 self._ac[b, h, n0 : n0 + gc] = X[:gc, Cp]
                 dor = _rows(self._do, b, h, n0, gc, geo, dOb)
-                np.matmul(Qe[:gc].transpose(0, 2, 1), dor, out=self._dHl[b, h, n0 : n0 + gc])
-        for b, h in units:
-            _reverse_chain(self._dHl[b, h], self._ac[b, h], self.U[b, h])
+                np.matmul(Qe[:gc].transpose(0, 2, 1), dor, out=W[:gc])
+                _kn.state_bwd(W, X, Cp, gc, dH[u], self._dHl[b, h, n0 : n0 + gc])
+        for u, (b, h) in enumerate(units):
+            self.U[b, h] = dH[u]
 
     def local(self, poll: Poll = None) -> None:
         """All dht-independent work: the chunk states from ``initial_state``, ``A``, ``dA``, dq (complete)
         and the intra-chunk parts of dk, dv, dg. Calls ``poll()`` about every millisecond. Idempotent."""
-        if self._done_local:
+        if self._local_done:
             return
         geo = self._geo
         if geo is not None:
             B, T, H, K, V = self.shape
             cdt = self.dtype
             self._Sst = np.empty((B, H, geo.N + 1, K, V), cdt)
-            self._Kd = np.empty((B, H, geo.N, geo.Cp, K), cdt)
             self._E = np.empty((B, H, geo.N, geo.Cp, K), cdt)
             self._dq, self._dk, self._dg = (np.empty((B, T, H, K), cdt) for _ in range(3))
             self._dv = np.empty((B, T, H, V), cdt)
             _run_polled(B, H, self._local_units, poll)
         elif poll is not None:
             poll()
-        self._done_local = True
+        self._local_done = True
 
     def _local_units(self, units, tick) -> None:
         geo = self._geo
         K, V, C, T, N, ns, c, Cp = geo.K, geo.V, geo.C, geo.T, geo.N, geo.ns, geo.c, geo.Cp
-        G = max(1, min(N, _GROUP_TOKENS_BWD // Cp))
+        G = _group_size_bwd(geo)
         dt, s = self.dtype, self.scale
-        q, k, v, g, do = self._q, self._k, self._v, self._g, self._do
+        q, k, g = self._q, self._k, self._g
         limit = _SPAN_LIMIT[dt]
         oA, LX = _kn.layout(ns, c)[3:]
         nx = c * ns * (ns + 1) // 2
         X = np.empty((G, LX, K), dt)
         bad = np.empty((G, ns), np.bool_)
-        Qp, Qe, M1, DQ, DK = (np.empty((G, Cp, K), dt) for _ in range(5))
+        Qp, Kd, M1, DQ, DK = (np.empty((G, Cp, K), dt) for _ in range(5))
         KX, QX = np.empty((G, nx, K), dt), np.empty((G, nx, K), dt)
         Vb, dOb, DV = (np.empty((G, Cp, V), dt) for _ in range(3))
         LA, dA = np.zeros((G, Cp, Cp), dt), np.empty((G, Cp, Cp), dt)  # LA: blocks above the diagonal stay zero
@@ -670,12 +784,13 @@ class BackwardSplit:
         for n0 in range(0, N, G):
             gc = min(G, N - n0)
             for b, h in units:
-                Kd = self._Kd[b, h, n0 : n0 + gc]
                 Sst = self._Sst[b, h]
                 _kn.prep_exponents(g, b, h, n0, gc, T, C, ns, c, limit, X, bad)
                 np.exp(X[:gc], out=X[:gc])
-                _kn.prep_bwd_operands(q, k, v, do, b, h, n0, gc, T, C, ns, c, s, X, bad, Qp, Qe, KX, QX, Kd, Vb, dOb)
-                np.matmul(Kd.transpose(0, 2, 1), Vb[:gc], out=U[:gc])
+                _prep_local(q, k, b, h, n0, gc, T, C, ns, c, s, X, bad, Qp, KX, QX, Kd, self._E[b, h, n0 : n0 + gc])
+                vr = _rows(self._v, b, h, n0, gc, geo, Vb)
+                dor = _rows(self._do, b, h, n0, gc, geo, dOb)
+                np.matmul(Kd[:gc].transpose(0, 2, 1), vr, out=U[:gc])
                 _kn.state_chain(U, X, oA, gc, Sst, n0)
                 for i in range(ns):  # A (scaled, lower triangular) as in the forward
                     off = c * i * (i + 1) // 2
@@ -685,11 +800,11 @@ class BackwardSplit:
                         out=LA[:gc, i * c : (i + 1) * c, : (i + 1) * c],
                     )
                 _kn.mask_diag(LA, gc, ns, c)
-                pw = _pairwise_A(q, k, g, b, h, n0, bad[:gc], geo, s, LA) if bad[:gc].any() else None
-                np.matmul(dOb[:gc], Vb[:gc].transpose(0, 2, 1), out=dA[:gc])  # dO V^T (unscaled)
+                pw = _pairwise_A(q, k, g, b, h, n0, bad[:gc], geo, float(s), LA) if bad[:gc].any() else None
+                np.matmul(dor, vr.transpose(0, 2, 1), out=dA[:gc])  # dO V^T (unscaled)
                 _kn.mask_dA(dA, dd, gc, ns, c)
-                np.matmul(LA[:gc].transpose(0, 2, 1), dOb[:gc], out=DV[:gc])
-                np.matmul(dOb[:gc], Sst[n0 : n0 + gc].transpose(0, 2, 1), out=M1[:gc])
+                np.matmul(LA[:gc].transpose(0, 2, 1), dor, out=DV[:gc])
+                np.matmul(dor, Sst[n0 : n0 + gc].transpose(0, 2, 1), out=M1[:gc])
                 for i in range(ns):
                     off = c * i * (i + 1) // 2
                     np.matmul(
@@ -703,64 +818,63 @@ class BackwardSplit:
                         QX[:gc, oq : oq + (ns - i) * c],
                         out=DK[:gc, i * c : (i + 1) * c],
                     )
-                _local_combine(X, gc, ns, c, s, M1, DQ, DK, self._E[b, h, n0 : n0 + gc])
+                _local_combine(X, gc, ns, c, s, M1, DQ, DK)
                 if pw is not None:
-                    _pairwise_dqdk(pw, c, s, dA, DQ, DK)
+                    _pairwise_dqdk(pw, c, float(s), dA, DQ, DK)
                 _local_write(q, k, b, h, n0, gc, T, C, s, DQ, DK, dd, DV, self._dq, self._dk, self._dv, self._dg)
                 tick()
 
     def finish(self, dht: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(dq, dk, dv, dg, dh0)`` of ``chunk_gla_bwd`` with the gradient ``dht [B, H, K, V]`` into the final
-        state (None: zeros): the dH terms with ``dH_n = dH_n^loc + diag(exp(G_T - G_{n+1})) dht`` and
-        ``dh0 = U + diag(a) dht``. Gradients in the input dtype, dh0 in ``initial_state``'s dtype (compute
-        dtype without one). Runs :meth:`local` first if it has not run. May be called again (fresh dk, dv,
-        dg, dh0; dq is the same array each time)."""
+        state (None: zeros): the dH terms with ``dH_n = dH_n^loc + diag(exp(G_T - G_{n+1})) dht`` added in
+        place, and ``dh0 = U + diag(a) dht``. Gradients in the input dtype, dh0 in ``initial_state``'s dtype
+        (compute dtype without one). Runs :meth:`local` first if it has not run. Once per object."""
+        if self._finished:
+            raise RuntimeError("BackwardSplit.finish() was already called (it works in place): make a new one")
         B, T, H, K, V = self.shape
         if dht is not None:
-            _check_state("dht", dht, B, H, K, V, dtype_name(np.empty(0, self.in_dtype)))
+            _check_state("dht", dht, B, H, K, V, self.in_dtype)
         D0 = None if dht is None else np.ascontiguousarray(dht, dtype=self.dtype)
         self.local()
+        self._finished = True
         if self._geo is None:
             dq = np.zeros((B, T, H, K), self.in_dtype)
             dh0 = np.zeros((B, H, K, V), self._dh0_dtype) if D0 is None else D0.astype(self._dh0_dtype)
             return dq, dq.copy(), np.zeros((B, T, H, V), self.in_dtype), dq.copy(), dh0
-        cdt = self.dtype
-        dk, dg = np.empty((B, T, H, K), cdt), np.empty((B, T, H, K), cdt)
-        dv = np.empty((B, T, H, V), cdt)
-        _run_units(B, H, lambda units: self._finish_units(units, D0, dk, dv, dg))
+        _run_units(B, H, lambda units: self._finish_units(units, D0))
         if D0 is None:
             dh0 = self.U.astype(self._dh0_dtype)
         else:
             dh0 = (self.U + self._a64[..., None] * D0).astype(self._dh0_dtype)
         it = self.in_dtype
-        return (
-            self._dq.astype(it, copy=False),
-            dk.astype(it, copy=False),
-            dv.astype(it, copy=False),
-            dg.astype(it, copy=False),
-            dh0,
-        )
+        out = tuple(x.astype(it, copy=False) for x in (self._dq, self._dk, self._dv, self._dg))
+        del self._dq, self._dk, self._dv, self._dg, self._E, self._Sst, self._dHl, self._q, self._k, self._v, self._g
+        del self._do
+        return (*out, dh0)
 
-    def _finish_units(self, units, D0, dk, dv, dg) -> None:
+    def _finish_units(self, units, D0) -> None:
         geo = self._geo
         K, V, C, T, N, Cp = geo.K, geo.V, geo.C, geo.T, geo.N, geo.Cp
-        G = max(1, min(N, _GROUP_TOKENS_BWD // Cp))
+        G = _group_size_light(geo)
         dt = self.dtype
         dHt = np.empty((G, K, V), dt)
+        Kd = np.empty((G, Cp, K), dt)
         Vb, DV2 = np.empty((G, Cp, V), dt), np.empty((G, Cp, V), dt)
         VdH = np.empty((G, Cp, K), dt)
         for n0 in range(0, N, G):
             gc = min(G, N - n0)
             for b, h in units:
+                E = self._E[b, h, n0 : n0 + gc]
                 if D0 is None:
                     dH = self._dHl[b, h, n0 : n0 + gc]
                 else:
                     _corrected(self._dHl[b, h], self._e[b, h], D0[b, h], n0, gc, dHt)
                     dH = dHt[:gc]
-                np.matmul(self._Kd[b, h, n0 : n0 + gc], dH, out=DV2[:gc])
+                _scaled_rows(self._k, b, h, n0, gc, T, C, Cp, dt.type(1), E, Kd)
+                np.matmul(Kd[:gc], dH, out=DV2[:gc])
                 vr = _rows(self._v, b, h, n0, gc, geo, Vb)
                 np.matmul(vr, dH.transpose(0, 2, 1), out=VdH[:gc])
                 _bwd_finish(
-                    self._k, b, h, n0, gc, T, C, self._E[b, h, n0 : n0 + gc], VdH, DV2, self._ac[b, h],
-                    self._Sst[b, h], dH, self._dk, self._dv, self._dg, dk, dv, dg,
+                    self._k, b, h, n0, gc, T, C, E, VdH, DV2, self._ac[b, h], self._Sst[b, h], dH,
+                    self._dk, self._dv, self._dg,
                 )  # fmt: skip
