@@ -9,6 +9,9 @@ Exponent buffer ``X [G, LX, K]`` (see :func:`layout`): rows ``[0, Cp)`` ``b - r_
 ``[Cp, 2 Cp)`` ``e_J - b`` (k side), then ``F`` exponents (``ns (ns + 1) / 2`` rows, ``I``-major,
 ``r_I - e_J`` for ``J < I`` and the clamped span on the diagonal), ``r_I`` (ns rows), ``b_C - e_J``
 (ns rows) and ``b_C`` (1 row). ``np.exp`` is applied to it in place between the two prep kernels.
+
+Used by :mod:`hpczeco.gla.chunk` and :mod:`hpczeco.gla.split` (layout, prep_exponents, mask_diag,
+write_rows, state_chain, state_bwd, mask_dA, qx_offset): keep signatures stable.
 """
 
 from __future__ import annotations

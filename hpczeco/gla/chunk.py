@@ -57,6 +57,10 @@ from .validate import check_chunk_size, check_scale, compute_dtype_name, validat
 
 __all__ = ["chunk_gla", "chunk_gla_bwd"]
 
+# NOTE: hpczeco.gla.split (the ZeCO phase split) imports _SPAN_LIMIT, _check_common, _Geom, _group_size,
+# _num_threads, _pairwise_A, _pairwise_dqdk and _run_units from here, and several kernels of _kernels:
+# keep their signatures and meaning, or change split.py with them.
+
 _SUB = 16  # sub-chunk size (tokens)
 _SPAN_LIMIT = {np.dtype(np.float32): 40.0, np.dtype(np.float64): 300.0}
 _GROUP_TOKENS = 512  # padded tokens per streaming group of chunks (keeps the scratch in cache)
