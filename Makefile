@@ -24,6 +24,9 @@ export MPIR_CVAR_CH4_PROGRESS_THROTTLE ?= true
 export OMPI_ALLOW_RUN_AS_ROOT ?= 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
 export PRTE_MCA_rmaps_default_mapping_policy ?= :oversubscribe
+# one BLAS thread per process: ranks and tests parallelise themselves (threaded BLAS thrashes oversubscribed cores)
+export OPENBLAS_NUM_THREADS ?= 1
+export OMP_NUM_THREADS ?= 1
 
 .PHONY: all run test install lint bench-gla gpu-check clean help
 
