@@ -239,7 +239,7 @@ _SIM_SCRIPT = textwrap.dedent(
     rng = np.random.default_rng(int(sys.argv[1]))
     out = {}
     T = 260
-    tok = np.concatenate([rng.integers(0, 4, 90), rng.integers(0, 3000, 110), rng.integers(0, 6, 60)])  # [128, 192) all high
+    tok = np.concatenate([rng.integers(0, 4, 90), rng.integers(0, 3000, 110), rng.integers(0, 6, 60)])  # [128,192) high
     for w, s, V, bias in ((64, None, None, "none"), (50, 47, 4000, "miller-madow"), (260, None, 3000, "none")):
         a = dn.window_entropy(tok, w, s, V, bias)
         b = planner.window_entropy(tok, w, s, V, bias)
