@@ -169,10 +169,27 @@ class CudaAwareTransport(Transport):
         return _MPIReq(self.comm.Irecv([buf, MPI.BYTE], source=source, tag=tag))
 
     def allgather(self, sendbuf: Any, recvbuf: Any) -> None:
+        """Ring allgather from point-to-point messages only.
+
+        An MPI whose point-to-point layer is CUDA-aware through UCX (pml ucx) may still run its
+        collectives through host code paths: Open MPI 4.1.6 built without CUDA segfaulted in
+        ``Allgather`` on device buffers (coll/tuned copies the local block with memcpy) on the GPU
+        machine (2026-11-29). So only Isend/Irecv touch device memory here; the local block is
+        copied by CuPy.
+        """
         _check_buf("sendbuf", sendbuf)
         _check_buf("recvbuf", recvbuf)
-        _cupy().cuda.get_current_stream().synchronize()
-        self.comm.Allgather([sendbuf, MPI.BYTE], [recvbuf, MPI.BYTE])
+        cp = _cupy()
+        P, r = self.size, self.rank
+        blocks = recvbuf.reshape(P, -1)
+        blocks[r] = sendbuf.reshape(-1)
+        cp.cuda.get_current_stream().synchronize()
+        tag = 0x7A11
+        for step in range(P - 1):  # block of rank (r - step) goes to r + 1; (r - step - 1) arrives from r - 1
+            send_idx, recv_idx = (r - step) % P, (r - step - 1) % P
+            rreq = self.comm.Irecv([blocks[recv_idx], MPI.BYTE], source=(r - 1) % P, tag=tag)
+            sreq = self.comm.Isend([blocks[send_idx], MPI.BYTE], dest=(r + 1) % P, tag=tag)
+            MPI.Request.Waitall([rreq, sreq])
 
 
 # ----------------------------------------------------------------------------------------------
