@@ -262,3 +262,43 @@ def test_input_errors(rng):
         bs.finish([[1.0]])
     with pytest.raises(ValueError, match="dht"):
         bs.finish(bad)
+
+
+@pytest.mark.parametrize("dt", [np.float64, np.float32])
+@pytest.mark.parametrize(
+    "case", [(2, 100, 3, 16, 8, 16), (1, 75, 2, 5, 3, 7), (1, 1, 1, 4, 3, 64), (2, 0, 2, 4, 3, 64)]
+)
+def test_backward_reuses_forward_states(rng, case, dt):
+    """BackwardSplit(states=ForwardSplit.states) equals chunk_gla_bwd; the states end with the final state;
+    check_values=False gives the same results."""
+    B, T, H, K, V, cs = case
+    d = make(rng, B, T, H, K, V, "mixed", dt)
+    args = (d["q"], d["k"], d["v"], d["g"])
+    for S_in in (d["s0"], None):
+        fs = ForwardSplit(*args, chunk_size=cs, check_values=False)
+        with pytest.raises(RuntimeError, match="finish"):
+            fs.states  # noqa: B018
+        o, f = fs.finish(S_in)
+        N = -(-T // max(1, min(cs, T))) if T else 0
+        assert fs.states.shape == (B, H, N + 1, K, V) and fs.states.dtype == dt
+        assert np.array_equal(fs.states[:, :, -1], f)
+        ref = chunk_gla_bwd(*args, d["do"], initial_state=S_in, dht=d["dht"], chunk_size=cs)
+        bs = BackwardSplit(*args, d["do"], initial_state=S_in, chunk_size=cs, states=fs.states, check_values=False)
+        kept = fs.states.copy()
+        got = bs.finish(d["dht"])
+        assert np.array_equal(fs.states, kept)  # read only
+        for x, r in zip(got, ref):
+            assert x.dtype == r.dtype and rel(x, r) < TOL[dt]
+
+
+def test_states_checked(rng):
+    d = make(rng, 1, 50, 2, 4, 3, "mixed", np.float64)
+    args = (d["q"], d["k"], d["v"], d["g"])
+    fs = ForwardSplit(*args, chunk_size=16)
+    fs.finish(d["s0"])
+    with pytest.raises(ValueError, match="states has shape"):
+        BackwardSplit(*args, d["do"], initial_state=d["s0"], chunk_size=32, states=fs.states)
+    with pytest.raises(TypeError, match="states has dtype"):
+        BackwardSplit(*args, d["do"], initial_state=d["s0"], chunk_size=16, states=fs.states.astype(np.float32))
+    with pytest.raises(ValueError, match="initial_state"):
+        BackwardSplit(*args, d["do"], initial_state=None, chunk_size=16, states=fs.states)

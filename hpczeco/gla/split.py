@@ -27,12 +27,19 @@ Every product of chunk_gla / chunk_gla_bwd is done once (the forward's fused ``[
 ``A V`` in ``intra`` and ``Qe S`` in ``finish``); the constructors use light exponent kernels (one ``exp``
 per token and key instead of the full sub-chunk exponent buffer). Numerical form as chunk.py: every
 exponent is <= 0 (strong decays go through chunk.py's exact pairwise diagonal blocks), and dg uses the
-same cancellation-free form. The per-chunk states ``[N + 1, K, V]``, state gradients ``[N, K, V]`` and
-the operands the finishing step needs (``[T, K]`` per sequence) are kept between the phases.
+same cancellation-free form. Kept between the phases: the chunk states ``[N + 1, K, V]`` and state
+gradients ``[N, K, V]`` per sequence, and ``[T, K]`` per sequence of operands (``scale q exp(b)`` in the
+forward, ``exp(b_C - b)`` in the backward). ``finish`` adds into the intra results in place, so it runs
+once per object. After the forward's finish, :attr:`ForwardSplit.states` holds the true chunk states; a
+:class:`BackwardSplit` given them (``states=``) skips their recomputation. ``check_values=False`` skips the
+value scans (NaN/Inf, g <= 0) for inputs the caller has validated (the ZeCO layer checks collectively).
 
 ``intra``/``local`` call ``poll()`` (if given) about every millisecond of work, from the calling thread:
 between chunk groups when one thread computes, or while waiting for the worker threads otherwise, so
-``poll`` may make MPI progress (``handle.test()``) without MPI_THREAD_MULTIPLE.
+``poll`` may make MPI progress (``handle.test()``) without MPI_THREAD_MULTIPLE. Threads as chunk.py
+(``HPCZECO_GLA_THREADS`` / ``OMP_NUM_THREADS`` / cores, over the (batch, head) sequences). The kernels that
+only stream token rows walk tokens in the outer loop and up to ``_UNIT_BLOCK`` sequences inside, so the
+rows of ``[B, T, H, D]`` arrays are touched in memory order.
 """
 
 from __future__ import annotations
@@ -51,7 +58,6 @@ from . import _kernels as _kn
 from ._blas import single_threaded_blas
 from .chunk import (
     _SPAN_LIMIT,
-    _check_common,
     _Geom,
     _group_size,
     _num_threads,
@@ -59,13 +65,21 @@ from .chunk import (
     _pairwise_dqdk,
     _run_units,
 )
-from .validate import check_finite_values, state_dtype_ok
+from .validate import (
+    check_chunk_size,
+    check_finite_values,
+    check_scale,
+    compute_dtype_name,
+    state_dtype_ok,
+    validate_gla_inputs,
+)
 
 __all__ = ["ForwardSplit", "BackwardSplit"]
 
 _POLL_S = 1e-3  # poll about every millisecond of work
 _GROUP_TOKENS_BWD = 512  # padded tokens per chunk group in BackwardSplit.local (as chunk.py)
 _GROUP_TOKENS_LIGHT = 1024  # ... in the light phases (constructors, finish): little scratch per chunk
+_UNIT_BLOCK = 8  # sequences whose token rows one kernel call walks together
 
 Poll = Callable[[], Any] | None
 
@@ -77,88 +91,126 @@ Poll = Callable[[], Any] | None
 
 
 @nb.njit(cache=True, nogil=True)
-def _suffix_exponents(g, b, h, n0, G, T, C, Cp, X, tot):
-    """``X[gi, pos]`` = gate summed over the chunk's tokens after ``pos`` (<= 0; 0 for no-op rows),
-    ``X[gi, Cp]`` = the chunk's total, summed in float64 into ``tot[n0 + gi]``."""
+def _suffix_exponents(g, ub, uh, n0, G, T, C, Cp, X, tot):
+    """For the sequences ``(ub[u], uh[u])``: ``X[u, gi, pos]`` = gate summed over the chunk's tokens after
+    ``pos`` (<= 0; 0 for no-op rows), ``X[u, gi, Cp]`` = the chunk's total, summed in float64 into
+    ``tot[b, h, n0 + gi]``. Tokens outer, sequences inner (rows of ``[B, T, H, K]`` read in memory order)."""
     K = g.shape[3]
+    nu = ub.size
     for gi in range(G):
         n = n0 + gi
         nv = min(C, T - n * C)
-        Xg = X[gi]
-        for pos in range(nv - 1, Cp):
-            xr = Xg[pos]
+        for u in range(nu):
+            for pos in range(nv - 1, Cp):
+                xr = X[u, gi, pos]
+                for kk in range(K):
+                    xr[kk] = 0
+            tr = tot[ub[u], uh[u], n]
             for kk in range(K):
-                xr[kk] = 0
-        for pos in range(nv - 1, 0, -1):
-            gr = g[b, n * C + pos, h]
-            xr = Xg[pos]
-            xn = Xg[pos - 1]
+                tr[kk] = 0.0
+        for pos in range(nv - 1, -1, -1):
+            t = n * C + pos
+            for u in range(nu):
+                gr = g[ub[u], t, uh[u]]
+                tr = tot[ub[u], uh[u], n]
+                for kk in range(K):
+                    tr[kk] += gr[kk]
+                if pos > 0:
+                    xr = X[u, gi, pos]
+                    xn = X[u, gi, pos - 1]
+                    for kk in range(K):
+                        xn[kk] = xr[kk] + gr[kk]
+        for u in range(nu):
+            tr = tot[ub[u], uh[u], n]
+            xr = X[u, gi, Cp]
             for kk in range(K):
-                xn[kk] = xr[kk] + gr[kk]
-        tr = tot[n]
-        for kk in range(K):
-            tr[kk] = 0.0
-        for pos in range(nv):
-            gr = g[b, n * C + pos, h]
-            for kk in range(K):
-                tr[kk] += gr[kk]
-        xr = Xg[Cp]
-        for kk in range(K):
-            xr[kk] = tr[kk]
+                xr[kk] = tr[kk]
 
 
 @nb.njit(cache=True, nogil=True)
-def _prefix_exponents(g, b, h, n0, G, T, C, Cp, X, tot):
-    """``X[gi, pos]`` = gate summed over the chunk's tokens up to ``pos`` inclusive (<= 0; 0 for no-op rows),
-    ``X[gi, Cp]`` = the chunk's total, summed in float64 into ``tot[n0 + gi]``."""
+def _prefix_exponents(g, ub, uh, n0, G, T, C, Cp, X, tot):
+    """For the sequences ``(ub[u], uh[u])``: ``X[u, gi, pos]`` = gate summed over the chunk's tokens up to
+    ``pos`` inclusive (<= 0; 0 for no-op rows), ``X[u, gi, Cp]`` = the chunk's total, summed in float64 into
+    ``tot[b, h, n0 + gi]``. Tokens outer, sequences inner."""
     K = g.shape[3]
+    nu = ub.size
     for gi in range(G):
         n = n0 + gi
         nv = min(C, T - n * C)
-        Xg = X[gi]
-        g0 = g[b, n * C, h]
-        x0 = Xg[0]
-        for kk in range(K):
-            x0[kk] = g0[kk]
-        for pos in range(1, nv):
-            gr = g[b, n * C + pos, h]
-            xp = Xg[pos - 1]
-            xr = Xg[pos]
+        for u in range(nu):
+            tr = tot[ub[u], uh[u], n]
             for kk in range(K):
-                xr[kk] = xp[kk] + gr[kk]
-        for pos in range(nv, Cp):
-            xr = Xg[pos]
-            for kk in range(K):
-                xr[kk] = 0
-        tr = tot[n]
-        for kk in range(K):
-            tr[kk] = 0.0
+                tr[kk] = 0.0
+            for pos in range(nv, Cp):
+                xr = X[u, gi, pos]
+                for kk in range(K):
+                    xr[kk] = 0
         for pos in range(nv):
-            gr = g[b, n * C + pos, h]
+            t = n * C + pos
+            for u in range(nu):
+                gr = g[ub[u], t, uh[u]]
+                tr = tot[ub[u], uh[u], n]
+                xr = X[u, gi, pos]
+                for kk in range(K):
+                    tr[kk] += gr[kk]
+                if pos == 0:
+                    for kk in range(K):
+                        xr[kk] = gr[kk]
+                else:
+                    xp = X[u, gi, pos - 1]
+                    for kk in range(K):
+                        xr[kk] = xp[kk] + gr[kk]
+        for u in range(nu):
+            tr = tot[ub[u], uh[u], n]
+            xr = X[u, gi, Cp]
             for kk in range(K):
-                tr[kk] += gr[kk]
-        xr = Xg[Cp]
-        for kk in range(K):
-            xr[kk] = tr[kk]
+                xr[kk] = tr[kk]
 
 
 @nb.njit(cache=True, nogil=True)
-def _scaled_rows(x, b, h, n0, G, T, C, Cp, s, X, out):
-    """``out[gi, pos] = s x[b, t, h] X[gi, pos]`` (``X`` exponentiated), zero rows for no-op tokens."""
+def _scaled_rows(x, ub, uh, n0, G, T, C, Cp, s, X, out):
+    """``out[u, gi, pos] = s x[b, t, h] X[u, gi, pos]`` (``X`` exponentiated), zero rows for no-op tokens."""
     D = x.shape[3]
+    nu = ub.size
     for gi in range(G):
         n = n0 + gi
         nv = min(C, T - n * C)
         for pos in range(nv):
-            xr = x[b, n * C + pos, h]
-            er = X[gi, pos]
-            o = out[gi, pos]
-            for d in range(D):
-                o[d] = s * xr[d] * er[d]
-        for pos in range(nv, Cp):
-            o = out[gi, pos]
-            for d in range(D):
-                o[d] = 0
+            t = n * C + pos
+            for u in range(nu):
+                xr = x[ub[u], t, uh[u]]
+                er = X[u, gi, pos]
+                o = out[u, gi, pos]
+                for d in range(D):
+                    o[d] = s * xr[d] * er[d]
+        for u in range(nu):
+            for pos in range(nv, Cp):
+                o = out[u, gi, pos]
+                for d in range(D):
+                    o[d] = 0
+
+
+@nb.njit(cache=True, nogil=True)
+def _kd_rows(k, ub, uh, n0, G, T, C, Cp, E, out):
+    """``out[u, gi, pos] = k[b, t, h] E[b, h, n0 + gi, pos]``, zero rows for no-op tokens."""
+    K = k.shape[3]
+    nu = ub.size
+    for gi in range(G):
+        n = n0 + gi
+        nv = min(C, T - n * C)
+        for pos in range(nv):
+            t = n * C + pos
+            for u in range(nu):
+                kr = k[ub[u], t, uh[u]]
+                er = E[ub[u], uh[u], n, pos]
+                o = out[u, gi, pos]
+                for d in range(K):
+                    o[d] = kr[d] * er[d]
+        for u in range(nu):
+            for pos in range(nv, Cp):
+                o = out[u, gi, pos]
+                for d in range(K):
+                    o[d] = 0
 
 
 @nb.njit(cache=True, nogil=True)
@@ -227,9 +279,10 @@ def _prep_intra(q, k, b, h, n0, G, T, C, ns, c, scale, X, bad, Qp, KX, Qs):
 
 
 @nb.njit(cache=True, nogil=True)
-def _prep_local(q, k, b, h, n0, G, T, C, ns, c, scale, X, bad, Qp, KX, QX, Kd, E):
+def _prep_local(q, k, b, h, n0, G, T, C, ns, c, scale, X, bad, Qp, KX, QX, Kd, want_kd, E):
     """Backward operands (chunk.py's ``prep_bwd_operands`` less ``Qe``, ``v``, ``do``): ``Qp``, ``KX``,
-    ``QX``, ``Kd`` = k exp(b_C - b), and ``E`` = exp(b_C - b) (kept for ``finish``; zero for no-op rows)."""
+    ``QX``, ``Kd`` = k exp(b_C - b) (if ``want_kd``), and ``E`` = exp(b_C - b) (kept for ``finish``; zero for
+    no-op rows)."""
     K = q.shape[3]
     cp = ns * c
     oF = 2 * cp
@@ -256,8 +309,9 @@ def _prep_local(q, k, b, h, n0, G, T, C, ns, c, scale, X, bad, Qp, KX, QX, Kd, E
                         qpr[kk] = qr[kk] * scale * eq[kk]
                     for kk in range(K):
                         kp[kk] = kr[kk] * ek[kk]
-                    for kk in range(K):
-                        kdr[kk] = kp[kk] * eb[kk]
+                    if want_kd:
+                        for kk in range(K):
+                            kdr[kk] = kp[kk] * eb[kk]
                     for kk in range(K):
                         erow[kk] = ek[kk] * eb[kk]
                 else:
@@ -311,70 +365,110 @@ def _local_combine(X, G, ns, c, scale, M1, DQ, DK):
 
 
 @nb.njit(cache=True, nogil=True)
-def _local_write(q, k, b, h, n0, G, T, C, scale, DQ, DKI, dd, DV, dq, dk, dv, dg):
-    """Write the dht-independent parts: ``dq = DQ + scale dd k`` (complete), ``dk = DKI + scale dd q``,
-    ``dv = DV``, ``dg_t = sum_{tau >= t} (q DQ - k DKI)_tau`` (sum inside the chunk)."""
+def _local_write(q, k, ub, uh, n0, G, T, C, scale, DQ, DKI, dd, DV, dq, dk, dv, dg):
+    """Write the dht-independent parts (scratch ``[u, gi, pos]``): ``dq = DQ + scale dd k`` (complete),
+    ``dk = DKI + scale dd q``, ``dv = DV``, ``dg_t = sum_{tau >= t} (q DQ - k DKI)_tau`` (inside the chunk)."""
     K = q.shape[3]
     V = dv.shape[3]
-    acc = np.empty(K, DQ.dtype)
+    nu = ub.size
+    acc = np.empty((nu, K), DQ.dtype)
     for gi in range(G):
         n = n0 + gi
         nv = min(C, T - n * C)
-        for kk in range(K):
-            acc[kk] = 0
+        for u in range(nu):
+            for kk in range(K):
+                acc[u, kk] = 0
         for pos in range(nv - 1, -1, -1):
             t = n * C + pos
-            qr = q[b, t, h]
-            kr = k[b, t, h]
-            dqr = DQ[gi, pos]
-            dkr = DKI[gi, pos]
-            sd = scale * dd[gi, pos]
-            dgo = dg[b, t, h]
-            dqo = dq[b, t, h]
-            dko = dk[b, t, h]
-            for kk in range(K):
-                acc[kk] += qr[kk] * dqr[kk] - kr[kk] * dkr[kk]
-            for kk in range(K):
-                dgo[kk] = acc[kk]
-            for kk in range(K):
-                dqo[kk] = dqr[kk] + sd * kr[kk]
-            for kk in range(K):
-                dko[kk] = dkr[kk] + sd * qr[kk]
-            dvo = dv[b, t, h]
-            d1 = DV[gi, pos]
-            for vv in range(V):
-                dvo[vv] = d1[vv]
+            for u in range(nu):
+                b = ub[u]
+                h = uh[u]
+                qr = q[b, t, h]
+                kr = k[b, t, h]
+                dqr = DQ[u, gi, pos]
+                dkr = DKI[u, gi, pos]
+                sd = scale * dd[u, gi, pos]
+                ac = acc[u]
+                dgo = dg[b, t, h]
+                dqo = dq[b, t, h]
+                dko = dk[b, t, h]
+                for kk in range(K):
+                    ac[kk] += qr[kk] * dqr[kk] - kr[kk] * dkr[kk]
+                for kk in range(K):
+                    dgo[kk] = ac[kk]
+                for kk in range(K):
+                    dqo[kk] = dqr[kk] + sd * kr[kk]
+                for kk in range(K):
+                    dko[kk] = dkr[kk] + sd * qr[kk]
+                dvo = dv[b, t, h]
+                d1 = DV[u, gi, pos]
+                for vv in range(V):
+                    dvo[vv] = d1[vv]
 
 
 @nb.njit(cache=True, nogil=True)
-def _corrected(Sl, e, S0, n0, G, out):
-    """``out[gi] = Sl[n0 + gi] + diag(e[n0 + gi]) S0`` (``Sl [N(+1), K, V]``, ``e [N, K]``, ``S0 [K, V]``)."""
-    K, V = S0.shape
-    for gi in range(G):
-        s = Sl[n0 + gi]
-        er = e[n0 + gi]
-        o = out[gi]
-        for kk in range(K):
-            f = er[kk]
-            sr = s[kk]
-            s0 = S0[kk]
-            orow = o[kk]
-            for vv in range(V):
-                orow[vv] = sr[vv] + f * s0[vv]
+def _corrected(Sl, e, S0, use_s0, ub, uh, n0, G, out):
+    """``out[u, gi] = Sl[b, h, n0 + gi] + diag(e[b, h, n0 + gi]) S0[b, h]`` (the second term only when
+    ``use_s0``): ``Sl [B, H, N(+1), K, V]``, ``e [B, H, N, K]``, ``S0 [B, H, K, V]``."""
+    K, V = out.shape[2], out.shape[3]
+    for u in range(ub.size):
+        b = ub[u]
+        h = uh[u]
+        for gi in range(G):
+            s = Sl[b, h, n0 + gi]
+            o = out[u, gi]
+            if use_s0:
+                er = e[b, h, n0 + gi]
+                s0 = S0[b, h]
+                for kk in range(K):
+                    f = er[kk]
+                    sr = s[kk]
+                    s0r = s0[kk]
+                    orow = o[kk]
+                    for vv in range(V):
+                        orow[vv] = sr[vv] + f * s0r[vv]
+            else:
+                for kk in range(K):
+                    sr = s[kk]
+                    orow = o[kk]
+                    for vv in range(V):
+                        orow[vv] = sr[vv]
 
 
 @nb.njit(cache=True, nogil=True)
-def _add_rows(Ot, out, b, h, n0, G, T, C):
-    """``out[b, t, h] += Ot[gi, pos]`` for the group's valid tokens."""
+def _correct_states(Sst, e, S0, ub, uh, n0, G):
+    """In place: ``Sst[b, h, n0 + gi] += diag(e[b, h, n0 + gi]) S0[b, h]`` for the sequences ``(ub, uh)``."""
+    K, V = S0.shape[2], S0.shape[3]
+    for u in range(ub.size):
+        b = ub[u]
+        h = uh[u]
+        s0 = S0[b, h]
+        for gi in range(G):
+            s = Sst[b, h, n0 + gi]
+            er = e[b, h, n0 + gi]
+            for kk in range(K):
+                f = er[kk]
+                sr = s[kk]
+                s0r = s0[kk]
+                for vv in range(V):
+                    sr[vv] += f * s0r[vv]
+
+
+@nb.njit(cache=True, nogil=True)
+def _add_rows(Ot, out, ub, uh, n0, G, T, C):
+    """``out[b, t, h] += Ot[u, gi, pos]`` for the group's valid tokens."""
     D = out.shape[3]
+    nu = ub.size
     for gi in range(G):
         n = n0 + gi
         nv = min(C, T - n * C)
         for pos in range(nv):
-            c = Ot[gi, pos]
-            o = out[b, n * C + pos, h]
-            for d in range(D):
-                o[d] += c[d]
+            t = n * C + pos
+            for u in range(nu):
+                c = Ot[u, gi, pos]
+                o = out[ub[u], t, uh[u]]
+                for d in range(D):
+                    o[d] += c[d]
 
 
 @nb.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
@@ -391,39 +485,42 @@ def _row_dots(S, D, a, out):
 
 
 @nb.njit(cache=True, nogil=True)
-def _bwd_finish(k, b, h, n0, G, T, C, E, VdH, DV2, ac, Sst, dHe, dk, dv, dg):
-    """Add the dH terms in place: ``dk += E VdH``, ``dv += DV2``,
-    ``dg += sum_{j < t} (k E VdH)_j + ac sum_v(S_prev dH)`` (sums inside the chunk)."""
+def _bwd_finish(k, ub, uh, n0, G, T, C, E, VdH, DV2, ac, Sst, dHe, dk, dv, dg):
+    """Add the dH terms in place (scratch ``[u, gi, ...]``, ``E [B, H, N, Cp, K]``): ``dk += E VdH``,
+    ``dv += DV2``, ``dg += sum_{j < t} (k E VdH)_j + ac sum_v(S_prev dH)`` (sums inside the chunk)."""
     K = k.shape[3]
     V = dv.shape[3]
-    acc = np.empty(K, E.dtype)
-    base = np.empty(K, E.dtype)
+    nu = ub.size
+    acc = np.empty((nu, K), E.dtype)
     x = np.empty(K, E.dtype)
     for gi in range(G):
         n = n0 + gi
         nv = min(C, T - n * C)
-        _row_dots(Sst[n], dHe[gi], ac[n], base)
-        for kk in range(K):
-            acc[kk] = base[kk]
+        for u in range(nu):
+            _row_dots(Sst[ub[u], uh[u], n], dHe[u, gi], ac[ub[u], uh[u], n], acc[u])
         for pos in range(nv):
             t = n * C + pos
-            kr = k[b, t, h]
-            er = E[gi, pos]
-            z = VdH[gi, pos]
-            dgo = dg[b, t, h]
-            dko = dk[b, t, h]
-            for kk in range(K):
-                x[kk] = er[kk] * z[kk]
-            for kk in range(K):
-                dko[kk] += x[kk]
-            for kk in range(K):
-                dgo[kk] += acc[kk]
-            for kk in range(K):
-                acc[kk] += kr[kk] * x[kk]
-            dvo = dv[b, t, h]
-            d2 = DV2[gi, pos]
-            for vv in range(V):
-                dvo[vv] += d2[vv]
+            for u in range(nu):
+                b = ub[u]
+                h = uh[u]
+                kr = k[b, t, h]
+                er = E[b, h, n, pos]
+                z = VdH[u, gi, pos]
+                ar = acc[u]
+                dgo = dg[b, t, h]
+                dko = dk[b, t, h]
+                for kk in range(K):
+                    x[kk] = er[kk] * z[kk]
+                for kk in range(K):
+                    dko[kk] += x[kk]
+                for kk in range(K):
+                    dgo[kk] += ar[kk]
+                for kk in range(K):
+                    ar[kk] += kr[kk] * x[kk]
+                dvo = dv[b, t, h]
+                d2 = DV2[u, gi, pos]
+                for vv in range(V):
+                    dvo[vv] += d2[vv]
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -433,6 +530,15 @@ def _check_numpy(**arrays: Any) -> None:
     for name, x in arrays.items():
         if x is not None and is_device_array(x):
             raise TypeError(f"{name} is a CuPy array: the phase-split GLA runs on numpy arrays (use hpczeco.gpu.gla)")
+
+
+def _validate(q, k, v, g, scale, initial_state, chunk_size, do=None, check_values=True):
+    """As chunk.py's checks: ``(B, T, H, K, V, scale, chunk_size, compute dtype)``; ``check_values=False``
+    skips the value scans (NaN/Inf, g <= 0) for inputs a caller has validated already."""
+    chunk_size = check_chunk_size(chunk_size)
+    B, T, H, K, V = validate_gla_inputs(q, k, v, g, initial_state=initial_state, do=do, check_values=check_values)
+    s = check_scale(scale, K)
+    return B, T, H, K, V, s, chunk_size, np.dtype(compute_dtype_name(str(q.dtype)))
 
 
 def _check_state(name: str, x: Any, B: int, H: int, K: int, V: int, in_dtype: np.dtype) -> None:
@@ -463,6 +569,17 @@ def _group_size_bwd(geo: _Geom) -> int:
 
 def _group_size_light(geo: _Geom) -> int:
     return max(1, min(geo.N, _GROUP_TOKENS_LIGHT // geo.Cp))
+
+
+def _blocks(units: list) -> list[tuple[list, np.ndarray, np.ndarray]]:
+    """``units`` in blocks of at most ``_UNIT_BLOCK`` sequences: ``(units, b indices, h indices)``. The
+    token-row kernels walk tokens in the outer loop and a block's sequences inside, so the rows of
+    ``[B, T, H, D]`` arrays are touched in memory order (a per-sequence walk strides over the heads)."""
+    out = []
+    for i in range(0, len(units), _UNIT_BLOCK):
+        part = units[i : i + _UNIT_BLOCK]
+        out.append((part, np.array([b for b, _ in part], np.int64), np.array([h for _, h in part], np.int64)))
+    return out
 
 
 class _Ticker:
@@ -518,20 +635,34 @@ class ForwardSplit:
 
     The constructor computes the chunk states from a zero state and exposes ``S_local [B, H, K, V]`` (the
     slice's final state from a zero state, compute dtype) and ``a [B, H, K]`` (``exp`` of the gate summed
-    over the slice, summed in float64, compute dtype): the slice's scan element. ``q, k, g: [B, T, H, K]``,
-    ``v: [B, T, H, V]``; validation and dtypes as :func:`hpczeco.gla.chunk_gla`. Local: no communication.
+    over the slice, summed in float64, compute dtype): the slice's scan element. After :meth:`finish`,
+    ``states [B, H, N + 1, K, V]`` holds the state entering every chunk and the final state (what
+    :class:`BackwardSplit` can take instead of recomputing them). ``q, k, g: [B, T, H, K]``, ``v: [B, T, H,
+    V]``; validation and dtypes as :func:`hpczeco.gla.chunk_gla` (``check_values=False`` skips the NaN/Inf
+    and ``g <= 0`` scans for inputs validated by the caller). Local: no communication.
     """
 
     S_local: np.ndarray
     a: np.ndarray
 
-    def __init__(self, q: Any, k: Any, v: Any, g: Any, scale: float | None = None, chunk_size: int = 64):
+    def __init__(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        g: Any,
+        scale: float | None = None,
+        chunk_size: int = 64,
+        *,
+        check_values: bool = True,
+    ):
         _check_numpy(q=q, k=k, v=v, g=g)
-        B, T, H, K, V, s, chunk_size, cdt = _check_common(q, k, v, g, scale, None, chunk_size)
+        B, T, H, K, V, s, chunk_size, cdt = _validate(q, k, v, g, scale, None, chunk_size, check_values=check_values)
         self.shape = (B, T, H, K, V)
         self.chunk_size, self.dtype, self.in_dtype = chunk_size, cdt, q.dtype
         self.scale = cdt.type(s)
         self._intra_done = self._finished = False
+        self._states_out: np.ndarray | None = None
         if T == 0 or B * H == 0:
             self._geo = None
             self.S_local = np.zeros((B, H, K, V), cdt)
@@ -554,21 +685,25 @@ class ForwardSplit:
         K, V, C, T, N, Cp = geo.K, geo.V, geo.C, geo.T, geo.N, geo.Cp
         G = _group_size_light(geo)
         dt = self.dtype
-        X = np.empty((G, Cp + 1, K), dt)
-        Kd = np.empty((G, Cp, K), dt)
+        blocks = _blocks(units)
+        nb_ = max(len(p) for p, _, _ in blocks)
+        X = np.empty((nb_, G, Cp + 1, K), dt)
+        Kd = np.empty((nb_, G, Cp, K), dt)
         Vb = np.empty((G, Cp, V), dt)
         U = np.empty((G, K, V), dt)
         for b, h in units:
             self._Sst[b, h, 0] = 0
         for n0 in range(0, N, G):
             gc = min(G, N - n0)
-            for b, h in units:
-                _suffix_exponents(self._g, b, h, n0, gc, T, C, Cp, X, tot[b, h])
-                np.exp(X[:gc], out=X[:gc])
-                _scaled_rows(self._k, b, h, n0, gc, T, C, Cp, dt.type(1), X, Kd)
-                vr = _rows(self._v, b, h, n0, gc, geo, Vb)
-                np.matmul(Kd[:gc].transpose(0, 2, 1), vr, out=U[:gc])
-                _kn.state_chain(U, X, Cp, gc, self._Sst[b, h], n0)
+            for part, ub, uh in blocks:
+                m = len(part)
+                _suffix_exponents(self._g, ub, uh, n0, gc, T, C, Cp, X, tot)
+                np.exp(X[:m, :gc], out=X[:m, :gc])
+                _scaled_rows(self._k, ub, uh, n0, gc, T, C, Cp, dt.type(1), X, Kd)
+                for j, (b, h) in enumerate(part):
+                    vr = _rows(self._v, b, h, n0, gc, geo, Vb)
+                    np.matmul(Kd[j, :gc].transpose(0, 2, 1), vr, out=U[:gc])
+                    _kn.state_chain(U, X[j], Cp, gc, self._Sst[b, h], n0)
 
     def intra(self, poll: Poll = None) -> None:
         """The state-independent work: the intra-chunk attention ``A V`` of every chunk (and the q-side
@@ -625,11 +760,19 @@ class ForwardSplit:
                     _kn.write_rows(Ot, self._o, b, h, n0, gc, T, C)
                 tick()
 
+    @property
+    def states(self) -> np.ndarray:
+        """``[B, H, N + 1, K, V]`` (compute dtype, ``N`` chunks): the state entering every chunk, then the final
+        state, with the incoming state given to :meth:`finish`; set by :meth:`finish`."""
+        if self._states_out is None:
+            raise RuntimeError("ForwardSplit.states is set by finish(); call finish first")
+        return self._states_out
+
     def finish(self, S_in: Any = None) -> tuple[np.ndarray, np.ndarray]:
         """``(o [B, T, H, V] input dtype, final [B, H, K, V] compute dtype)`` with the incoming state
-        ``S_in [B, H, K, V]`` (None: zeros): the inter-chunk product with the corrected chunk states
-        ``S_n^loc + diag(exp(G_n)) S_in`` added to the intra part in place, and ``final = diag(a) S_in +
-        S_local``. Runs :meth:`intra` first if it has not run. Once per object (it releases the kept state)."""
+        ``S_in [B, H, K, V]`` (None: zeros): the chunk states are corrected in place,
+        ``S_n = S_n^loc + diag(exp(G_n)) S_in``, their inter-chunk product added to the intra part in place, and
+        ``final = diag(a) S_in + S_local``. Runs :meth:`intra` first if it has not run. Once per object."""
         if self._finished:
             raise RuntimeError("ForwardSplit.finish() was already called (it works in place): make a new ForwardSplit")
         B, T, H, K, V = self.shape
@@ -640,29 +783,32 @@ class ForwardSplit:
         self._finished = True
         if self._geo is None:
             o = np.zeros((B, T, H, V), self.in_dtype)
-            return o, (np.zeros((B, H, K, V), self.dtype) if S0 is None else S0.copy())
+            final = np.zeros((B, H, K, V), self.dtype) if S0 is None else S0.copy()
+            self._states_out = final[:, :, None].copy()
+            return o, final
         o = self._o
         _run_units(B, H, lambda units: self._finish_units(units, S0))
         final = self.S_local.copy() if S0 is None else (self.a[..., None] * S0 + self.S_local).astype(self.dtype)
-        del self._o, self._Qs, self._Sst, self._q, self._k, self._v, self._g
+        self._Sst[:, :, self._geo.N] = final
+        self._states_out = self._Sst
+        del self._o, self._Qs, self._Sst, self._q, self._k, self._v, self._g, self._e
         return o.astype(self.in_dtype, copy=False), final
 
     def _finish_units(self, units, S0) -> None:
         geo = self._geo
-        K, V, C, T, Cp = geo.K, geo.V, geo.C, geo.T, geo.Cp
-        G = _group_size_light(geo)
-        Sc = np.empty((G, K, V), self.dtype)
-        Ot = np.empty((G, Cp, V), self.dtype)
+        V, C, T, Cp = geo.V, geo.C, geo.T, geo.Cp
+        G = _group_size(geo)
+        blocks = _blocks(units)
+        nb_ = max(len(p) for p, _, _ in blocks)
+        Ot = np.empty((nb_, G, Cp, V), self.dtype)
         for n0 in range(0, geo.N, G):
             gc = min(G, geo.N - n0)
-            for b, h in units:
-                if S0 is None:
-                    S = self._Sst[b, h, n0 : n0 + gc]
-                else:
-                    _corrected(self._Sst[b, h], self._e[b, h], S0[b, h], n0, gc, Sc)
-                    S = Sc[:gc]
-                np.matmul(self._Qs[b, h, n0 : n0 + gc], S, out=Ot[:gc])
-                _add_rows(Ot, self._o, b, h, n0, gc, T, C)
+            for part, ub, uh in blocks:
+                if S0 is not None:
+                    _correct_states(self._Sst, self._e, S0, ub, uh, n0, gc)
+                for j, (b, h) in enumerate(part):
+                    np.matmul(self._Qs[b, h, n0 : n0 + gc], self._Sst[b, h, n0 : n0 + gc], out=Ot[j, :gc])
+                _add_rows(Ot, self._o, ub, uh, n0, gc, T, C)
 
 
 # --------------------------------------------------------------------------------------------- backward
@@ -674,7 +820,11 @@ class BackwardSplit:
 
     The constructor computes ``U [B, H, K, V]`` (compute dtype): the gradient into the initial state when
     ``dht = 0``, ``scale sum_t (q_t exp(G_t))^T do_t`` — and ``a [B, H, K]`` as :class:`ForwardSplit`.
-    Shapes, validation and dtypes as :func:`hpczeco.gla.chunk_gla_bwd`. Local: no communication.
+    Shapes, validation and dtypes as :func:`hpczeco.gla.chunk_gla_bwd`. ``states`` (optional): the
+    forward's chunk states ``[B, H, N + 1, K, V]`` (:attr:`ForwardSplit.states` with the same inputs, chunk
+    size and ``S_in = initial_state``); :meth:`local` then uses them instead of recomputing them (its first
+    slot must equal ``initial_state``, zeros if None). ``check_values=False`` skips the NaN/Inf and
+    ``g <= 0`` scans. Local: no communication.
     """
 
     U: np.ndarray
@@ -690,15 +840,33 @@ class BackwardSplit:
         scale: float | None = None,
         initial_state: Any = None,
         chunk_size: int = 64,
+        *,
+        states: Any = None,
+        check_values: bool = True,
     ):
-        _check_numpy(q=q, k=k, v=v, g=g, do=do, initial_state=initial_state)
-        B, T, H, K, V, s, chunk_size, cdt = _check_common(q, k, v, g, scale, initial_state, chunk_size, do=do)
+        _check_numpy(q=q, k=k, v=v, g=g, do=do, initial_state=initial_state, states=states)
+        B, T, H, K, V, s, chunk_size, cdt = _validate(
+            q, k, v, g, scale, initial_state, chunk_size, do=do, check_values=check_values
+        )
         self.shape = (B, T, H, K, V)
         self.chunk_size, self.dtype, self.in_dtype = chunk_size, cdt, q.dtype
         self.scale = cdt.type(s)
         self._dh0_dtype = cdt if initial_state is None else initial_state.dtype
         self._h0 = None if initial_state is None else np.asarray(initial_state, dtype=cdt)
         self._local_done = self._finished = False
+        self._given_states = None
+        if states is not None:
+            check_array("states", states, ndim=5)
+            N = _Geom(B, T, H, K, V, chunk_size).N if T and B * H else 0
+            check_shape("states", states, (B, H, N + 1, K, V), f"([B, H, N + 1, K, V] with N = {N} chunks)")
+            if states.dtype != cdt:
+                raise TypeError(f"states has dtype {states.dtype}, expected {cdt} (the compute dtype)")
+            first = np.zeros((B, H, K, V), cdt) if self._h0 is None else self._h0
+            if not np.array_equal(states[:, :, 0], first):
+                raise ValueError(
+                    "states[:, :, 0] must equal initial_state (zeros when None): states of another forward?"
+                )
+            self._given_states = states
         if T == 0 or B * H == 0:
             self._geo = None
             self.U = np.zeros((B, H, K, V), cdt)
@@ -726,23 +894,27 @@ class BackwardSplit:
         K, V, C, T, N, Cp = geo.K, geo.V, geo.C, geo.T, geo.N, geo.Cp
         G = _group_size_light(geo)
         dt = self.dtype
-        X = np.empty((G, Cp + 1, K), dt)
-        Qe = np.empty((G, Cp, K), dt)
+        blocks = _blocks(units)
+        nb_ = max(len(p) for p, _, _ in blocks)
+        X = np.empty((nb_, G, Cp + 1, K), dt)
+        Qe = np.empty((nb_, G, Cp, K), dt)
         dOb = np.empty((G, Cp, V), dt)
         W = np.empty((G, K, V), dt)
-        dH = np.zeros((len(units), K, V), dt)
+        dH = {u: np.zeros((K, V), dt) for u in units}
         for n0 in range(((N - 1) // G) * G, -1, -G):
             gc = min(G, N - n0)
-            for u, (b, h) in enumerate(units):
-                _prefix_exponents(self._g, b, h, n0, gc, T, C, Cp, X, tot[b, h])
-                np.exp(X[:gc], out=X[:gc])
-                _scaled_rows(self._q, b, h, n0, gc, T, C, Cp, self.scale, X, Qe)
-                self._ac[b, h, n0 : n0 + gc] = X[:gc, Cp]
-                dor = _rows(self._do, b, h, n0, gc, geo, dOb)
-                np.matmul(Qe[:gc].transpose(0, 2, 1), dor, out=W[:gc])
-                _kn.state_bwd(W, X, Cp, gc, dH[u], self._dHl[b, h, n0 : n0 + gc])
-        for u, (b, h) in enumerate(units):
-            self.U[b, h] = dH[u]
+            for part, ub, uh in blocks:
+                m = len(part)
+                _prefix_exponents(self._g, ub, uh, n0, gc, T, C, Cp, X, tot)
+                np.exp(X[:m, :gc], out=X[:m, :gc])
+                _scaled_rows(self._q, ub, uh, n0, gc, T, C, Cp, self.scale, X, Qe)
+                for j, (b, h) in enumerate(part):
+                    self._ac[b, h, n0 : n0 + gc] = X[j, :gc, Cp]
+                    dor = _rows(self._do, b, h, n0, gc, geo, dOb)
+                    np.matmul(Qe[j, :gc].transpose(0, 2, 1), dor, out=W[:gc])
+                    _kn.state_bwd(W, X[j], Cp, gc, dH[(b, h)], self._dHl[b, h, n0 : n0 + gc])
+        for b, h in units:
+            self.U[b, h] = dH[(b, h)]
 
     def local(self, poll: Poll = None) -> None:
         """All dht-independent work: the chunk states from ``initial_state``, ``A``, ``dA``, dq (complete)
@@ -753,7 +925,8 @@ class BackwardSplit:
         if geo is not None:
             B, T, H, K, V = self.shape
             cdt = self.dtype
-            self._Sst = np.empty((B, H, geo.N + 1, K, V), cdt)
+            given = self._given_states is not None
+            self._Sst = self._given_states if given else np.empty((B, H, geo.N + 1, K, V), cdt)
             self._E = np.empty((B, H, geo.N, geo.Cp, K), cdt)
             self._dq, self._dk, self._dg = (np.empty((B, T, H, K), cdt) for _ in range(3))
             self._dv = np.empty((B, T, H, V), cdt)
@@ -771,58 +944,68 @@ class BackwardSplit:
         limit = _SPAN_LIMIT[dt]
         oA, LX = _kn.layout(ns, c)[3:]
         nx = c * ns * (ns + 1) // 2
+        blocks = _blocks(units)
+        nb_ = max(len(p) for p, _, _ in blocks)
         X = np.empty((G, LX, K), dt)
         bad = np.empty((G, ns), np.bool_)
-        Qp, Kd, M1, DQ, DK = (np.empty((G, Cp, K), dt) for _ in range(5))
+        Qp, Kd, M1 = (np.empty((G, Cp, K), dt) for _ in range(3))
+        DQ, DK = np.empty((nb_, G, Cp, K), dt), np.empty((nb_, G, Cp, K), dt)
         KX, QX = np.empty((G, nx, K), dt), np.empty((G, nx, K), dt)
-        Vb, dOb, DV = (np.empty((G, Cp, V), dt) for _ in range(3))
+        Vb, dOb = np.empty((G, Cp, V), dt), np.empty((G, Cp, V), dt)
+        DV = np.empty((nb_, G, Cp, V), dt)
         LA, dA = np.zeros((G, Cp, Cp), dt), np.empty((G, Cp, Cp), dt)  # LA: blocks above the diagonal stay zero
-        dd = np.empty((G, Cp), dt)
+        dd = np.empty((nb_, G, Cp), dt)
         U = np.empty((G, K, V), dt)
-        for b, h in units:
-            self._Sst[b, h, 0] = 0 if self._h0 is None else self._h0[b, h]
+        recompute = self._given_states is None
+        if recompute:
+            for b, h in units:
+                self._Sst[b, h, 0] = 0 if self._h0 is None else self._h0[b, h]
         for n0 in range(0, N, G):
             gc = min(G, N - n0)
-            for b, h in units:
-                Sst = self._Sst[b, h]
-                _kn.prep_exponents(g, b, h, n0, gc, T, C, ns, c, limit, X, bad)
-                np.exp(X[:gc], out=X[:gc])
-                _prep_local(q, k, b, h, n0, gc, T, C, ns, c, s, X, bad, Qp, KX, QX, Kd, self._E[b, h, n0 : n0 + gc])
-                vr = _rows(self._v, b, h, n0, gc, geo, Vb)
-                dor = _rows(self._do, b, h, n0, gc, geo, dOb)
-                np.matmul(Kd[:gc].transpose(0, 2, 1), vr, out=U[:gc])
-                _kn.state_chain(U, X, oA, gc, Sst, n0)
-                for i in range(ns):  # A (scaled, lower triangular) as in the forward
-                    off = c * i * (i + 1) // 2
-                    np.matmul(
-                        Qp[:gc, i * c : (i + 1) * c],
-                        KX[:gc, off : off + (i + 1) * c].transpose(0, 2, 1),
-                        out=LA[:gc, i * c : (i + 1) * c, : (i + 1) * c],
-                    )
-                _kn.mask_diag(LA, gc, ns, c)
-                pw = _pairwise_A(q, k, g, b, h, n0, bad[:gc], geo, float(s), LA) if bad[:gc].any() else None
-                np.matmul(dor, vr.transpose(0, 2, 1), out=dA[:gc])  # dO V^T (unscaled)
-                _kn.mask_dA(dA, dd, gc, ns, c)
-                np.matmul(LA[:gc].transpose(0, 2, 1), dor, out=DV[:gc])
-                np.matmul(dor, Sst[n0 : n0 + gc].transpose(0, 2, 1), out=M1[:gc])
-                for i in range(ns):
-                    off = c * i * (i + 1) // 2
-                    np.matmul(
-                        dA[:gc, i * c : (i + 1) * c, : (i + 1) * c],
-                        KX[:gc, off : off + (i + 1) * c],
-                        out=DQ[:gc, i * c : (i + 1) * c],
-                    )
-                    oq = _kn.qx_offset(i, ns, c)
-                    np.matmul(
-                        dA[:gc, i * c :, i * c : (i + 1) * c].transpose(0, 2, 1),
-                        QX[:gc, oq : oq + (ns - i) * c],
-                        out=DK[:gc, i * c : (i + 1) * c],
-                    )
-                _local_combine(X, gc, ns, c, s, M1, DQ, DK)
-                if pw is not None:
-                    _pairwise_dqdk(pw, c, float(s), dA, DQ, DK)
-                _local_write(q, k, b, h, n0, gc, T, C, s, DQ, DK, dd, DV, self._dq, self._dk, self._dv, self._dg)
-                tick()
+            for part, ub, uh in blocks:
+                for j, (b, h) in enumerate(part):
+                    Sst = self._Sst[b, h]
+                    DQj, DKj = DQ[j], DK[j]
+                    _kn.prep_exponents(g, b, h, n0, gc, T, C, ns, c, limit, X, bad)
+                    np.exp(X[:gc], out=X[:gc])
+                    E = self._E[b, h, n0 : n0 + gc]
+                    _prep_local(q, k, b, h, n0, gc, T, C, ns, c, s, X, bad, Qp, KX, QX, Kd, recompute, E)
+                    vr = _rows(self._v, b, h, n0, gc, geo, Vb)
+                    dor = _rows(self._do, b, h, n0, gc, geo, dOb)
+                    if recompute:
+                        np.matmul(Kd[:gc].transpose(0, 2, 1), vr, out=U[:gc])
+                        _kn.state_chain(U, X, oA, gc, Sst, n0)
+                    for i in range(ns):  # A (scaled, lower triangular) as in the forward
+                        off = c * i * (i + 1) // 2
+                        np.matmul(
+                            Qp[:gc, i * c : (i + 1) * c],
+                            KX[:gc, off : off + (i + 1) * c].transpose(0, 2, 1),
+                            out=LA[:gc, i * c : (i + 1) * c, : (i + 1) * c],
+                        )
+                    _kn.mask_diag(LA, gc, ns, c)
+                    pw = _pairwise_A(q, k, g, b, h, n0, bad[:gc], geo, float(s), LA) if bad[:gc].any() else None
+                    np.matmul(dor, vr.transpose(0, 2, 1), out=dA[:gc])  # dO V^T (unscaled)
+                    _kn.mask_dA(dA, dd[j], gc, ns, c)
+                    np.matmul(LA[:gc].transpose(0, 2, 1), dor, out=DV[j, :gc])
+                    np.matmul(dor, Sst[n0 : n0 + gc].transpose(0, 2, 1), out=M1[:gc])
+                    for i in range(ns):
+                        off = c * i * (i + 1) // 2
+                        np.matmul(
+                            dA[:gc, i * c : (i + 1) * c, : (i + 1) * c],
+                            KX[:gc, off : off + (i + 1) * c],
+                            out=DQj[:gc, i * c : (i + 1) * c],
+                        )
+                        oq = _kn.qx_offset(i, ns, c)
+                        np.matmul(
+                            dA[:gc, i * c :, i * c : (i + 1) * c].transpose(0, 2, 1),
+                            QX[:gc, oq : oq + (ns - i) * c],
+                            out=DKj[:gc, i * c : (i + 1) * c],
+                        )
+                    _local_combine(X, gc, ns, c, s, M1, DQj, DKj)
+                    if pw is not None:
+                        _pairwise_dqdk(pw, c, float(s), dA, DQj, DKj)
+                    tick()
+                _local_write(q, k, ub, uh, n0, gc, T, C, s, DQ, DK, dd, DV, self._dq, self._dk, self._dv, self._dg)
 
     def finish(self, dht: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(dq, dk, dv, dg, dh0)`` of ``chunk_gla_bwd`` with the gradient ``dht [B, H, K, V]`` into the final
@@ -855,26 +1038,25 @@ class BackwardSplit:
     def _finish_units(self, units, D0) -> None:
         geo = self._geo
         K, V, C, T, N, Cp = geo.K, geo.V, geo.C, geo.T, geo.N, geo.Cp
-        G = _group_size_light(geo)
+        G = _group_size_bwd(geo)
         dt = self.dtype
-        dHt = np.empty((G, K, V), dt)
-        Kd = np.empty((G, Cp, K), dt)
-        Vb, DV2 = np.empty((G, Cp, V), dt), np.empty((G, Cp, V), dt)
-        VdH = np.empty((G, Cp, K), dt)
+        blocks = _blocks(units)
+        nb_ = max(len(p) for p, _, _ in blocks)
+        dHt = np.empty((nb_, G, K, V), dt)
+        Kd, VdH = np.empty((nb_, G, Cp, K), dt), np.empty((nb_, G, Cp, K), dt)
+        Vb, DV2 = np.empty((G, Cp, V), dt), np.empty((nb_, G, Cp, V), dt)
+        D0a = self.U if D0 is None else D0  # (unused when D0 is None)
         for n0 in range(0, N, G):
             gc = min(G, N - n0)
-            for b, h in units:
-                E = self._E[b, h, n0 : n0 + gc]
-                if D0 is None:
-                    dH = self._dHl[b, h, n0 : n0 + gc]
-                else:
-                    _corrected(self._dHl[b, h], self._e[b, h], D0[b, h], n0, gc, dHt)
-                    dH = dHt[:gc]
-                _scaled_rows(self._k, b, h, n0, gc, T, C, Cp, dt.type(1), E, Kd)
-                np.matmul(Kd[:gc], dH, out=DV2[:gc])
-                vr = _rows(self._v, b, h, n0, gc, geo, Vb)
-                np.matmul(vr, dH.transpose(0, 2, 1), out=VdH[:gc])
+            for part, ub, uh in blocks:
+                _corrected(self._dHl, self._e, D0a, D0 is not None, ub, uh, n0, gc, dHt)
+                _kd_rows(self._k, ub, uh, n0, gc, T, C, Cp, self._E, Kd)
+                for j, (b, h) in enumerate(part):
+                    dH = dHt[j, :gc]
+                    np.matmul(Kd[j, :gc], dH, out=DV2[j, :gc])
+                    vr = _rows(self._v, b, h, n0, gc, geo, Vb)
+                    np.matmul(vr, dH.transpose(0, 2, 1), out=VdH[j, :gc])
                 _bwd_finish(
-                    self._k, b, h, n0, gc, T, C, E, VdH, DV2, self._ac[b, h], self._Sst[b, h], dH,
+                    self._k, ub, uh, n0, gc, T, C, self._E, VdH, DV2, self._ac, self._Sst, dHt,
                     self._dk, self._dv, self._dg,
                 )  # fmt: skip
