@@ -94,35 +94,33 @@ Poll = Callable[[], Any] | None
 def _suffix_exponents(g, ub, uh, n0, G, T, C, Cp, X, tot):
     """For the sequences ``(ub[u], uh[u])``: ``X[u, gi, pos]`` = gate summed over the chunk's tokens after
     ``pos`` (<= 0; 0 for no-op rows), ``X[u, gi, Cp]`` = the chunk's total, summed in float64 into
-    ``tot[b, h, n0 + gi]``. Tokens outer, sequences inner (rows of ``[B, T, H, K]`` read in memory order)."""
+    ``tot[b, h, n0 + gi]``. Chunk by chunk, the block's sequences inside (one chunk's rows stay in cache)."""
     K = g.shape[3]
-    nu = ub.size
     for gi in range(G):
         n = n0 + gi
         nv = min(C, T - n * C)
-        for u in range(nu):
+        for u in range(ub.size):
+            b = ub[u]
+            h = uh[u]
+            Xg = X[u, gi]
             for pos in range(nv - 1, Cp):
-                xr = X[u, gi, pos]
+                xr = Xg[pos]
                 for kk in range(K):
                     xr[kk] = 0
-            tr = tot[ub[u], uh[u], n]
+            for pos in range(nv - 1, 0, -1):
+                gr = g[b, n * C + pos, h]
+                xr = Xg[pos]
+                xn = Xg[pos - 1]
+                for kk in range(K):
+                    xn[kk] = xr[kk] + gr[kk]
+            tr = tot[b, h, n]
             for kk in range(K):
                 tr[kk] = 0.0
-        for pos in range(nv - 1, -1, -1):
-            t = n * C + pos
-            for u in range(nu):
-                gr = g[ub[u], t, uh[u]]
-                tr = tot[ub[u], uh[u], n]
+            for pos in range(nv):
+                gr = g[b, n * C + pos, h]
                 for kk in range(K):
                     tr[kk] += gr[kk]
-                if pos > 0:
-                    xr = X[u, gi, pos]
-                    xn = X[u, gi, pos - 1]
-                    for kk in range(K):
-                        xn[kk] = xr[kk] + gr[kk]
-        for u in range(nu):
-            tr = tot[ub[u], uh[u], n]
-            xr = X[u, gi, Cp]
+            xr = Xg[Cp]
             for kk in range(K):
                 xr[kk] = tr[kk]
 
@@ -131,38 +129,37 @@ def _suffix_exponents(g, ub, uh, n0, G, T, C, Cp, X, tot):
 def _prefix_exponents(g, ub, uh, n0, G, T, C, Cp, X, tot):
     """For the sequences ``(ub[u], uh[u])``: ``X[u, gi, pos]`` = gate summed over the chunk's tokens up to
     ``pos`` inclusive (<= 0; 0 for no-op rows), ``X[u, gi, Cp]`` = the chunk's total, summed in float64 into
-    ``tot[b, h, n0 + gi]``. Tokens outer, sequences inner."""
+    ``tot[b, h, n0 + gi]``."""
     K = g.shape[3]
-    nu = ub.size
     for gi in range(G):
         n = n0 + gi
         nv = min(C, T - n * C)
-        for u in range(nu):
-            tr = tot[ub[u], uh[u], n]
+        for u in range(ub.size):
+            b = ub[u]
+            h = uh[u]
+            Xg = X[u, gi]
+            g0 = g[b, n * C, h]
+            x0 = Xg[0]
             for kk in range(K):
-                tr[kk] = 0.0
+                x0[kk] = g0[kk]
+            for pos in range(1, nv):
+                gr = g[b, n * C + pos, h]
+                xp = Xg[pos - 1]
+                xr = Xg[pos]
+                for kk in range(K):
+                    xr[kk] = xp[kk] + gr[kk]
             for pos in range(nv, Cp):
-                xr = X[u, gi, pos]
+                xr = Xg[pos]
                 for kk in range(K):
                     xr[kk] = 0
-        for pos in range(nv):
-            t = n * C + pos
-            for u in range(nu):
-                gr = g[ub[u], t, uh[u]]
-                tr = tot[ub[u], uh[u], n]
-                xr = X[u, gi, pos]
+            tr = tot[b, h, n]
+            for kk in range(K):
+                tr[kk] = 0.0
+            for pos in range(nv):
+                gr = g[b, n * C + pos, h]
                 for kk in range(K):
                     tr[kk] += gr[kk]
-                if pos == 0:
-                    for kk in range(K):
-                        xr[kk] = gr[kk]
-                else:
-                    xp = X[u, gi, pos - 1]
-                    for kk in range(K):
-                        xr[kk] = xp[kk] + gr[kk]
-        for u in range(nu):
-            tr = tot[ub[u], uh[u], n]
-            xr = X[u, gi, Cp]
+            xr = Xg[Cp]
             for kk in range(K):
                 xr[kk] = tr[kk]
 
