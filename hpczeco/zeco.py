@@ -159,7 +159,7 @@ class ZeCOGLA:
             # for S_in with corrected chunk states), and polls the scan while it computes.
             from .gla.split import ForwardSplit
 
-            fs = ForwardSplit(q, k, v, g, scale=scale, chunk_size=self.chunk_size)
+            fs = ForwardSplit(q, k, v, g, scale=scale, chunk_size=self.chunk_size, check_values=False)
             tm["states"] = time.perf_counter() - t0
             handle = scan_start(fs.a, fs.S_local, self.comm, initial=init, **self._scan_kwargs())
             t1 = time.perf_counter()
@@ -172,6 +172,7 @@ class ZeCOGLA:
             o, final = fs.finish(s_in)
             tm["correction"] = time.perf_counter() - t3
             self._finish_forward(q, k, v, g, None, fs.a, s_in, final, scale, tm, t0)
+            self._saved["states"] = fs.states  # chunk states: the backward need not recompute them
             return o
 
         # 1. local decay and state from a zero state (independent of other ranks)
@@ -274,7 +275,8 @@ class ZeCOGLA:
         if xp is np:
             from .gla.split import BackwardSplit
 
-            bs = BackwardSplit(q, k, v, g, do, scale=scale, initial_state=s_in, chunk_size=self.chunk_size)
+            bs = BackwardSplit(q, k, v, g, do, scale=scale, initial_state=s_in, chunk_size=self.chunk_size,
+                               states=sv.get("states"), check_values=False)
             tm["states"] = time.perf_counter() - t0
             handle = scan_start(a, bs.U, self.comm, reverse=True, initial=init, **self._scan_kwargs())
             t1 = time.perf_counter()
