@@ -175,6 +175,23 @@ class ZeCOGLA:
             self._saved["states"] = fs.states  # chunk states: the backward need not recompute them
             return o
 
+        if xp is not np and q.shape[1] and B * H:
+            # CuPy: the device kernels' own split (hpczeco.gpu.gla): local states from a zero start, then
+            # the outputs with the incoming state folded into the chunk states (no correction pass)
+            from .gpu.gla import chunk_gla_prepare
+
+            fw = chunk_gla_prepare(q, k, v, g, scale=scale, chunk_size=self.chunk_size)
+            tm["states"] = time.perf_counter() - t0
+            handle = scan_start(fw.decay, fw.local_final_state, self.comm, initial=init, **self._scan_kwargs())
+            t2 = time.perf_counter()
+            s_in = handle.wait()
+            tm["wait"] = time.perf_counter() - t2
+            t3 = time.perf_counter()
+            o, final = fw.finish(initial_state=s_in, output_final_state=True)
+            tm["correction"] = time.perf_counter() - t3
+            self._finish_forward(q, k, v, g, None, fw.decay, s_in, final, scale, tm, t0)
+            return o
+
         # 1. local decay and state from a zero state (independent of other ranks)
         G = xp.cumsum(g.astype(xp.float64), axis=1)                       # [B, L, H, K], inclusive
         if g.shape[1]:
@@ -287,6 +304,23 @@ class ZeCOGLA:
             tm["wait"] = time.perf_counter() - t2
             t3 = time.perf_counter()
             dq, dk, dv, dg, dh0 = bs.finish(None if (self.rank == last and not has_dht) else D)
+            tm["correction"] = time.perf_counter() - t3
+            tm["total"] = time.perf_counter() - t0
+            self.timings.bwd = tm
+            return dq, dk, dv, dg, (dh0 if self.rank == 0 else None)
+
+        if xp is not np and L and B * H:
+            from .gpu.gla import chunk_gla_bwd_prepare
+
+            bw = chunk_gla_bwd_prepare(q, k, v, g, do, scale=scale, chunk_size=self.chunk_size)
+            tm["states"] = time.perf_counter() - t0
+            handle = scan_start(a, bw.dh0_local, self.comm, reverse=True, initial=init, **self._scan_kwargs())
+            t2 = time.perf_counter()
+            D = handle.wait()
+            tm["wait"] = time.perf_counter() - t2
+            t3 = time.perf_counter()
+            dq, dk, dv, dg, dh0 = bw.finish(initial_state=s_in,
+                                            dht=None if (self.rank == last and not has_dht) else D)
             tm["correction"] = time.perf_counter() - t3
             tm["total"] = time.perf_counter() - t0
             self.timings.bwd = tm
