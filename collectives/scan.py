@@ -74,7 +74,10 @@ Arithmetic uses the array module of the buffers (numpy or CuPy); communication g
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -96,12 +99,74 @@ __all__ = [
     "relay_send",
     "combine",
     "fold_reference",
+    "TIMEOUT_ENV",
+    "resolve_timeout",
+    "scan_stats",
 ]
 
 #: accepted values of ``topology``
 TOPOLOGIES = ("ring", "tree", "allgather", "serial", "exscan", "auto")
 _DTYPES = ("float32", "float64")
 _PROGRESS = ("poll", "thread")
+
+#: environment variable: seconds a collective wait may take before the job is aborted (unset = forever)
+TIMEOUT_ENV = "HPCZECO_COLLECTIVE_TIMEOUT"
+#: tag of the timeout-mode arrival/agreement messages (on the private communicator; below SCAN_TAG_BASE)
+_AGREE_TAG = 7
+_STATS = {"inflight": 0, "started": 0}
+
+
+def resolve_timeout(timeout: float | None) -> float | None:
+    """``timeout`` (checked: positive, finite) or, when None, ``$HPCZECO_COLLECTIVE_TIMEOUT`` (None if unset)."""
+    if timeout is None:
+        env = os.environ.get(TIMEOUT_ENV, "").strip()
+        if not env:
+            return None
+        try:
+            timeout = float(env)
+        except ValueError:
+            raise ValueError(f"${TIMEOUT_ENV} must be a number of seconds, got {env!r}") from None
+        what = f"${TIMEOUT_ENV}"
+    else:
+        what = "timeout"
+    if isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{what} must be a number of seconds or None, got {type(timeout).__name__}")
+    if not (timeout > 0 and timeout < float("inf")):
+        raise ValueError(f"{what} must be a positive finite number of seconds, got {timeout}")
+    return float(timeout)
+
+
+def _abort_stalled(comm: MPI.Comm, op: str, waiting_for: str, timeout: float) -> None:
+    """Print why this rank gives up and abort the whole job (never returns)."""
+    rank = comm.Get_rank()
+    print(f"hpczeco: rank {rank}: {op} exceeded the collective timeout of {timeout:g} s; still waiting for "
+          f"{waiting_for}; aborting the job (MPI_Abort)", file=sys.stderr, flush=True)
+    comm.Abort(3)
+
+
+def _poll_until(done, deadline: float) -> bool:
+    """Call ``done()`` with a growing sleep (50 us .. 10 ms) until it returns True or ``deadline`` passes."""
+    pause = 5e-5
+    while True:
+        if done():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+
+
+def scan_stats(comm: MPI.Comm | None = None) -> dict[str, int]:
+    """Counters for leak checks: ``inflight`` (scan handles started and not yet complete, this process),
+    ``started`` (scans started), and with ``comm`` its context's pool: ``pooled`` (buffers kept for reuse)
+    and ``pooled_bytes``. Local (no communication); ``comm``'s context must already exist to report a pool."""
+    out = dict(_STATS)
+    if comm is not None:
+        pool = get_context(comm).pool
+        with pool._lock:
+            out["pooled"] = sum(len(v) for v in pool._free.values())
+            out["pooled_bytes"] = int(pool.held)
+    return out
 
 
 # --------------------------------------------------------------------------- helpers
@@ -228,20 +293,50 @@ def _digest(values: dict[str, Any]) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "little")
 
 
-def agree_fast(comm: MPI.Comm, op: str, error: BaseException | None, agree: dict[str, Any]) -> None:
+def agree_fast(
+    comm: MPI.Comm, op: str, error: BaseException | None, agree: dict[str, Any], timeout: float | None = None
+) -> None:
     """:func:`collective_check` with a cheap all-good path: one ``Allreduce`` of a digest.
 
     Same errors on every rank as :func:`collective_check` (which runs when anything is wrong).
+    With ``timeout`` (seconds) the digests are exchanged point to point instead (``P - 1`` small
+    messages each way), so that a rank that does not arrive within ``timeout`` is named before the
+    job is aborted (see :func:`scan_start`).
     """
     if comm.Get_size() == 1:
         collective_check(None, op, error, agree)
         return
     h = _digest(agree)
     buf = np.array([1 if error is not None else 0, h, -h], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+    if timeout is None:
+        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+    else:
+        _agree_p2p(comm, op, buf, timeout)
     if buf[0] != 0 or buf[1] != -buf[2]:
         collective_check(comm, op, error, agree)
         raise AssertionError(f"{op}: ranks disagree but collective_check found no difference")  # pragma: no cover
+
+
+def _agree_p2p(comm: MPI.Comm, op: str, buf: np.ndarray, timeout: float) -> None:
+    """``buf <- max over ranks`` by point-to-point messages, aborting (naming the absent ranks) after ``timeout``."""
+    P, rank = comm.Get_size(), comm.Get_rank()
+    others = [r for r in range(P) if r != rank]
+    got = np.empty((len(others), buf.size), dtype=buf.dtype)
+    rreqs = [comm.Irecv(got[i], source=r, tag=_AGREE_TAG) for i, r in enumerate(others)]
+    sreqs = [comm.Isend(buf, dest=r, tag=_AGREE_TAG) for r in others]
+    arrived = [False] * len(others)
+
+    def done() -> bool:
+        for i, req in enumerate(rreqs):
+            if not arrived[i]:
+                arrived[i] = bool(req.Test())
+        return all(arrived)
+
+    if not _poll_until(done, time.monotonic() + timeout):
+        missing = [others[i] for i, ok in enumerate(arrived) if not ok]
+        _abort_stalled(comm, f"{op} (arrival/validation)", f"rank(s) {missing}, which did not call {op}", timeout)
+    MPI.Request.Waitall(sreqs)
+    np.maximum(buf, got.max(axis=0), out=buf)
 
 
 def _resolve(topology: str, blocks: int | None, P: int, nbytes: int, K: int, memory: str) -> tuple[str, int | None]:
@@ -280,6 +375,23 @@ class ScanHandle:
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         self._out: Any = None  # the caller's ``out``, returned as is
+        self._timeout: float | None = None  # seconds; set by scan_start
+        self._comm: MPI.Comm | None = None  # aborted on a timeout
+        self._counted = False
+
+    def _count(self) -> None:
+        self._counted = True
+        _STATS["inflight"] += 1
+        _STATS["started"] += 1
+
+    def _uncount(self) -> None:
+        if self._counted:
+            self._counted = False
+            _STATS["inflight"] -= 1
+
+    def _waiting_for(self) -> str:
+        """Who this rank is still waiting for (for the timeout message)."""
+        return "a collective: some rank did not arrive"
 
     # subclasses: _progress() -> bool (all communication done), _complete() (block), _finish() -> S_in
     def _progress(self) -> bool:  # pragma: no cover - overridden
@@ -303,21 +415,43 @@ class ScanHandle:
         if self._thread is not None:
             if self._thread.is_alive():
                 return False
-            return self._join() is not None
+            self._join()
+            self._uncount()
+            return True
         if self._progress():
             self._result = self._deliver(self._finish())
+            self._uncount()
             return True
         return False
 
     def wait(self) -> Any:
-        """Block until done; return ``S_in`` (this rank's exclusive scan)."""
+        """Block until done; return ``S_in`` (this rank's exclusive scan).
+
+        With a timeout (``scan_start(timeout=...)`` or ``$HPCZECO_COLLECTIVE_TIMEOUT``) the handle is
+        polled with a growing sleep instead; past the timeout the rank prints which rank(s) it still
+        waits for and calls ``MPI_Abort`` on the communicator (ending the job)."""
         if self._result is None:
-            if self._thread is not None:
+            if self._timeout is not None:
+                self._wait_timeout()
+            elif self._thread is not None:
                 self._join()
             else:
                 self._complete()
                 self._result = self._deliver(self._finish())
+        self._uncount()
         return self._result
+
+    def _wait_timeout(self) -> None:
+        assert self._timeout is not None
+        deadline = time.monotonic() + self._timeout
+        if self._thread is not None:
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+            if self._thread.is_alive():
+                _abort_stalled(self._comm, f"scan({self.topology}) wait", self._waiting_for(), self._timeout)
+            self._join()
+            return
+        if not _poll_until(self.test, deadline):
+            _abort_stalled(self._comm, f"scan({self.topology}) wait", self._waiting_for(), self._timeout)
 
     def _deliver(self, result: Any) -> Any:
         return result if self._out is None else self._out
@@ -450,6 +584,11 @@ class _RingHandle(ScanHandle):
                 self.kern = row_kernel(self.out, plan.a2, plan.S2, self.fwd)
                 self.isend = tr.isend
 
+    def _waiting_for(self) -> str:
+        if self.next < self.n:
+            return f"rank {self.prev} (the previous rank in scan order; piece {self.next} of {self.n} not received)"
+        return f"rank {self.nxt} (the next rank in scan order has not received this rank's pieces)"
+
     def _forward(self, j: int) -> None:
         if self.last:
             return
@@ -510,6 +649,15 @@ class _TreeHandle(ScanHandle):
             buf = self.p.acquire((self.p.R * (self.p.V + 1),))
         setattr(self, name, None)
         return buf
+
+    def _waiting_for(self) -> str:
+        p, d = self.p, 1 << self.round
+        who = []
+        if p.pos - d >= 0:
+            who.append(f"rank {p.rank_of(p.pos - d)} (sender)")
+        if p.pos + d < p.P:
+            who.append(f"rank {p.rank_of(p.pos + d)} (receiver)")
+        return f"the partner(s) of round {self.round} of {self.nrounds}: " + ", ".join(who)
 
     def _post(self) -> None:
         p, d = self.p, 1 << self.round
@@ -717,6 +865,7 @@ def scan_start(
     transport: Transport | str | None = None,
     progress: str = "poll",
     out: Any = None,
+    timeout: float | None = None,
 ) -> ScanHandle:
     """Start the exclusive scan of :func:`scan` and return a :class:`ScanHandle` (collective).
 
@@ -725,12 +874,22 @@ def scan_start(
     (``progress="thread"`` drives it from a helper thread instead). ``out`` (optional, like ``S``,
     C-contiguous, not overlapping the inputs) receives the result, which saves allocating (and
     page-faulting) a new state per call. See the module docstring.
+
+    ``timeout`` (seconds; None = ``$HPCZECO_COLLECTIVE_TIMEOUT``, unset = wait forever; the same on
+    every rank): a rank that waits longer than that -- for the other ranks to arrive at the
+    validation, or in ``wait()`` for the scan's messages -- prints to stderr the operation and the
+    rank(s) it waits for (ring/serial: the previous rank in scan order; tree: the partners of the
+    pending round; allgather/exscan: "some rank did not arrive") and calls ``MPI_Abort``. With a
+    timeout the validation exchanges ``P - 1`` small messages each way instead of one Allreduce,
+    and ``wait()`` polls with a growing sleep (up to 10 ms) instead of blocking.
     """
     ctx = get_context(comm)
     P, rank = ctx.size, ctx.rank
     pos = P - 1 - rank if (isinstance(reverse, (bool, np.bool_)) and reverse) else rank
     error: BaseException | None = None
+    tmo: float | None = None
     try:
+        tmo = resolve_timeout(timeout)
         _check_inputs(a, S, initial, topology, blocks, reverse, pos == 0, progress)
         if out is not None:
             _check_out(out, a, S, initial)
@@ -749,7 +908,7 @@ def scan_start(
         "topology/blocks used": (topo, nblocks),
         "transport": _transport_name(transport),
     }
-    agree_fast(ctx.pcomm, "scan", error, agree)
+    agree_fast(ctx.pcomm, "scan", error, agree, tmo)
     tag = ctx.next_tag()
     xp = get_array_module(S)
     if P == 1:
@@ -777,6 +936,8 @@ def scan_start(
     else:  # pragma: no cover - _resolve returns a concrete topology
         raise AssertionError(topo)
     h._out = out
+    h._timeout, h._comm = tmo, ctx.pcomm
+    h._count()
     if progress == "thread":
         h._start_thread()
     return h
@@ -793,6 +954,7 @@ def scan(
     initial: Any = None,
     transport: Transport | str | None = None,
     out: Any = None,
+    timeout: float | None = None,
 ) -> Any:
     """This rank's exclusive scan ``S_in [..., K, V]`` of the pairs ``(a [..., K], S [..., K, V])`` (collective).
 
@@ -805,9 +967,11 @@ def scan(
     arrays' transport: host, or a device transport by detection / ``$HPCZECO_TRANSPORT``, cached
     per communicator), a name ("host", "auto", "cuda-aware", "staged", "nccl"), or a
     :class:`~hpczeco.collectives.transport.Transport` (whose communicator then carries the messages).
+    ``timeout``: see :func:`scan_start` (a stalled peer aborts the job with a message naming it).
     """
     return scan_start(
-        a, S, comm, topology=topology, blocks=blocks, reverse=reverse, initial=initial, transport=transport, out=out
+        a, S, comm, topology=topology, blocks=blocks, reverse=reverse, initial=initial, transport=transport, out=out,
+        timeout=timeout,
     ).wait()
 
 
@@ -827,7 +991,8 @@ def _relay_setup(buf: Any, comm: MPI.Comm, reverse: bool, transport: Transport |
 
 
 def relay_recv(
-    buf: Any, comm: MPI.Comm, *, reverse: bool = False, transport: Transport | str | None = None
+    buf: Any, comm: MPI.Comm, *, reverse: bool = False, transport: Transport | str | None = None,
+    timeout: float | None = None,
 ) -> bool:
     """Receive the whole state from the previous rank in scan order into ``buf`` (blocking).
 
@@ -835,11 +1000,20 @@ def relay_recv(
     :func:`relay_send` on the previous rank: the k-th ``relay_send`` of rank ``p-1`` feeds the k-th
     ``relay_recv`` of rank ``p`` (per direction; messages of one direction stay in order).
     Point-to-point, so only local checks: ``buf`` must match the sender's buffer in size and dtype.
+    ``timeout`` (seconds; None = ``$HPCZECO_COLLECTIVE_TIMEOUT``, unset = forever): past it, print the
+    sender's rank and call ``MPI_Abort``.
     """
+    tmo = resolve_timeout(timeout)
     ctx, pos, tr, step = _relay_setup(buf, comm, reverse, transport)
     if pos == 0:
         return False
-    tr.recv(buf, ctx.rank - step, RELAY_TAGS[bool(reverse)])
+    src = ctx.rank - step
+    if tmo is None:
+        tr.recv(buf, src, RELAY_TAGS[bool(reverse)])
+        return True
+    req = tr.irecv(buf, src, RELAY_TAGS[bool(reverse)])
+    if not _poll_until(req.test, time.monotonic() + tmo):
+        _abort_stalled(ctx.pcomm, "relay_recv", f"rank {src} (the previous rank in scan order)", tmo)
     return True
 
 

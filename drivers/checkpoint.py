@@ -64,6 +64,31 @@ _RESERVED = {"format", "format_version", "step", "nranks", "created", "_manifest
 _INT64 = (-(2**63), 2**63 - 1)
 
 
+#: fault injection for the reliability tests: ``MODE[:STEP]`` with MODE ``mid-write`` (the process exits
+#: abruptly after writing about half of the datasets into the temporary file) or ``before-rename`` (exits
+#: after the temporary file is complete and fsync'ed, before it is renamed); STEP limits it to that
+#: checkpoint step. The process ends with ``os._exit(FAULT_EXIT_CODE)`` (no cleanup, like a crash).
+FAULT_ENV = "HPCZECO_FAULT_CKPT"
+FAULT_EXIT_CODE = 77
+_FAULT_MODES = ("mid-write", "before-rename")
+
+
+def _fault_here(mode: str, step: int) -> bool:
+    env = os.environ.get(FAULT_ENV, "").strip()
+    if not env:
+        return False
+    want, _, at = env.partition(":")
+    if want not in _FAULT_MODES:
+        raise ValueError(f"${FAULT_ENV} must be MODE[:STEP] with MODE in {_FAULT_MODES}, got {env!r}")
+    return want == mode and (not at or int(at) == step)
+
+
+def _crash(mode: str, step: int) -> None:
+    sys.stderr.write(f"hpczeco checkpoint: fault injection: exiting abruptly ({mode}) while writing step {step}\n")
+    sys.stderr.flush()
+    os._exit(FAULT_EXIT_CODE)
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, or no stored checkpoint passes the checks."""
 
@@ -352,6 +377,8 @@ class CheckpointWriter:
         else:
             err_s = self._write_serial(tmp, host, manifest, stored, root_attrs) if self.rank == 0 else None
         if err_s is None and self.rank == 0:
+            if _fault_here("before-rename", step):
+                _crash("before-rename", step)
             err_s = self._publish(tmp, final)
         if err_s is not None and self.rank == 0:
             _silent_unlink(tmp)
@@ -362,7 +389,11 @@ class CheckpointWriter:
 
     @staticmethod
     def _fill(f: h5py.File, host, manifest, stored, root_attrs, write_data: bool) -> None:
-        for name, a in host.items():
+        crash_at = len(host) // 2 if _fault_here("mid-write", int(root_attrs["step"])) else -1
+        for i, (name, a) in enumerate(host.items()):
+            if i == crash_at:
+                f.flush()
+                _crash("mid-write", int(root_attrs["step"]))
             ds = f.create_dataset(name, shape=a.shape, dtype=a.dtype)
             ds.attrs["sha256"] = manifest[name]["sha256"]
             if write_data and a.size:

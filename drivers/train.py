@@ -31,6 +31,44 @@ from .checkpoint import CheckpointWriter, load_latest
 from .data import VOCAB, Sampler, corpus_id, load_corpus, slice_bounds
 from .lm import GLALM, LMConfig, init_params, make_mixers, param_shapes
 
+#: fault injection for the reliability tests: ``RANK:STEP`` -- that rank SIGKILLs itself in the middle of
+#: that step (after its forward/backward, before the gradient allreduce). Not for production use.
+FAULT_KILL_ENV = "HPCZECO_FAULT_KILL"
+#: ``N``: every rank prints one ``soak:`` line (VmRSS, scan handles in flight, pooled buffers) to stderr
+#: after step N and after the last step (leak checks in the reliability tests).
+SOAK_REPORT_ENV = "HPCZECO_SOAK_REPORT"
+
+
+def _fault_kill_at() -> tuple[int, int] | None:
+    env = os.environ.get(FAULT_KILL_ENV, "").strip()
+    if not env:
+        return None
+    try:
+        r, s = env.split(":")
+        return int(r), int(s)
+    except ValueError:
+        raise ValueError(f"${FAULT_KILL_ENV} must be RANK:STEP, got {env!r}") from None
+
+
+def _rss_kb() -> int:
+    """This process's resident set size (kB) from /proc/self/status (-1 where unavailable)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
+def _soak_line(comm, step: int) -> str:
+    from hpczeco.collectives.scan import scan_stats
+
+    st = scan_stats(comm)
+    return (f"soak: rank {comm.Get_rank()} step {step} rss_kb {_rss_kb()} inflight {st['inflight']} "
+            f"started {st['started']} pooled {st['pooled']} pooled_bytes {st['pooled_bytes']}\n")
+
 __all__ = ["build_parser", "run", "main", "TrainResult", "allreduce_sum", "FlatParams"]
 
 SCANS = ("ring", "tree", "allgather", "serial", "exscan", "auto")
@@ -324,6 +362,8 @@ def run(argv: list[str] | None, comm, prog: str = "hpczeco train") -> TrainResul
     t_run = time.perf_counter()
     rates: list[float] = []
     last_saved = step0 if args.resume else -1
+    fault = _fault_kill_at()
+    soak_at = int(os.environ.get(SOAK_REPORT_ENV, "0") or 0)
     try:
         for step in range(step0 + 1, args.steps + 1):
             t0 = time.perf_counter()
@@ -336,6 +376,13 @@ def run(argv: list[str] | None, comm, prog: str = "hpczeco train") -> TrainResul
             else:
                 weights = params.views
             part, grads = model.loss_and_grads(weights, x, y, n_total)
+            if fault is not None and fault == (rank, step):
+                import signal
+
+                sys.stderr.write(f"hpczeco train: fault injection: rank {rank} SIGKILLs itself in step {step} "
+                                 f"at t={time.time():.3f}\n")
+                sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
             g = allreduce_sum(comm, params.pack(grads), args.allreduce)
             loss = float(allreduce_sum(comm, np.array([part], np.float64), args.allreduce)[0])
             if not math.isfinite(loss):
@@ -371,6 +418,9 @@ def run(argv: list[str] | None, comm, prog: str = "hpczeco train") -> TrainResul
             if writer is not None and args.ckpt_every and step % args.ckpt_every == 0:
                 result.checkpoint = save(step, loss)
                 last_saved = step
+            if soak_at and (step == soak_at or step == args.steps):
+                sys.stderr.write(_soak_line(comm, step))
+                sys.stderr.flush()
         result.wall_s = time.perf_counter() - t_run
         result.tokens_per_s = float(np.median(rates[1:] if len(rates) > 1 else rates)) if rates else 0.0
         if writer is not None and last_saved != result.step:
