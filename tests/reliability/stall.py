@@ -4,6 +4,8 @@ Usage: mpiexec -n 3 python stall.py MODE TIMEOUT
   MODE absent : the last rank never calls the scan (sleeps); the others time out at the arrival check.
   MODE poll   : rank 1 starts the ring scan but never polls/waits (sleeps); rank 2 times out in wait().
   MODE relay  : rank 1 never sends; rank 2 times out in relay_recv.
+  MODE tree   : tree scan of a 4 MiB state (rendezvous-size messages); rank 1 never polls/waits;
+                rank 2 times out in wait() naming its round-0 partner, rank 1.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ if mode == "absent":
         scan(a, S, comm, topology="ring", blocks=2, timeout=timeout)
 elif mode == "poll":
     h = scan_start(a, S, comm, topology="ring", blocks=2, timeout=timeout)
+    if rank == 1:
+        time.sleep(120)
+    h.wait()
+elif mode == "tree":
+    big_a, big_S = np.full((64, 64), 0.5), np.ones((64, 64, 128))
+    h = scan_start(big_a, big_S, comm, topology="tree", timeout=timeout)
     if rank == 1:
         time.sleep(120)
     h.wait()
