@@ -158,7 +158,7 @@ def test_crash_during_checkpoint_write(tmp_path, text_file, one_rank_reference, 
 
 # --------------------------------------------------------------------------------------------- soak
 
-SOAK_STEPS = int(os.environ.get("HPCZECO_SOAK_STEPS", "200"))  # 500: see docs/RELIABILITY.md
+SOAK_STEPS = int(os.environ.get("HPCZECO_SOAK_STEPS", "500"))  # the issue asks 500 (~30-40 s here)
 
 
 def test_soak_no_growth(tmp_path, text_file):
