@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .transport import Request, Transport
+from .transport import Request, Transport, _DoneRequest, _MPIRequest
 
 __all__ = [
     "CUDA_AWARE_ENV",
@@ -104,32 +104,8 @@ def _check_buf(name: str, buf: Any) -> None:
         raise ValueError(f"{name} must be C-contiguous (shape {buf.shape}, strides {buf.strides})")
 
 
-class _Done:
-    """A request that completed at creation (e.g. a zero-byte message)."""
-
-    def test(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        return None
-
-
-class _MPIReq:
-    __slots__ = ("req", "done")
-
-    def __init__(self, req: MPI.Request):
-        self.req = req
-        self.done = False
-
-    def test(self) -> bool:
-        if not self.done:
-            self.done = bool(self.req.Test())
-        return self.done
-
-    def wait(self) -> None:
-        if not self.done:
-            self.req.Wait()
-            self.done = True
+_Done = _DoneRequest  # a request that completed at creation (e.g. a zero-byte message)
+_MPIReq = _MPIRequest
 
 
 # ----------------------------------------------------------------------------------------------
