@@ -228,8 +228,10 @@ def _check_out(out: Any, a: Any, S: Any, initial: Any) -> None:
                 raise ValueError(f"out must not overlap {name}")
 
 
-def _check_inputs(a, S, initial, topology, blocks, reverse, first: bool, progress: str) -> None:
-    """Local checks (raise ValueError/TypeError naming the argument)."""
+def _check_inputs(a, S, initial, topology, blocks, reverse, first: bool, progress: str,
+                  check_values: bool = True) -> None:
+    """Local checks (raise ValueError/TypeError naming the argument); ``check_values`` adds the NaN/range
+    scans of the data (each a reduction, and a device synchronisation for CuPy arrays)."""
     if topology not in TOPOLOGIES:
         raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
     if progress not in _PROGRESS:
@@ -269,7 +271,10 @@ def _check_inputs(a, S, initial, topology, blocks, reverse, first: bool, progres
             raise TypeError(f"initial must live where S does ({mem}), got a {_memory(initial)} array")
         if initial.shape != S.shape:
             raise ValueError(f"initial has shape {list(initial.shape)}, expected S's shape {list(S.shape)}")
-        _check_finite("initial", initial)
+        if check_values:
+            _check_finite("initial", initial)
+    if not check_values:
+        return
     # min/max propagate NaN: two reductions instead of an isfinite() temporary
     amin, amax = float(a.min()), float(a.max())
     if amin != amin or amax != amax:
@@ -866,6 +871,7 @@ def scan_start(
     progress: str = "poll",
     out: Any = None,
     timeout: float | None = None,
+    check_values: bool = True,
 ) -> ScanHandle:
     """Start the exclusive scan of :func:`scan` and return a :class:`ScanHandle` (collective).
 
@@ -890,7 +896,7 @@ def scan_start(
     tmo: float | None = None
     try:
         tmo = resolve_timeout(timeout)
-        _check_inputs(a, S, initial, topology, blocks, reverse, pos == 0, progress)
+        _check_inputs(a, S, initial, topology, blocks, reverse, pos == 0, progress, check_values)
         if out is not None:
             _check_out(out, a, S, initial)
         _check_transport(transport, S, P, rank)
@@ -955,6 +961,7 @@ def scan(
     transport: Transport | str | None = None,
     out: Any = None,
     timeout: float | None = None,
+    check_values: bool = True,
 ) -> Any:
     """This rank's exclusive scan ``S_in [..., K, V]`` of the pairs ``(a [..., K], S [..., K, V])`` (collective).
 
@@ -968,10 +975,11 @@ def scan(
     per communicator), a name ("host", "auto", "cuda-aware", "staged", "nccl"), or a
     :class:`~hpczeco.collectives.transport.Transport` (whose communicator then carries the messages).
     ``timeout``: see :func:`scan_start` (a stalled peer aborts the job with a message naming it).
+    ``check_values=False`` skips the NaN/range scans of the data (for callers that validated it).
     """
     return scan_start(
         a, S, comm, topology=topology, blocks=blocks, reverse=reverse, initial=initial, transport=transport, out=out,
-        timeout=timeout,
+        timeout=timeout, check_values=check_values,
     ).wait()
 
 

@@ -90,8 +90,9 @@ class ZeCOGLA:
 
     # ------------------------------------------------------------------ helpers
     def _scan_kwargs(self) -> dict[str, Any]:
-        topo = self.scan
-        return {"topology": topo, "blocks": self.blocks, "transport": self.transport}
+        # the layer validated q, k, v, g, do, initial_state and dht collectively: the scan need not scan
+        # the derived states for NaN again (on device arrays each such scan synchronises the device)
+        return {"topology": self.scan, "blocks": self.blocks, "transport": self.transport, "check_values": False}
 
     @property
     def final_state(self):

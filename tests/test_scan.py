@@ -281,3 +281,19 @@ def test_error_types(comm, rng):
     with pytest.raises(ValueError, match="progress must be"):
         scan_start(a, s, comm, progress="magic")
     assert rank < P
+
+
+def test_check_values_switch(comm, rng):
+    """By default a NaN in S is refused on every rank; check_values=False skips the data scans (the
+    caller validated the data) and the scan still folds finite inputs exactly."""
+    P, r = comm.Get_size(), comm.Get_rank()
+    a_all = rng.uniform(0.1, 1.0, size=(P, 2, 5))
+    S_all = rng.standard_normal((P, 2, 5, 3))
+    want = fold_reference([(a_all[p], S_all[p]) for p in range(P)])[r]
+    got = scan(a_all[r].copy(), S_all[r].copy(), comm, topology="ring", check_values=False)
+    assert np.allclose(got, want, rtol=1e-12, atol=1e-12)
+    bad = S_all[r].copy()
+    if r == P - 1:
+        bad[0, 0, 0] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        scan(a_all[r].copy(), bad, comm, topology="ring")
