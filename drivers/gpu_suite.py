@@ -248,17 +248,21 @@ def single(args) -> int:
     S.say(f"gpu_suite: seed {seed}  {S.info}")
 
     # -- compile (first use builds one RawModule per .cu file with NVRTC)
+    groups = ("common", "bf16") if args.quick else ("common", "bf16", "float", "f16")
     for file in G._KERNEL_FILES:
+        for group in groups:
+            names = [n for n in G.kernel_names(file) if G.kernel_group(n) == group]
+            if not names:
+                continue
 
-        def _compile(file=file):
-            t = time.time()
-            rt = G._runtime()
-            names = G.kernel_names(file)
-            for n in names:
-                rt.fn(n)
-            return True, f"{len(names)} kernels in {time.time() - t:.1f} s"
+            def _compile(names=names):
+                t = time.time()
+                rt = G._runtime()
+                for n in names:
+                    rt.fn(n)
+                return True, f"{len(names)} kernels in {time.time() - t:.1f} s"
 
-        S.check(f"compile {file} (NVRTC, -std=c++17)", _compile)
+            S.check(f"compile {file} [{group}] (NVRTC, -std=c++17)", _compile)
 
     # -- correctness vs float64 CPU references
     def fwd_case(dt_name, B, T, H, K, V, strong, impl, use_h0, tol):
@@ -312,6 +316,8 @@ def single(args) -> int:
     ]
     from hpczeco.gpu import gla_tc  # noqa: PLC0415
 
+    if args.quick:  # the bf16 cases only (fp32/fp16 were validated on the device before)
+        cases = [c for c in cases if c[0] == "bf16"]
     variant_ok = {}
     for var in gla_tc.VARIANTS:
         os.environ["HPCZECO_TC_VARIANT"] = var
@@ -341,6 +347,8 @@ def single(args) -> int:
         ("bf16", 1, 130, 2, 64, 96, True, True, 1e-2),
         ("fp16", 1, 200, 2, 128, 128, False, True, 1e-2),
     ]
+    if args.quick:
+        bcases = [c for c in bcases if c[0] == "bf16"]
     for dt_name, B, T, H, K, V, strong, use_h0, tol in bcases:
         nm = f"bwd {dt_name} B{B} T{T} H{H} K{K} V{V}" + (" strong-g" if strong else "") + (" h0+dht" if use_h0 else "")
         S.check(nm, lambda a=(dt_name, B, T, H, K, V, strong, use_h0, tol): bwd_case(*a), tol)
@@ -363,7 +371,8 @@ def single(args) -> int:
         e3 = rel(U.get(), 0.1 * np.einsum("bthk,bthv->bhkv", xs["q"] * np.exp(G64), xs["do"]))
         return max(e1, e2, e3), f"cumsum {e1:.2e} correction {e2:.2e} U {e3:.2e}"
 
-    S.check("zeco pieces (CuPy kernels) fp32", lambda: zeco_pieces("fp32"), 1e-4)
+    if not args.quick:
+        S.check("zeco pieces (CuPy kernels) fp32", lambda: zeco_pieces("fp32"), 1e-4)
     S.check("zeco pieces (CuPy kernels) bf16", lambda: zeco_pieces("bf16"), 1e-2)
 
     def numba_pieces():
@@ -388,7 +397,8 @@ def single(args) -> int:
         cp.cuda.get_current_stream().synchronize()
         return max(e1, e2, e3, e4), f"cumsum {e1:.2e} correction {e2:.2e} final {e3:.2e} combine {e4:.2e}"
 
-    S.check("zeco pieces (Numba CUDA kernels) fp32", numba_pieces, 1e-4)
+    if not args.quick:
+        S.check("zeco pieces (Numba CUDA kernels) fp32", numba_pieces, 1e-4)
 
     def compose(dt_name):
         """Two slices as two ZeCO ranks (prepare, pass the scan pair, finish) vs the float64 reference."""
@@ -423,7 +433,8 @@ def single(args) -> int:
         errs["dh0"] = rel(g0[4].get(), ref[4])
         return max(errs.values()), " ".join(f"{n} {e:.2e}" for n, e in errs.items())
 
-    S.check("prepare/finish over 2 slices like 2 ZeCO ranks, fp32", lambda: compose("fp32"), 1e-4)
+    if not args.quick:
+        S.check("prepare/finish over 2 slices like 2 ZeCO ranks, fp32", lambda: compose("fp32"), 1e-4)
     S.check("prepare/finish over 2 slices like 2 ZeCO ranks, bf16", lambda: compose("bf16"), 1e-2)
 
     # -- benchmark shape
@@ -965,6 +976,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--T", type=int, default=32768, help="tokens (per GPU with --multi) of the timed shape")
     p.add_argument("--nc", type=int, nargs="*", default=[4, 8, 16], help="tensor-core chunks per segment to time")
     p.add_argument("--zeco-repeats", type=int, default=10)
+    p.add_argument(
+        "--quick", action="store_true", help="bf16 checks only (compiles only the bf16 kernels), then the timings"
+    )
     p.add_argument("--zeco-transport", default="auto", choices=["auto", "cuda-aware", "staged", "nccl"])
     return p
 

@@ -102,11 +102,25 @@ def kernel_source(files: tuple[str, ...] | None = None) -> str:
     return "\n".join(inline(f) for f in (files or _KERNEL_FILES) if (_HERE / f).exists())
 
 
-class _CupyRuntime:
-    """Kernels from one ``cupy.RawModule`` per ``.cu`` file (NVRTC, ``-std=c++17``), on the current CuPy stream.
+def kernel_group(name: str) -> str:
+    """The input type a kernel name expression is instantiated for: "bf16", "f16", "float" or "common"."""
+    lt = name.find("<")
+    if lt < 0:
+        return "common"
+    args = [a.strip() for a in name[lt + 1 : name.rfind(">")].split(",")]
+    for a in args:
+        if a in ("bf16", "f16"):
+            return a
+    return "common" if name.startswith("seg_") else "float"  # small fp32 sums serve every input type
 
-    Each module compiles on first use; a file that fails to compile leaves the others usable (the
-    tensor-core forward then falls back to the simt kernels, with a warning).
+
+class _CupyRuntime:
+    """Kernels from ``cupy.RawModule`` objects (NVRTC, ``-std=c++17``), one per ``.cu`` file and input type, on the
+    current CuPy stream.
+
+    A module compiles on first use of one of its kernels, so a bf16 run never compiles the fp32/fp16
+    instantiations (NVRTC needed about a minute for all of gla_kernels.cu on the GPU machine). A module that
+    fails to compile leaves the others usable (the tensor-core forward then falls back to simt, with a warning).
     """
 
     def __init__(self):
@@ -114,36 +128,39 @@ class _CupyRuntime:
 
         self.xp = cupy
         self.modules: dict[str, Any] = {}
-        self.owner = {n: f for f in _KERNEL_FILES if (_HERE / f).exists() for n in kernel_names(f)}
+        self.owner = {n: (f, kernel_group(n)) for f in _KERNEL_FILES if (_HERE / f).exists() for n in kernel_names(f)}
         self.errors: dict[str, str] = {}
         self._fns: dict[str, Any] = {}
         self._smem: dict[str, int] = {}
 
-    def module(self, file: str):
-        mod = self.modules.get(file)
+    def module(self, file: str, group: str):
+        mod = self.modules.get((file, group))
         if mod is None:
-            mod = self.modules[file] = self.xp.RawModule(
+            names = [n for n in kernel_names(file) if kernel_group(n) == group]
+            mod = self.modules[(file, group)] = self.xp.RawModule(
                 code=kernel_source((file,)),
                 options=("-std=c++17", "--use_fast_math"),
-                name_expressions=kernel_names(file),
+                name_expressions=names,
             )
         return mod
 
     def fn(self, name: str):
         f = self._fns.get(name)
         if f is None:
-            f = self._fns[name] = self.module(self.owner[name]).get_function(name)
+            f = self._fns[name] = self.module(*self.owner[name]).get_function(name)
         return f
 
-    def available(self, file: str) -> bool:
-        """Compile ``file``'s module now; False (error kept in ``errors``) if NVRTC rejects it."""
-        if file in self.errors:
+    def available(self, file: str, group: str | None = None) -> bool:
+        """Compile ``file``'s module for ``group`` (default: its first kernel's) now; False if NVRTC rejects it."""
+        names = [n for n in kernel_names(file) if group is None or kernel_group(n) == group]
+        key = f"{file}:{kernel_group(names[0])}" if names else file
+        if key in self.errors:
             return False
         try:
-            self.fn(kernel_names(file)[0])
+            self.fn(names[0])
             return True
         except Exception as exc:  # noqa: BLE001 - any compile/load failure
-            self.errors[file] = f"{type(exc).__name__}: {exc}"
+            self.errors[key] = f"{type(exc).__name__}: {exc}"
             return False
 
     def launch(self, name: str, grid, block, args, shared_mem: int = 0) -> None:
@@ -389,8 +406,8 @@ def chunk_gla_prepare(
     if impl == "tc" and not aligned:
         raise ValueError("impl='tc' needs q, k, v, g whose data pointers are 16-byte aligned")
     use_tc = impl == "tc" or (impl == "auto" and aligned and _tc_applies(t, K, V, C))
-    if use_tc and impl == "auto" and not getattr(rt, "available", lambda f: True)("gla_tc.cu"):
-        _warn_once(f"tensor-core GLA kernels unavailable ({rt.errors.get('gla_tc.cu', '?')[:300]}); using simt")
+    if use_tc and impl == "auto" and not getattr(rt, "available", lambda f, g=None: True)("gla_tc.cu", t):
+        _warn_once(f"tensor-core GLA kernels unavailable ({rt.errors.get('gla_tc.cu:' + t, '?')[:300]}); using simt")
         use_tc = False
     if use_tc:
         from . import gla_tc  # noqa: PLC0415
@@ -565,7 +582,7 @@ def _zeco_tc(rt: Any, t: str, K: int, V: int, *arrays: Any) -> bool:
         return False
     if any(rt.ptr(x) % 16 for x in arrays):
         return False
-    return getattr(rt, "available", lambda f: True)("gla_zeco.cu")
+    return getattr(rt, "available", lambda f, g=None: True)("gla_zeco.cu", t)
 
 
 def decay_cumsum(g: Any, chunk_size: int = 64) -> Any:
