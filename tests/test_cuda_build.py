@@ -258,3 +258,13 @@ def test_tc_shared_memory_layout_matches_python(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     zc = [ln.split(" ", 1)[1] for ln in res.stdout.splitlines() if ln.startswith("ZC ")]
     assert eval(zc[0], {}) == ggla.ZC_SMEM_CORRECTION  # noqa: S307
+
+
+def test_kernel_groups_split_compilation_by_input_type():
+    groups = {n: ggla.kernel_group(n) for f in ggla._KERNEL_FILES for n in ggla.kernel_names(f)}
+    assert groups["gla_tc_seg_output<bf16, true, true>"] == "bf16"
+    assert groups["seg_finish<float, bf16>"] == "bf16"
+    assert groups["gla_chunk_output<float>"] == "float"
+    assert groups["seg_chunk_sum<float>"] == "common" and groups["gla_state_scan"] == "common"
+    # a bf16 forward + backward needs only the bf16 and common modules
+    assert all(groups[n] in ("bf16", "common") for n in groups if "bf16" in n or groups[n] == "common")
