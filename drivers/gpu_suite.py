@@ -684,6 +684,72 @@ def single(args) -> int:
     except Exception as exc:  # noqa: BLE001
         S.timing("piece: finish / correction", None, error=f"{type(exc).__name__}: {exc}"[:200])
 
+    # where the backward's time goes (bench shape, bf16): each stage of chunk_gla_bwd alone
+    try:
+        rt = G._runtime()
+        i32, f32 = np.int32, np.float32
+        C, NT, BH = 64, -(-T // 64), B * H
+        t_ = "bf16"
+        q_, k_, v_, g_, do_ = (s0[n] for n in ("q", "k", "v", "g", "do"))
+        geo = (i32(B), i32(T), i32(H), i32(K), i32(V), i32(C), i32(NT))
+        st0, gt0 = G._local_states(rt, k_, v_, g_, t_, B, T, H, K, V, C, NT, 0, 1.0)
+        ds0, _ = G._local_states(rt, q_, do_, g_, t_, B, T, H, K, V, C, NT, 1, scale)
+        A_ = cp.empty((BH, NT, 64, 64), dtype=cp.float32)
+        dA_ = cp.empty_like(A_)
+        dq_, dk_ = cp.empty_like(q_), cp.empty_like(k_)
+        dv_ = cp.empty_like(v_)
+        dG_ = cp.empty((B, T, H, K), dtype=cp.float32)
+        stages = {
+            "chunk_outer k^T v (states)": lambda i: G._local_states(rt, k_, v_, g_, t_, B, T, H, K, V, C, NT, 0, 1.0),
+            "chunk_outer q^T do (d-states)": lambda i: G._local_states(
+                rt, q_, do_, g_, t_, B, T, H, K, V, C, NT, 1, scale
+            ),
+            "state scan over chunks": lambda i: G._scan(rt, st0, gt0, None, NT, K, V, BH, reverse=False),
+            "bwd_scores (A, dA)": lambda i: rt.launch(
+                f"gla_bwd_scores<{t_}>", (NT, BH), (256,), (q_, k_, v_, g_, do_, A_, dA_) + geo
+            ),
+            "bwd_dqdk": lambda i: rt.launch(
+                f"gla_bwd_dqdk<{t_}>",
+                (NT, BH, -(-K // 32)),
+                (256,),
+                (q_, k_, v_, g_, do_, st0, ds0, dA_, dq_, dk_, dG_, f32(scale)) + geo + (None, None, None, None),
+            ),
+            "bwd_dv": lambda i: rt.launch(
+                f"gla_bwd_dv<{t_}>",
+                (NT, BH, -(-V // 64)),
+                (256,),
+                (k_, g_, do_, A_, ds0, dv_, f32(scale)) + geo + (None, None),
+            ),
+            "dg reverse cumsum": lambda i: G._cumsum_T(rt, dG_, "float", t_, q_.dtype, B, T, H, K, C, reverse=True),
+            "simt forward output kernel": lambda i: rt.launch(
+                f"gla_chunk_output<{t_}>",
+                (NT, BH, -(-V // 64)),
+                (256,),
+                (
+                    q_,
+                    k_,
+                    v_,
+                    g_,
+                    st0,
+                    dv_,
+                    f32(scale),
+                    i32(B),
+                    i32(T),
+                    i32(H),
+                    i32(K),
+                    i32(V),
+                    i32(C),
+                    i32(NT),
+                    None,
+                    None,
+                ),
+            ),
+        }
+        for name, fn in stages.items():
+            S.timing(f"bwd stage: {name}", cuda_time(cp, fn, max(5, reps // 4), warmup=1))
+    except Exception as exc:  # noqa: BLE001
+        S.timing("bwd stages", None, error=f"{type(exc).__name__}: {exc}"[:200])
+
     p = S.dump("gpu_suite.json")
     S.table()
     S.say(f"results: {p}")
