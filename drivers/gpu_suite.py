@@ -747,6 +747,13 @@ def single(args) -> int:
         }
         for name, fn in stages.items():
             S.timing(f"bwd stage: {name}", cuda_time(cp, fn, max(5, reps // 4), warmup=1))
+        os.environ["HPCZECO_TC_STATES"] = "1"  # the opt-in tensor-core state pass, for comparison
+        try:
+            for name in ("chunk_outer k^T v (states)", "chunk_outer q^T do (d-states)"):
+                S.timing(f"bwd stage: {name} [tensor cores]", cuda_time(cp, stages[name], max(5, reps // 4), warmup=1))
+            S.timing("ours fwd+bwd [HPCZECO_TC_STATES=1]", cuda_time(cp, ours_fb, max(5, reps // 2), warmup=2, sets=2))
+        finally:
+            os.environ.pop("HPCZECO_TC_STATES", None)
     except Exception as exc:  # noqa: BLE001
         S.timing("bwd stages", None, error=f"{type(exc).__name__}: {exc}"[:200])
 

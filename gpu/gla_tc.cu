@@ -195,6 +195,56 @@ __global__ void __launch_bounds__(TC_THREADS, 1) gla_tc_seg_state(const T* __res
 }
 
 // per segment, from its incoming state S_in[bh, seg]: o for every token of the segment
+// One chunk per block: mode 0: out[bh, c] = sum_t (left_t * exp(bL - b_t))^T right_t   (local chunk state)
+//                     mode 1: out[bh, c] = scale * sum_t (left_t * exp(b_t))^T right_t (local d-state)
+// with b the gate's cumulative sum inside the chunk (fp32 [K, V] per chunk); gtot[bh, c] = bL (log decay).
+template <typename T>
+__global__ void __launch_bounds__(TC_THREADS, 1) gla_tc_chunk_outer(const T* __restrict__ left,
+                                                                    const T* __restrict__ right,
+                                                                    const T* __restrict__ g, float* __restrict__ out,
+                                                                    float* __restrict__ gtot, int B, int Tlen, int H,
+                                                                    int K, int V, int NT, int mode, float scale) {
+  TC_DYN_SMEM(smem);
+  float* bs = reinterpret_cast<float*>(smem + TC_OFF_BS);
+  u16* Rs = reinterpret_cast<u16*>(smem + TC_OFF_VT);  // right, row-major [t][v]
+  u16* Ld = reinterpret_cast<u16*>(smem + TC_OFF_KT);  // left * decay, row-major [t][k]
+  u16* Lr = reinterpret_cast<u16*>(smem + TC_OFF_KR);  // left, raw
+  const int c = blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
+  const int tid = threadIdx.x, w = tid / 32, lane = tid % 32, gid = lane >> 2, tig = lane & 3;
+  const int t0 = c * 64, len = min(64, Tlen - t0);
+  tc_load_chunk<T, true>(nullptr, left, right, g, bs, nullptr, Lr, Rs, b, h, t0, len, Tlen, H, K, V);
+  __syncthreads();
+  tc_cumsum(bs, K);
+  __syncthreads();
+  for (int e = tid; e < 64 * K; e += TC_THREADS) {
+    const int t = e / K, kk = e % K;
+    const float lv = bits_to_f<T>(Lr[t * TC_KP + kk]);
+    const float bt = bs[t * TC_BP + kk];
+    const float f = mode == 0 ? dexp(bs[(len - 1) * TC_BP + kk] - bt) : scale * dexp(bt);
+    Ld[t * TC_KP + kk] = Mma<T>::cvt(lv * f);
+  }
+  __syncthreads();
+  float sacc[16][4];
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt) sacc[nt][0] = sacc[nt][1] = sacc[nt][2] = sacc[nt][3] = 0.f;
+  tc_state_update<T, true>(sacc, bs, Ld, Rs, len, K, V, w, gid, tig);
+  if (16 * w < K) {
+    float* o = out + ((i64)bh * NT + c) * K * V;
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+      const int cc = 8 * nt + 2 * tig;
+      if (cc < V) {
+        const int r = 16 * w + gid;
+        o[(i64)r * V + cc] = sacc[nt][0];
+        o[(i64)r * V + cc + 1] = sacc[nt][1];
+        o[(i64)(r + 8) * V + cc] = sacc[nt][2];
+        o[(i64)(r + 8) * V + cc + 1] = sacc[nt][3];
+      }
+    }
+  }
+  if (gtot != nullptr && tid < K) gtot[((i64)bh * NT + c) * K + tid] = bs[(len - 1) * TC_BP + tid];
+}
+
 // PF: the next chunk's loads are issued into registers before this chunk's matrix work (overlap)
 template <typename T, bool L, bool PF>
 __global__ void __launch_bounds__(TC_THREADS, 1)
@@ -433,6 +483,8 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
                                                        const float*);
 GLA_INST_TC(bf16, true, true)
 GLA_INST_TC(f16, false, false)
+template __global__ void gla_tc_chunk_outer<bf16>(const bf16*, const bf16*, const bf16*, float*, float*, int, int, int,
+                                                  int, int, int, int, float);
 #ifndef GLA_INSTANTIATE_FAST
 GLA_INST_TC(bf16, false, false)
 GLA_INST_TC(f16, true, true)

@@ -268,3 +268,18 @@ def test_kernel_groups_split_compilation_by_input_type():
     assert groups["seg_chunk_sum<float>"] == "common" and groups["gla_state_scan"] == "common"
     # a bf16 forward + backward needs only the bf16 and common modules
     assert all(groups[n] in ("bf16", "common") for n in groups if "bf16" in n or groups[n] == "common")
+
+
+def test_emulated_tensor_core_state_pass_opt_in(emu_rt, rng, monkeypatch):
+    B, T, H, K, V = 1, 150, 2, 32, 48
+    q, k, v, g, do, h0, dht = _inputs(rng, B, T, H, K, V)
+    bits = [gemu.f32_to_bf16_bits(x) for x in (q, k, v, g, do)]
+    xs = [gemu.bf16_bits_to_f32(x).astype(np.float64) for x in bits]
+    monkeypatch.setenv("HPCZECO_TC_STATES", "1")
+    emu_rt.launched.clear()
+    got = ggla.chunk_gla_bwd(*bits, initial_state=h0, dht=dht)
+    assert "gla_tc_chunk_outer<bf16>" in emu_rt.launched
+    ref = recurrent_gla_bwd(*xs, initial_state=h0.astype(np.float64), dht=dht.astype(np.float64))
+    for name, a, b in zip(("dq", "dk", "dv", "dg"), got[:4], ref[:4]):
+        assert rel(gemu.bf16_bits_to_f32(a), b) < 1e-2, name
+    assert rel(got[4], ref[4]) < 1e-2
