@@ -28,12 +28,13 @@ export PRTE_MCA_rmaps_default_mapping_policy ?= :oversubscribe
 export OPENBLAS_NUM_THREADS ?= 1
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: all run test install lint bench-gla gpu-check clean help
+.PHONY: all run test install lint gpu-check clean help
 
 help:
 	@echo "make run    - the main job: $(NP)-rank demo under mpiexec (bootstraps .venv)"
 	@echo "make test   - the whole test suite, serial and under mpiexec -n 2..5 (bootstraps .venv)"
 	@echo "make lint   - ruff"
+	@echo "make gpu-check - GPU tests (on a machine with CuPy and a CUDA GPU)"
 	@echo "options: MPI=wheel|system  NP=4  PYTHON=python3"
 
 $(STAMP): pyproject.toml
@@ -55,6 +56,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) tests/run_suite.py
+
+# on a GPU machine (CuPy + a CUDA GPU): the GPU tests, then the 2-rank transport tests
+gpu-check: $(STAMP)
+	$(VPY) -m pytest -q tests/test_cuda_build.py tests/test_gpu_gla.py tests/test_gpu_transport.py tests/test_gpu_daaf.py
+	$(MPIEXEC) -n 2 $(VPY) -m pytest -q -m mpi tests/test_gpu_transport.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -10,7 +10,7 @@ R=runs/device
 mkdir -p "$OUT" $R
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-T_GPU=${T_GPU:-120} T_MULTI=${T_MULTI:-80} T_DAAF=${T_DAAF:-95} T_CPU=${T_CPU:-290}
+T_GPU=${T_GPU:-300} T_MULTI=${T_MULTI:-80} T_DAAF=${T_DAAF:-95} T_CPU=${T_CPU:-290}
 log() { echo "[$(date +%T)] $*"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fla_core-*.whl \
   .whl/flash_linear_attention-*.whl 2>&1 | tail -1
@@ -27,12 +27,12 @@ MPIRUN="mpirun --allow-run-as-root --bind-to none --oversubscribe --mca btl_vade
 cpu_pid=$!
 
 log "single-GPU GLA suite"
-timeout $T_GPU taskset -c 0-7 python3 -m hpczeco.drivers.gpu_suite --out $R/gpu > $R/gpu.log 2>&1; echo "exit $?"
+timeout $T_GPU taskset -c 0-7 python3 -m hpczeco.drivers.gpu_suite --quick --out $R/gpu > $R/gpu.log 2>&1; echo "exit $?"
 tail -30 $R/gpu.log
 log "2-GPU suite over CUDA-aware MPI (UCX)"
 ( source .device/cuda-aware-mpi.sh && export HPCZECO_CUDA_AWARE=1 &&
   timeout $T_MULTI taskset -c 0-7 mpirun --allow-run-as-root --bind-to none -n 2 -x PYTHONPATH -x LD_LIBRARY_PATH \
-    -x HPCZECO_CUDA_AWARE -x UCX_TLS -x NCCL_NVLS_ENABLE python3 -m hpczeco.drivers.gpu_suite --multi --out $R/multi
+    -x HPCZECO_CUDA_AWARE -x UCX_TLS -x NCCL_NVLS_ENABLE python3 -m hpczeco.drivers.gpu_suite --multi --out $R/gpu
 ) > $R/multi.log 2>&1; echo "exit $?"
 tail -25 $R/multi.log
 log "DAAF GPU suite"
