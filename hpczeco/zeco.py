@@ -149,9 +149,7 @@ class ZeCOGLA:
             final = xp.ascontiguousarray(final.astype(sdt))
             relay_send(final, self.comm, transport=self.transport)
             tm["compute"] = time.perf_counter() - t0 - tm["wait"]
-            G = xp.cumsum(g.astype(xp.float64), axis=1)
-            a = xp.exp(G[:, -1]).astype(sdt) if g.shape[1] else xp.ones((B, H, K), dtype=sdt)
-            self._finish_forward(q, k, v, g, G, a, s_in, final, scale, tm, t0)
+            self._finish_forward(q, k, v, g, None, s_in, final, scale, tm, t0)  # the relay needs no decay
             return o
 
         init = initial_state.astype(sdt) if (self.rank == 0 and initial_state is not None) else None
@@ -172,7 +170,7 @@ class ZeCOGLA:
             t3 = time.perf_counter()
             o, final = fs.finish(s_in)
             tm["correction"] = time.perf_counter() - t3
-            self._finish_forward(q, k, v, g, None, fs.a, s_in, final, scale, tm, t0)
+            self._finish_forward(q, k, v, g, fs.a, s_in, final, scale, tm, t0)
             self._saved["states"] = fs.states  # chunk states: the backward need not recompute them
             return o
 
@@ -190,48 +188,21 @@ class ZeCOGLA:
             t3 = time.perf_counter()
             o, final = fw.finish(initial_state=s_in, output_final_state=True)
             tm["correction"] = time.perf_counter() - t3
-            self._finish_forward(q, k, v, g, None, fw.decay, s_in, final, scale, tm, t0)
+            self._finish_forward(q, k, v, g, fw.decay, s_in, final, scale, tm, t0)
             return o
 
-        # 1. local decay and state from a zero state (independent of other ranks)
-        G = xp.cumsum(g.astype(xp.float64), axis=1)                       # [B, L, H, K], inclusive
-        if g.shape[1]:
-            a = xp.exp(G[:, -1]).astype(sdt)                              # [B, H, K]
-            kd = (k.astype(xp.float64) * xp.exp(G[:, -1:] - G)).astype(sdt)  # k_t exp(G_T - G_t) <= 1
-            S_local = xp.einsum("blhk,blhv->bhkv", kd, v.astype(sdt), optimize=True)
-        else:
-            a = xp.ones((B, H, K), dtype=sdt)
-            S_local = xp.zeros((B, H, K, V), dtype=sdt)
-        S_local = xp.ascontiguousarray(S_local.astype(sdt))
-        tm["states"] = time.perf_counter() - t0
-
-        # 2. All-Scan in flight while 3. the local chunked attention runs
-        handle = scan_start(a, S_local, self.comm, initial=init, **self._scan_kwargs())
-        t1 = time.perf_counter()
-        o_local, _ = chunk_gla(q, k, v, g, scale=scale, chunk_size=self.chunk_size)
-        tm["overlap"] = time.perf_counter() - t1
-        t2 = time.perf_counter()
+        # a CuPy slice with no tokens (or no heads): nothing to compute, only to pass the state on
+        a = xp.ones((B, H, K), dtype=sdt)
+        handle = scan_start(a, xp.zeros((B, H, K, V), dtype=sdt), self.comm, initial=init, **self._scan_kwargs())
         s_in = handle.wait()
-        tm["wait"] = time.perf_counter() - t2
+        self._finish_forward(q, k, v, g, a, s_in, xp.ascontiguousarray(s_in.astype(sdt)), scale, tm, t0)
+        return xp.zeros(v.shape, dtype=q.dtype)
 
-        # 4. correction with the incoming state, and the final state
-        t3 = time.perf_counter()
-        if q.shape[1]:
-            qd = (q.astype(xp.float64) * xp.exp(G)).astype(sdt) * scale   # exp(G) <= 1: safe
-            corr = xp.einsum("blhk,bhkv->blhv", qd, s_in.astype(sdt), optimize=True)
-            o = (o_local.astype(sdt) + corr).astype(o_local.dtype)
-        else:
-            o = o_local
-        final = xp.ascontiguousarray((a[..., None] * s_in + S_local).astype(sdt))
-        tm["correction"] = time.perf_counter() - t3
-        self._finish_forward(q, k, v, g, G, a, s_in, final, scale, tm, t0)
-        return o
-
-    def _finish_forward(self, q, k, v, g, G, a, s_in, final, scale, tm, t0) -> None:
+    def _finish_forward(self, q, k, v, g, a, s_in, final, scale, tm, t0) -> None:
         tm["total"] = time.perf_counter() - t0
         self.timings.fwd = tm
         self._final_state = final
-        self._saved = dict(q=q, k=k, v=v, g=g, G=G, a=a, s_in=s_in, final=final, scale=scale)
+        self._saved = dict(q=q, k=k, v=v, g=g, a=a, s_in=s_in, final=final, scale=scale)
 
     # ------------------------------------------------------------------ backward
     def backward(self, do, dht=None):
@@ -246,8 +217,7 @@ class ZeCOGLA:
         if self._saved is None:
             raise RuntimeError("backward() needs a forward() first")
         sv = self._saved
-        q, k, v, g, G, a, s_in, final, scale = (sv[n] for n in ("q", "k", "v", "g", "G", "a", "s_in", "final",
-                                                                "scale"))
+        q, k, v, g, a, s_in, scale = (sv[n] for n in ("q", "k", "v", "g", "a", "s_in", "scale"))
         B, L, H, K = q.shape
         V = v.shape[-1]
         last = self.size - 1
@@ -327,48 +297,15 @@ class ZeCOGLA:
             self.timings.bwd = tm
             return dq, dk, dv, dg, (dh0 if self.rank == 0 else None)
 
-        # 1. U_p = scale sum_t (q_t exp(G_t))^T do_t: what this slice sends into its initial state
-        if L:
-            qd = (q.astype(xp.float64) * xp.exp(G)).astype(sdt) * scale
-            U = xp.einsum("blhk,blhv->bhkv", qd, do.astype(sdt), optimize=True)
-        else:
-            U = xp.zeros((B, H, K, V), dtype=sdt)
-        U = xp.ascontiguousarray(U.astype(sdt))
-        tm["states"] = time.perf_counter() - t0
-
-        # 2. reverse All-Scan of (a_p, U_p) seeded with dht on the last rank, while
-        # 3. the local backward (initial state known from the forward, no dht yet) runs
-        handle = scan_start(a, U, self.comm, reverse=True, initial=init, **self._scan_kwargs())
-        t1 = time.perf_counter()
-        dq, dk, dv, dg, dh0 = chunk_gla_bwd(q, k, v, g, do, scale=scale, initial_state=s_in,
-                                            chunk_size=self.chunk_size)
-        tm["overlap"] = time.perf_counter() - t1
-        t2 = time.perf_counter()
-        D = handle.wait()                                                  # gradient into this rank's final state
-        tm["wait"] = time.perf_counter() - t2
-
-        # 4. add what D contributes: final = diag(exp(G_L)) S_in + sum_t diag(exp(G_L - G_t)) k_t^T v_t
-        t3 = time.perf_counter()
-        if self.rank == last and not has_dht:
-            pass  # nothing flows into the global final state
-        else:
-            D = D.astype(sdt)
-            if L:
-                decay = xp.exp(G[:, -1:] - G)                              # [B, L, H, K] <= 1
-                ddk = (decay * xp.einsum("bhkv,blhv->blhk", D, v.astype(sdt), optimize=True)).astype(sdt)
-                ddv = xp.einsum("blhk,bhkv->blhv", (k.astype(xp.float64) * decay).astype(sdt), D, optimize=True)
-                # dG_t gets -k_t * ddk_t; G_L (through the final state) gets rowsum(final * D)
-                dG = -(k.astype(sdt) * ddk)
-                dG[:, -1] += (final * D).sum(-1)
-                ddg = xp.flip(xp.cumsum(xp.flip(dG.astype(xp.float64), 1), 1), 1)
-                dk = (dk.astype(sdt) + ddk).astype(dk.dtype)
-                dv = (dv.astype(sdt) + ddv).astype(dv.dtype)
-                dg = (dg.astype(xp.float64) + ddg).astype(dg.dtype)
-            dh0 = (dh0.astype(sdt) + a[..., None] * D).astype(dh0.dtype)
-        tm["correction"] = time.perf_counter() - t3
+        # a CuPy slice with no tokens (or no heads): U = 0 and a = 1, so D passes straight through
+        handle = scan_start(a, xp.zeros((B, H, K, V), dtype=sdt), self.comm, reverse=True, initial=init,
+                            **self._scan_kwargs())
+        D = handle.wait()
+        dh0 = xp.zeros((B, H, K, V), dtype=sdt) if (self.rank == last and not has_dht) else D.astype(sdt)
         tm["total"] = time.perf_counter() - t0
         self.timings.bwd = tm
-        return dq, dk, dv, dg, (dh0 if self.rank == 0 else None)
+        zeros = [xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v, g)]
+        return (*zeros, (dh0 if self.rank == 0 else None))
 
 
 def zeco_gla(q, k, v, g, comm, *, initial_state=None, scan: str = "ring", blocks: int | None = None,
