@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import weakref
 from typing import Any
 
 import numpy as np
@@ -443,17 +442,14 @@ class NcclTransport(Transport):
 # selection
 # ----------------------------------------------------------------------------------------------
 
-_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
 
 def _cache_for(comm: MPI.Comm) -> dict:
-    try:
-        return _CACHE.setdefault(comm, {})
-    except TypeError:  # communicator not weak-referenceable: key by handle
-        return _CACHE_BY_HANDLE.setdefault(MPI._handleof(comm), {})
+    """The transports cached for ``comm``: kept in the communicator's library context (an MPI attribute), so
+    they go when ``comm`` is freed -- a handle-keyed cache handed a freed communicator's transport to the next
+    ``Dup`` that reused its handle ("invalid communicator")."""
+    from .context import get_context  # noqa: PLC0415
 
-
-_CACHE_BY_HANDLE: dict[int, dict] = {}
+    return get_context(comm).cache.setdefault("device_transports", {})
 
 
 def resolve_kind(comm: MPI.Comm, kind: str) -> str:

@@ -98,3 +98,17 @@ def test_kind_checks_without_gpu(comm):
     if not D.cuda_aware_known():  # never a device pointer into an MPI not known to be CUDA-aware
         with pytest.raises(RuntimeError, match="CUDA-aware"):
             D.CudaAwareTransport(comm)
+
+
+def test_transport_cache_dies_with_its_communicator(comm):
+    """A freed communicator's cached transports never reach a later Dup that reuses its handle."""
+    from hpczeco.collectives import device as D
+
+    c1 = comm.Dup()
+    D._cache_for(c1)["staged"] = "transport of c1"
+    assert D._cache_for(c1)["staged"] == "transport of c1"
+    c1.Free()
+    for _ in range(4):  # MPI implementations reuse freed handles
+        c2 = comm.Dup()
+        assert "staged" not in D._cache_for(c2)
+        c2.Free()
