@@ -77,3 +77,43 @@ def test_numba_kernels_on_cupy(rng):
     o = cp.asarray(o0)
     nk.state_correction(o, cp.asarray(q), Gc, cp.asarray(S), scale=0.2)
     assert rel(o.get(), o0 + 0.2 * np.einsum("bthk,bhkv->bthv", q * np.exp(G64), S)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_device_value_flags_match_host_mirror(rng, dtype):
+    """The fused bit-pattern checks on the device equal the numpy mirror (packed words and element by element),
+    with NaN/Inf/positive values planted, on a side stream and on the current stream."""
+    import cupy as cp
+    from hpczeco.gpu.checks import start_value_flags, value_flags, value_flags_host
+
+    side = cp.cuda.Stream(non_blocking=True)
+    specials = np.array([np.nan, np.inf, -np.inf, 0.5, -0.0, 0.0, 1e-3], dtype=np.float32)
+    for n in (0, 1, 7, 8, 1000, 4097, 262144, 300001):
+        x = (-np.abs(rng.standard_normal(n)).astype(np.float32))
+        if n and rng.random() < 0.8:
+            x[rng.integers(0, n)] = specials[rng.integers(0, len(specials))]
+        d = cp.asarray(x).astype(dtype)
+        h = d.get()
+        views = [(d, h)] + ([(d[1:], h[1:]), (d[::3], h[::3])] if n > 3 else [])
+        for dv, hv in views:
+            for gate in (False, True):
+                want = value_flags_host(np.ascontiguousarray(hv), gate)
+                assert value_flags([(dv, gate)]) == [want], (dtype, n, gate)
+                assert start_value_flags([(dv, gate)], stream=side).result() == [want], (dtype, n, gate)
+
+
+def test_validate_gla_inputs_device_errors(rng):
+    import cupy as cp
+
+    from hpczeco.gla import validate_gla_inputs
+
+    q, k, v, g, do, _ = _inputs(rng, 1, 70, 2, 16, 8)
+    arrs = {n: cp.asarray(a) for n, a in dict(q=q, k=k, v=v, g=g, do=do).items()}
+    validate_gla_inputs(arrs["q"], arrs["k"], arrs["v"], arrs["g"], do=arrs["do"])
+    for name, val, msg in (("k", np.nan, "k contains NaN"), ("g", 0.25, "g is a log forget gate"),
+                           ("do", -np.inf, "do contains NaN")):
+        bad = dict(arrs)
+        bad[name] = arrs[name].copy()
+        bad[name][0, 33, 1, 3] = val
+        with pytest.raises(ValueError, match=msg):
+            validate_gla_inputs(bad["q"], bad["k"], bad["v"], bad["g"], do=bad["do"])

@@ -21,6 +21,8 @@ __all__ = [
     "check_chunk_size",
     "check_scale",
     "check_finite_values",
+    "check_device_values",
+    "raise_for_flags",
     "check_gate_values",
     "compute_dtype_name",
     "state_dtype_ok",
@@ -137,8 +139,33 @@ def validate_gla_inputs(
         dev = [n for n, d in on_device.items() if d]
         raise TypeError(f"arrays must all be numpy or all be cupy arrays: {host} on the host, {dev} on the device")
     if check_values:
-        check_gate_values("g", g)
-        for name, x in present.items():
-            if name != "g":
-                check_finite_values(name, x)
+        if any(on_device.values()):
+            check_device_values(present, gate="g")
+        else:
+            check_gate_values("g", g)
+            for name, x in present.items():
+                if name != "g":
+                    check_finite_values(name, x)
     return B, T, H, K, V
+
+
+def check_device_values(arrays: dict[str, Any], gate: str | None = None) -> None:
+    """NaN/Inf (and ``arrays[gate] <= 0``) checks of CuPy arrays: one fused reduction per array over the raw
+    bits and one device synchronisation for all of them (:mod:`hpczeco.gpu.checks`). Same errors as the
+    host checks, naming the first offending argument."""
+    from ..gpu.checks import value_flags  # noqa: PLC0415
+
+    names = list(arrays)
+    raise_for_flags(arrays, value_flags([(arrays[n], n == gate) for n in names]))
+
+
+def raise_for_flags(arrays: dict[str, Any], flags: list[int]) -> None:
+    """Raise the host checks' ``ValueError`` for the first array whose flags (:mod:`hpczeco.gpu.checks`) are set."""
+    from ..gpu.checks import NONFINITE, POSITIVE  # noqa: PLC0415
+
+    for (name, x), f in zip(arrays.items(), flags):
+        if f & NONFINITE:
+            raise ValueError(f"{name} contains NaN or Inf")
+        if f & POSITIVE:
+            raise ValueError(f"{name} is a log forget gate and must be <= 0 everywhere (max is "
+                             f"{float(x.astype('float32').max())})")
