@@ -271,11 +271,27 @@ def _check_inputs(a, S, initial, topology, blocks, reverse, first: bool, progres
             raise TypeError(f"initial must live where S does ({mem}), got a {_memory(initial)} array")
         if initial.shape != S.shape:
             raise ValueError(f"initial has shape {list(initial.shape)}, expected S's shape {list(S.shape)}")
-        if check_values:
+        if check_values and mem == "host":
             _check_finite("initial", initial)
     if not check_values:
         return
     # min/max propagate NaN: two reductions instead of an isfinite() temporary
+    if mem == "device":  # every reduction queued, then one copy to the host (one synchronisation)
+        xp = get_array_module(S)
+        parts = [a.min(), a.max(), S.min(), S.max()]
+        if initial is not None:
+            parts += [initial.min(), initial.max()]
+        vals = [float(x) for x in xp.stack(parts).astype(xp.float64).get()]
+        if len(vals) > 4 and not (-_INF < vals[4] and vals[5] < _INF):
+            raise ValueError("initial contains NaN or Inf")
+        amin, amax = vals[0], vals[1]
+        if amin != amin or amax != amax:
+            raise ValueError("a contains NaN")
+        if not (amin >= 0.0 and amax <= 1.0):
+            raise ValueError(f"a holds decays outside [0, 1] (min {amin:g}, max {amax:g})")
+        if not (-_INF < vals[2] and vals[3] < _INF):
+            raise ValueError("S contains NaN or Inf")
+        return
     amin, amax = float(a.min()), float(a.max())
     if amin != amin or amax != amax:
         raise ValueError("a contains NaN")
@@ -872,6 +888,7 @@ def scan_start(
     out: Any = None,
     timeout: float | None = None,
     check_values: bool = True,
+    agreed: bool = False,
 ) -> ScanHandle:
     """Start the exclusive scan of :func:`scan` and return a :class:`ScanHandle` (collective).
 
@@ -888,6 +905,11 @@ def scan_start(
     pending round; allgather/exscan: "some rank did not arrive") and calls ``MPI_Abort``. With a
     timeout the validation exchanges ``P - 1`` small messages each way instead of one Allreduce,
     and ``wait()`` polls with a growing sleep (up to 10 ms) instead of blocking.
+
+    ``agreed=True`` skips the validation exchange: the caller guarantees that every rank passes the same
+    shapes, dtype, topology, blocks, direction and transport (a layer that agreed on them collectively
+    already, like :class:`hpczeco.ZeCOGLA`). The local checks still run; one failing then raises on its
+    rank only, so the others must rely on ``timeout`` to end.
     """
     ctx = get_context(comm)
     P, rank = ctx.size, ctx.rank
@@ -914,7 +936,11 @@ def scan_start(
         "topology/blocks used": (topo, nblocks),
         "transport": _transport_name(transport),
     }
-    agree_fast(ctx.pcomm, "scan", error, agree, tmo)
+    if agreed:
+        if error is not None:
+            raise error
+    else:
+        agree_fast(ctx.pcomm, "scan", error, agree, tmo)
     tag = ctx.next_tag()
     xp = get_array_module(S)
     if P == 1:
@@ -962,6 +988,7 @@ def scan(
     out: Any = None,
     timeout: float | None = None,
     check_values: bool = True,
+    agreed: bool = False,
 ) -> Any:
     """This rank's exclusive scan ``S_in [..., K, V]`` of the pairs ``(a [..., K], S [..., K, V])`` (collective).
 
@@ -975,11 +1002,12 @@ def scan(
     per communicator), a name ("host", "auto", "cuda-aware", "staged", "nccl"), or a
     :class:`~hpczeco.collectives.transport.Transport` (whose communicator then carries the messages).
     ``timeout``: see :func:`scan_start` (a stalled peer aborts the job with a message naming it).
-    ``check_values=False`` skips the NaN/range scans of the data (for callers that validated it).
+    ``check_values=False`` skips the NaN/range scans of the data (for callers that validated it);
+    ``agreed=True`` skips the validation exchange (see :func:`scan_start`).
     """
     return scan_start(
         a, S, comm, topology=topology, blocks=blocks, reverse=reverse, initial=initial, transport=transport, out=out,
-        timeout=timeout, check_values=check_values,
+        timeout=timeout, check_values=check_values, agreed=agreed,
     ).wait()
 
 
