@@ -30,8 +30,10 @@ from typing import Any
 import numpy as np
 
 from .backend import get_array_module
-from .collectives import collective_check, local_error
+from .collectives import local_error
+from .collectives.scan import agree_fast
 from .gla import chunk_gla, chunk_gla_bwd, validate_gla_inputs
+from .gla.validate import raise_for_flags
 
 __all__ = ["ZeCOGLA", "zeco_gla", "SCANS"]
 
@@ -66,10 +68,17 @@ class ZeCOGLA:
         chunk_size: chunk length of the local chunked GLA.
         scale: query scale (default ``K ** -0.5``).
         transport: device transport name or object for CuPy arrays (None: detection / env).
+        check_values: scan q, k, v, g, do (and the states) for NaN/Inf and g for positive values on every call
+            (shapes, dtypes and options are always agreed across ranks). ``False`` is for loops whose inputs
+            are known good; a NaN then propagates instead of stopping every rank with an error.
+        profile: synchronise the device at phase boundaries so that ``timings`` hold device time per
+            phase (``checks``, ``states``, ``wait``, ``correction``); it costs the overlap of the phases,
+            so use it to diagnose, not to benchmark.
     """
 
     def __init__(self, comm, scan: str = "ring", blocks: int | None = None, chunk_size: int = 64,
-                 scale: float | None = None, transport: Any = None):
+                 scale: float | None = None, transport: Any = None, profile: bool = False,
+                 check_values: bool = True):
         if scan not in SCANS:
             raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
         if blocks is not None and (not isinstance(blocks, int | np.integer) or blocks < 1):
@@ -85,14 +94,39 @@ class ZeCOGLA:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.timings = ZeCOTimings()
+        self.profile = bool(profile)
+        self.check_values = bool(check_values)
+        self._device = False
+        self._side: tuple[int, Any] | None = None  # (device id, side stream of the value checks)
         self._saved: dict[str, Any] | None = None
         self._final_state = None
 
     # ------------------------------------------------------------------ helpers
+    def _start_value_flags(self, arrays: dict[str, Any], gate: str | None = None):
+        """Queue the fused NaN/Inf/gate checks of CuPy ``arrays`` on this layer's side stream."""
+        import cupy  # noqa: PLC0415
+
+        from .gpu.checks import start_value_flags  # noqa: PLC0415
+
+        dev = cupy.cuda.Device().id
+        if self._side is None or self._side[0] != dev:
+            self._side = (dev, cupy.cuda.Stream(non_blocking=True))
+        return start_value_flags([(x, n == gate) for n, x in arrays.items()], stream=self._side[1])
+
+    def _now(self) -> float:
+        """perf_counter, after a device synchronisation in ``profile`` mode on CuPy arrays."""
+        if self.profile and self._device:
+            import cupy  # noqa: PLC0415
+
+            cupy.cuda.get_current_stream().synchronize()
+        return time.perf_counter()
+
     def _scan_kwargs(self) -> dict[str, Any]:
         # the layer validated q, k, v, g, do, initial_state and dht collectively: the scan need not scan
         # the derived states for NaN again (on device arrays each such scan synchronises the device)
-        return {"topology": self.scan, "blocks": self.blocks, "transport": self.transport, "check_values": False}
+        # and it agreed shapes, dtype, scan, blocks and transport across ranks: no second validation exchange
+        return {"topology": self.scan, "blocks": self.blocks, "transport": self.transport, "check_values": False,
+                "agreed": True}
 
     @property
     def final_state(self):
@@ -110,12 +144,36 @@ class ZeCOGLA:
         from .collectives import relay_recv, relay_send, scan_start
 
         shapes: dict[str, Any] = {}
+        self._device = get_array_module(q) is not np
+        t_in = self._now()
+
+        prepared: list = []
 
         def check() -> None:
             if initial_state is not None and self.rank != 0:
                 raise ValueError("initial_state is the global initial state: pass it on rank 0 only")
-            B, T, H, K, V = validate_gla_inputs(q, k, v, g, initial_state=initial_state)
+            B, T, H, K, V = validate_gla_inputs(q, k, v, g, initial_state=initial_state,
+                                                check_values=self.check_values and not self._device)
             shapes.update(B=B, H=H, K=K, V=V)
+            if self._device and not self.check_values:
+                if self.scan != "serial" and T and B * H:
+                    from .gpu.gla import chunk_gla_prepare
+
+                    sc = float(self.scale) if self.scale is not None else K ** -0.5
+                    prepared.append(chunk_gla_prepare(q, k, v, g, scale=sc, chunk_size=self.chunk_size))
+            elif self._device:
+                # CuPy: the value checks reduce on a side stream while the local pass (which needs no
+                # communication) runs; a bad value still stops every rank before the first message
+                arrays = {"q": q, "k": k, "v": v, "g": g}
+                if initial_state is not None:
+                    arrays["initial_state"] = initial_state
+                flags = self._start_value_flags(arrays, gate="g")
+                if self.scan != "serial" and T and B * H:
+                    from .gpu.gla import chunk_gla_prepare
+
+                    sc = float(self.scale) if self.scale is not None else K ** -0.5
+                    prepared.append(chunk_gla_prepare(q, k, v, g, scale=sc, chunk_size=self.chunk_size))
+                raise_for_flags(arrays, flags.result())
 
         err = local_error(check)
         agree = {
@@ -126,16 +184,19 @@ class ZeCOGLA:
             "blocks": self.blocks,
             "chunk_size": self.chunk_size,
             "scale": self.scale,
+            "check_values": self.check_values,
+            "transport": self.transport if self.transport is None or isinstance(self.transport, str)
+            else type(self.transport).__name__,
         }
-        collective_check(self.comm, "ZeCOGLA.forward", err, agree)
+        agree_fast(self.comm, "ZeCOGLA.forward", err, agree)  # one Allreduce when all is well
         has_h0 = self.comm.bcast(initial_state is not None, root=0) if self.size > 1 else initial_state is not None
 
         xp = get_array_module(q)
         B, H, K, V = shapes["B"], shapes["H"], shapes["K"], shapes["V"]
         sdt = _state_dtype(q)
         scale = float(self.scale) if self.scale is not None else K ** -0.5
-        t0 = time.perf_counter()
-        tm: dict[str, float] = {}
+        t0 = self._now()
+        tm: dict[str, float] = {"checks": t0 - t_in}
 
         if self.scan == "serial":
             # LASP-1: receive the incoming state, compute the slice from it, pass the final state on.
@@ -143,12 +204,12 @@ class ZeCOGLA:
             got = relay_recv(s_in, self.comm, transport=self.transport)
             if not got:
                 s_in = initial_state.astype(sdt) if has_h0 and initial_state is not None else s_in
-            tm["wait"] = time.perf_counter() - t0
+            tm["wait"] = self._now() - t0
             o, final = chunk_gla(q, k, v, g, scale=scale, initial_state=s_in, output_final_state=True,
                                  chunk_size=self.chunk_size)
             final = xp.ascontiguousarray(final.astype(sdt))
             relay_send(final, self.comm, transport=self.transport)
-            tm["compute"] = time.perf_counter() - t0 - tm["wait"]
+            tm["compute"] = self._now() - t0 - tm["wait"]
             self._finish_forward(q, k, v, g, None, s_in, final, scale, tm, t0)  # the relay needs no decay
             return o
 
@@ -159,17 +220,17 @@ class ZeCOGLA:
             from .gla.split import ForwardSplit
 
             fs = ForwardSplit(q, k, v, g, scale=scale, chunk_size=self.chunk_size, check_values=False)
-            tm["states"] = time.perf_counter() - t0
+            tm["states"] = self._now() - t0
             handle = scan_start(fs.a, fs.S_local, self.comm, initial=init, **self._scan_kwargs())
-            t1 = time.perf_counter()
+            t1 = self._now()
             fs.intra(poll=handle.test)
-            tm["overlap"] = time.perf_counter() - t1
-            t2 = time.perf_counter()
+            tm["overlap"] = self._now() - t1
+            t2 = self._now()
             s_in = handle.wait()
-            tm["wait"] = time.perf_counter() - t2
-            t3 = time.perf_counter()
+            tm["wait"] = self._now() - t2
+            t3 = self._now()
             o, final = fs.finish(s_in)
-            tm["correction"] = time.perf_counter() - t3
+            tm["correction"] = self._now() - t3
             self._finish_forward(q, k, v, g, fs.a, s_in, final, scale, tm, t0)
             self._saved["states"] = fs.states  # chunk states: the backward need not recompute them
             return o
@@ -177,17 +238,17 @@ class ZeCOGLA:
         if xp is not np and q.shape[1] and B * H:
             # CuPy: the device kernels' own split (hpczeco.gpu.gla): local states from a zero start, then
             # the outputs with the incoming state folded into the chunk states (no correction pass)
-            from .gpu.gla import chunk_gla_prepare
-
-            fw = chunk_gla_prepare(q, k, v, g, scale=scale, chunk_size=self.chunk_size)
-            tm["states"] = time.perf_counter() - t0
+            fw = prepared[0]  # queued during the checks
+            tm["states"] = self._now() - t0
+            t1 = self._now()
             handle = scan_start(fw.decay, fw.local_final_state, self.comm, initial=init, **self._scan_kwargs())
-            t2 = time.perf_counter()
+            t2 = self._now()
+            tm["scan_start"] = t2 - t1
             s_in = handle.wait()
-            tm["wait"] = time.perf_counter() - t2
-            t3 = time.perf_counter()
+            tm["wait"] = self._now() - t2
+            t3 = self._now()
             o, final = fw.finish(initial_state=s_in, output_final_state=True)
-            tm["correction"] = time.perf_counter() - t3
+            tm["correction"] = self._now() - t3
             self._finish_forward(q, k, v, g, fw.decay, s_in, final, scale, tm, t0)
             return o
 
@@ -199,7 +260,7 @@ class ZeCOGLA:
         return xp.zeros(v.shape, dtype=q.dtype)
 
     def _finish_forward(self, q, k, v, g, a, s_in, final, scale, tm, t0) -> None:
-        tm["total"] = time.perf_counter() - t0
+        tm["total"] = self._now() - t0 + tm.get("checks", 0.0)
         self.timings.fwd = tm
         self._final_state = final
         self._saved = dict(q=q, k=k, v=v, g=g, a=a, s_in=s_in, final=final, scale=scale)
@@ -218,6 +279,8 @@ class ZeCOGLA:
             raise RuntimeError("backward() needs a forward() first")
         sv = self._saved
         q, k, v, g, a, s_in, scale = (sv[n] for n in ("q", "k", "v", "g", "a", "s_in", "scale"))
+        self._device = get_array_module(q) is not np
+        t_in = self._now()
         B, L, H, K = q.shape
         V = v.shape[-1]
         last = self.size - 1
@@ -227,22 +290,38 @@ class ZeCOGLA:
 
             check_array("do", do, ndim=4)
             check_shape("do", do, (B, L, H, V), "(like v)")
-            check_finite("do", do)
             if dht is not None:
                 if self.rank != last:
                     raise ValueError("dht is the gradient of the global final state: pass it on the last rank only")
                 check_array("dht", dht, ndim=4)
                 check_shape("dht", dht, (B, H, K, V))
-                check_finite("dht", dht)
+            values = {"do": do} if dht is None else {"do": do, "dht": dht}
+            for name, x in values.items():
+                if get_array_module(x) is not get_array_module(q):
+                    raise TypeError(f"{name} must live where q does (a {get_array_module(q).__name__} array)")
+            if get_array_module(do) is np:
+                for name, x in values.items():
+                    if self.check_values:
+                        check_finite(name, x)
+                return
+            # CuPy: the value checks reduce on a side stream while the backward's state passes run
+            flags = self._start_value_flags(values) if self.check_values else None
+            if self.scan != "serial" and L and B * H:
+                from .gpu.gla import chunk_gla_bwd_prepare
 
+                prepared.append(chunk_gla_bwd_prepare(q, k, v, g, do, scale=scale, chunk_size=self.chunk_size))
+            if flags is not None:
+                raise_for_flags(values, flags.result())
+
+        prepared: list = []
         err = local_error(check)
-        collective_check(self.comm, "ZeCOGLA.backward", err, {"scan": self.scan, "B,H,K,V": (B, H, K, V)})
+        agree_fast(self.comm, "ZeCOGLA.backward", err, {"scan": self.scan, "B,H,K,V": (B, H, K, V)})
         has_dht = self.comm.bcast(dht is not None, root=last) if self.size > 1 else dht is not None
 
         xp = get_array_module(q)
         sdt = _state_dtype(q)
-        t0 = time.perf_counter()
-        tm: dict[str, float] = {}
+        t0 = self._now()
+        tm: dict[str, float] = {"checks": t0 - t_in}
 
         if self.scan == "serial":
             # LASP-1 backward: receive D_p from the right, run the slice, send dh0 to the left.
@@ -250,12 +329,12 @@ class ZeCOGLA:
             got = relay_recv(d_in, self.comm, reverse=True, transport=self.transport)
             if not got:
                 d_in = dht.astype(sdt) if has_dht and dht is not None else None
-            tm["wait"] = time.perf_counter() - t0
+            tm["wait"] = self._now() - t0
             dq, dk, dv, dg, dh0 = chunk_gla_bwd(q, k, v, g, do, scale=scale, initial_state=s_in, dht=d_in,
                                                 chunk_size=self.chunk_size)
             relay_send(xp.ascontiguousarray(dh0.astype(sdt)), self.comm, reverse=True, transport=self.transport)
-            tm["compute"] = time.perf_counter() - t0 - tm["wait"]
-            tm["total"] = time.perf_counter() - t0
+            tm["compute"] = self._now() - t0 - tm["wait"]
+            tm["total"] = self._now() - t_in
             self.timings.bwd = tm
             return dq, dk, dv, dg, (dh0 if self.rank == 0 else None)
 
@@ -265,35 +344,35 @@ class ZeCOGLA:
 
             bs = BackwardSplit(q, k, v, g, do, scale=scale, initial_state=s_in, chunk_size=self.chunk_size,
                                states=sv.get("states"), check_values=False)
-            tm["states"] = time.perf_counter() - t0
+            tm["states"] = self._now() - t0
             handle = scan_start(a, bs.U, self.comm, reverse=True, initial=init, **self._scan_kwargs())
-            t1 = time.perf_counter()
+            t1 = self._now()
             bs.local(poll=handle.test)
-            tm["overlap"] = time.perf_counter() - t1
-            t2 = time.perf_counter()
+            tm["overlap"] = self._now() - t1
+            t2 = self._now()
             D = handle.wait()
-            tm["wait"] = time.perf_counter() - t2
-            t3 = time.perf_counter()
+            tm["wait"] = self._now() - t2
+            t3 = self._now()
             dq, dk, dv, dg, dh0 = bs.finish(None if (self.rank == last and not has_dht) else D)
-            tm["correction"] = time.perf_counter() - t3
-            tm["total"] = time.perf_counter() - t0
+            tm["correction"] = self._now() - t3
+            tm["total"] = self._now() - t_in
             self.timings.bwd = tm
             return dq, dk, dv, dg, (dh0 if self.rank == 0 else None)
 
         if xp is not np and L and B * H:
-            from .gpu.gla import chunk_gla_bwd_prepare
-
-            bw = chunk_gla_bwd_prepare(q, k, v, g, do, scale=scale, chunk_size=self.chunk_size)
-            tm["states"] = time.perf_counter() - t0
+            bw = prepared[0]  # queued during the checks
+            tm["states"] = self._now() - t0
+            t1 = self._now()
             handle = scan_start(a, bw.dh0_local, self.comm, reverse=True, initial=init, **self._scan_kwargs())
-            t2 = time.perf_counter()
+            t2 = self._now()
+            tm["scan_start"] = t2 - t1
             D = handle.wait()
-            tm["wait"] = time.perf_counter() - t2
-            t3 = time.perf_counter()
+            tm["wait"] = self._now() - t2
+            t3 = self._now()
             dq, dk, dv, dg, dh0 = bw.finish(initial_state=s_in,
                                             dht=None if (self.rank == last and not has_dht) else D)
-            tm["correction"] = time.perf_counter() - t3
-            tm["total"] = time.perf_counter() - t0
+            tm["correction"] = self._now() - t3
+            tm["total"] = self._now() - t_in
             self.timings.bwd = tm
             return dq, dk, dv, dg, (dh0 if self.rank == 0 else None)
 
@@ -302,7 +381,7 @@ class ZeCOGLA:
                             **self._scan_kwargs())
         D = handle.wait()
         dh0 = xp.zeros((B, H, K, V), dtype=sdt) if (self.rank == last and not has_dht) else D.astype(sdt)
-        tm["total"] = time.perf_counter() - t0
+        tm["total"] = self._now() - t_in
         self.timings.bwd = tm
         zeros = [xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v, g)]
         return (*zeros, (dh0 if self.rank == 0 else None))

@@ -144,6 +144,25 @@ def test_bad_inputs_fail_on_every_rank(comm, rng):
     assert comm.allreduce(1) == P
 
 
+def test_check_values_false_skips_only_the_value_scans(comm, rng):
+    """check_values=False: a NaN propagates into the output (no error, no hang); shapes are still agreed."""
+    P, r = comm.Get_size(), comm.Get_rank()
+    q, k, v, g, do, *_ = make_inputs(rng, 1, 9, 2, 4, 3, np.float64, strong=False)
+    layer = ZeCOGLA(comm, check_values=False)
+    qn = q.copy()
+    qn[0, 4, 1, 2] = np.nan
+    o = layer.forward(qn, k, v, g)
+    assert np.isnan(o).any()  # rank 0 at t >= 4; later ranks through the NaN state they receive
+    if r == 0:
+        assert np.isfinite(o[0, :4]).all()
+    grads = layer.backward(do)
+    assert len(grads) == 5
+    if P > 1:  # options and shapes are still checked collectively
+        picky = ZeCOGLA(comm, check_values=(r != P - 1))
+        _expect_collective_error(comm, lambda: picky.forward(q, k, v, g), "check_values")
+    assert comm.allreduce(1) == P
+
+
 def test_constructor_rejects_bad_options(comm):
     with pytest.raises(ValueError, match="scan"):
         ZeCOGLA(comm, scan="ringg")

@@ -32,7 +32,9 @@ gradients ``[N, K, V]`` per sequence, and ``[T, K]`` per sequence of operands (`
 forward, ``exp(b_C - b)`` in the backward). ``finish`` adds into the intra results in place, so it runs
 once per object. After the forward's finish, :attr:`ForwardSplit.states` holds the true chunk states; a
 :class:`BackwardSplit` given them (``states=``) skips their recomputation. ``check_values=False`` skips the
-value scans (NaN/Inf, g <= 0) for inputs the caller has validated (the ZeCO layer checks collectively).
+value scans (NaN/Inf, g <= 0) for inputs the caller has validated (the ZeCO layer checks collectively),
+and of the state handed to ``finish`` (a scan result: a NaN found there on one rank only would end that
+rank alone; it propagates instead).
 
 ``intra``/``local`` call ``poll()`` (if given) about every millisecond of work, from the calling thread:
 between chunk groups when one thread computes, or while waiting for the worker threads otherwise, so
@@ -538,15 +540,18 @@ def _validate(q, k, v, g, scale, initial_state, chunk_size, do=None, check_value
     return B, T, H, K, V, s, chunk_size, np.dtype(compute_dtype_name(str(q.dtype)))
 
 
-def _check_state(name: str, x: Any, B: int, H: int, K: int, V: int, in_dtype: np.dtype) -> None:
-    """``x`` is a numpy ``[B, H, K, V]`` state with the input dtype (float32 too for half inputs), finite."""
+def _check_state(name: str, x: Any, B: int, H: int, K: int, V: int, in_dtype: np.dtype,
+                 check_values: bool = True) -> None:
+    """``x`` is a numpy ``[B, H, K, V]`` state with the input dtype (float32 too for half inputs), finite
+    (unless ``check_values`` is False)."""
     check_array(name, x, ndim=4)
     _check_numpy(**{name: x})
     check_shape(name, x, (B, H, K, V), "([B, H, K, V] from q and v)")
     want = dtype_name(np.empty(0, in_dtype))
     if not state_dtype_ok(want, dtype_name(x)):
         raise TypeError(f"{name} has dtype {dtype_name(x)}, expected {want} (the dtype of q)")
-    check_finite_values(name, x)
+    if check_values:
+        check_finite_values(name, x)
 
 
 def _rows(x: np.ndarray, b: int, h: int, n0: int, gc: int, geo: _Geom, buf: np.ndarray) -> np.ndarray:
@@ -658,6 +663,7 @@ class ForwardSplit:
         self.shape = (B, T, H, K, V)
         self.chunk_size, self.dtype, self.in_dtype = chunk_size, cdt, q.dtype
         self.scale = cdt.type(s)
+        self._check_values = bool(check_values)  # also for the state handed to finish()
         self._intra_done = self._finished = False
         self._states_out: np.ndarray | None = None
         if T == 0 or B * H == 0:
@@ -774,7 +780,7 @@ class ForwardSplit:
             raise RuntimeError("ForwardSplit.finish() was already called (it works in place): make a new ForwardSplit")
         B, T, H, K, V = self.shape
         if S_in is not None:
-            _check_state("S_in", S_in, B, H, K, V, self.in_dtype)
+            _check_state("S_in", S_in, B, H, K, V, self.in_dtype, self._check_values)
         S0 = None if S_in is None else np.ascontiguousarray(S_in, dtype=self.dtype)
         self.intra()
         self._finished = True
@@ -848,6 +854,7 @@ class BackwardSplit:
         self.shape = (B, T, H, K, V)
         self.chunk_size, self.dtype, self.in_dtype = chunk_size, cdt, q.dtype
         self.scale = cdt.type(s)
+        self._check_values = bool(check_values)  # also for the state handed to finish()
         self._dh0_dtype = cdt if initial_state is None else initial_state.dtype
         self._h0 = None if initial_state is None else np.asarray(initial_state, dtype=cdt)
         self._local_done = self._finished = False
@@ -1013,7 +1020,7 @@ class BackwardSplit:
             raise RuntimeError("BackwardSplit.finish() was already called (it works in place): make a new one")
         B, T, H, K, V = self.shape
         if dht is not None:
-            _check_state("dht", dht, B, H, K, V, self.in_dtype)
+            _check_state("dht", dht, B, H, K, V, self.in_dtype, self._check_values)
         D0 = None if dht is None else np.ascontiguousarray(dht, dtype=self.dtype)
         self.local()
         self._finished = True
