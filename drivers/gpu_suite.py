@@ -71,10 +71,16 @@ class Suite:
         self.timings: list[dict] = []
         self.info: dict[str, Any] = {}
         self.t0 = time.time()
+        self.fname: str | None = None  # set to save progressively
 
     def say(self, *a: Any) -> None:
         if self.rank == 0:
-            print(*a, flush=True)
+            print(f"[{time.time() - self.t0:6.1f}s]", *a, flush=True)
+
+    def _save(self) -> None:
+        """Rewrite the JSON after every record, so a run cut by a time limit keeps what it measured."""
+        if self.rank == 0 and self.fname:
+            self.dump(self.fname)
 
     def check(self, name: str, fn, tol: float | None = None) -> Any:
         """``fn() -> (error, detail)``; PASS when error <= tol (or fn returns True/None with tol None)."""
@@ -105,6 +111,7 @@ class Suite:
                 "seconds": round(time.time() - t, 3),
             }
         self.results.append(rec)
+        self._save()
         e = rec["error"]
         es = f"{e:.3e}" if isinstance(e, float) else ("" if e is None else str(e))
         self.say(f"{'PASS' if rec['ok'] else 'FAIL'}  {name:58s} err {es:>10s}  tol {tol}  {rec['detail'][:200]}")
@@ -115,6 +122,7 @@ class Suite:
     def timing(self, name: str, ms: float | None, **extra: Any) -> None:
         rec = {"name": name, "median_ms": ms, **extra}
         self.timings.append(rec)
+        self._save()
         ms_s = "n/a" if ms is None else f"{ms:9.3f} ms"
         more = "  ".join(f"{k}={v}" for k, v in extra.items())
         self.say(f"TIME  {name:58s} {ms_s}  {more}")
@@ -226,6 +234,7 @@ def single(args) -> int:
 
     out = Path(args.out)
     S = Suite(out, "gpu_suite (single GPU)")
+    S.fname = "gpu_suite.json"
     seed = int(args.seed if args.seed is not None else time.time_ns() % 2**31)
     rng = np.random.default_rng(seed)
     dev = cp.cuda.Device()
@@ -607,6 +616,7 @@ def single(args) -> int:
     try:
         ms = cuda_time(cp, ours_fb, max(5, reps // 2), warmup=2, sets=2)
         S.timing("ours fwd+bwd", ms)
+        S.info["ours_fwd_bwd_ms"] = ms
     except Exception as exc:  # noqa: BLE001
         S.timing("ours fwd+bwd", None, error=str(exc)[:200])
 
@@ -627,23 +637,6 @@ def single(args) -> int:
                 S.info["fwd_speedup_vs_fla"] = ms / best_ms
         except Exception as exc:  # noqa: BLE001
             S.timing("fla 0.6 chunk_gla fwd", None, error=str(exc)[:200])
-        try:
-            gsets = []
-            for ts in tsets:
-                d = {n: ts[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v", "g")}
-                d["do"] = ts["do"]
-                gsets.append(d)
-
-            def fla_fb(i):
-                d = gsets[i]
-                o, _ = fla(d["q"], d["k"], d["v"], d["g"], scale=scale, output_final_state=False)
-                torch.autograd.backward(o, d["do"])
-
-            ms = cuda_time(cp, fla_fb, max(5, reps // 2), warmup=2, sets=2)
-            S.timing("fla 0.6 chunk_gla fwd+bwd", ms)
-        except Exception as exc:  # noqa: BLE001
-            S.timing("fla 0.6 chunk_gla fwd+bwd", None, error=str(exc)[:200])
-
     # the pieces a ZeCO rank adds to the single-GPU work (bench shape, bf16)
     s0 = sets[0]
     S0 = cp.asarray(rng.standard_normal((B, H, K, V)).astype(np.float32))
@@ -683,6 +676,39 @@ def single(args) -> int:
         )
     except Exception as exc:  # noqa: BLE001
         S.timing("piece: finish / correction", None, error=f"{type(exc).__name__}: {exc}"[:200])
+
+    # the layer's input validation on device arrays (fused bit-pattern reductions, one synchronisation)
+    try:
+        from hpczeco.gla import validate_gla_inputs  # noqa: PLC0415
+
+        bfs = [{n: sets[i][n].view("bfloat16") for n in ("q", "k", "v", "g", "do")} for i in range(2)]
+
+        def device_value_checks():
+            fails = []
+            bits = {"q": 0x7FC0, "v": 0x7F80, "g": 0x3F00, "do": 0xFF80}  # NaN, +Inf, +0.5, -Inf (bf16)
+            for name, b in bits.items():
+                arrs = {n: a for n, a in sets[0].items() if n in ("q", "k", "v", "g", "do")}
+                bad = arrs[name].copy()
+                bad[0, T // 2, 3, 5] = b
+                arrs[name] = bad
+                try:
+                    validate_gla_inputs(*(arrs[n].view("bfloat16") for n in ("q", "k", "v", "g")),
+                                        do=arrs["do"].view("bfloat16"))
+                    fails.append(f"{name}: no error")
+                except ValueError as exc:
+                    if not str(exc).startswith(name + " "):
+                        fails.append(f"{name}: {exc}")
+            validate_gla_inputs(*(bfs[0][n] for n in ("q", "k", "v", "g")), do=bfs[0]["do"])  # clean: no error
+            return float(len(fails)), "; ".join(fails) or "NaN/Inf/positive gate found in q, v, g, do"
+
+        S.check("validate_gla_inputs on bf16 device arrays (planted NaN/Inf/g>0)", device_value_checks, 0.0)
+        S.timing(
+            "validate_gla_inputs q,k,v,g,do (bf16 device, fused)",
+            cuda_time(cp, lambda i: validate_gla_inputs(*(bfs[i][n] for n in ("q", "k", "v", "g")), do=bfs[i]["do"]),
+                      max(5, reps // 2), sets=2),
+        )
+    except Exception as exc:  # noqa: BLE001
+        S.timing("validate_gla_inputs", None, error=f"{type(exc).__name__}: {exc}"[:200])
 
     # where the backward's time goes (bench shape, bf16): each stage of chunk_gla_bwd alone
     try:
@@ -757,6 +783,31 @@ def single(args) -> int:
     except Exception as exc:  # noqa: BLE001
         S.timing("bwd stages", None, error=f"{type(exc).__name__}: {exc}"[:200])
 
+    # last: FLA's backward autotunes its Triton kernels on first use (minutes), so it goes after everything else
+    if fla is not None:
+        try:
+            gsets = []
+            for ts in tsets:
+                d = {n: ts[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v", "g")}
+                d["do"] = ts["do"]
+                gsets.append(d)
+
+            def fla_fb(i):
+                d = gsets[i]
+                o, _ = fla(d["q"], d["k"], d["v"], d["g"], scale=scale, output_final_state=False)
+                torch.autograd.backward(o, d["do"])
+
+            t_start = time.time()
+            fla_fb(0)  # first call: Triton compiles and autotunes the backward kernels
+            cp.cuda.Device().synchronize()
+            first_s = round(time.time() - t_start, 1)
+            ms = cuda_time(cp, fla_fb, max(5, reps // 2), warmup=2, sets=2)
+            S.timing("fla 0.6 chunk_gla fwd+bwd", ms, first_call_s=first_s)
+            if S.info.get("ours_fwd_bwd_ms"):
+                S.info["fwd_bwd_ours_over_fla"] = S.info["ours_fwd_bwd_ms"] / ms
+        except Exception as exc:  # noqa: BLE001
+            S.timing("fla 0.6 chunk_gla fwd+bwd", None, error=str(exc)[:200])
+
     p = S.dump("gpu_suite.json")
     S.table()
     S.say(f"results: {p}")
@@ -782,6 +833,7 @@ def multi(args) -> int:
 
     out = Path(args.out)
     S = Suite(out, f"gpu_suite --multi ({P} ranks)", rank)
+    S.fname = "gpu_suite_multi.json"
     prev = out / "gpu_suite.json"  # the single-GPU run's choice of tensor-core build, if it ran first
     if "HPCZECO_TC_VARIANT" not in os.environ and prev.exists():
         try:
@@ -832,58 +884,59 @@ def multi(args) -> int:
         S.say(f"cuda-aware MPI not declared ({D.CUDA_AWARE_ENV} unset, MPIX query {D.mpi_cuda_support()}): skipped")
     S.info["auto_kind"] = D.resolve_kind(comm, "auto")
 
-    # raw transport checks: ring exchange and allgather
-    for kind, tr in transports.items():
+    if not args.zeco_only:  # transport and scan checks
+        # raw transport checks: ring exchange and allgather
+        for kind, tr in transports.items():
 
-        def raw(tr=tr):
-            n = 12345
-            mine = cp.arange(n, dtype=cp.float32) + 1000 * rank
-            got = cp.empty(n, dtype=cp.float32)
-            reqs = [tr.irecv(got, (rank - 1) % P, 7), tr.isend(mine, (rank + 1) % P, 7)]
-            for r in reqs:
-                r.wait()
-            e1 = float(cp.abs(got - (cp.arange(n, dtype=cp.float32) + 1000 * ((rank - 1) % P))).max().get())
-            allg = cp.empty((P, n), dtype=cp.float32)
-            tr.allgather(mine, allg)
-            exp = cp.arange(n, dtype=cp.float32)[None, :] + 1000 * cp.arange(P, dtype=cp.float32)[:, None]
-            e2 = float(cp.abs(allg - exp).max().get())
-            return max(e1, e2), f"exchange {e1} allgather {e2}"
+            def raw(tr=tr):
+                n = 12345
+                mine = cp.arange(n, dtype=cp.float32) + 1000 * rank
+                got = cp.empty(n, dtype=cp.float32)
+                reqs = [tr.irecv(got, (rank - 1) % P, 7), tr.isend(mine, (rank + 1) % P, 7)]
+                for r in reqs:
+                    r.wait()
+                e1 = float(cp.abs(got - (cp.arange(n, dtype=cp.float32) + 1000 * ((rank - 1) % P))).max().get())
+                allg = cp.empty((P, n), dtype=cp.float32)
+                tr.allgather(mine, allg)
+                exp = cp.arange(n, dtype=cp.float32)[None, :] + 1000 * cp.arange(P, dtype=cp.float32)[:, None]
+                e2 = float(cp.abs(allg - exp).max().get())
+                return max(e1, e2), f"exchange {e1} allgather {e2}"
 
-        S.check(f"transport {kind}: exchange + allgather", agreed(raw), 0.0)
+            S.check(f"transport {kind}: exchange + allgather", agreed(raw), 0.0)
 
-    # scan correctness, every topology, vs host fold
-    Bs, Hs, Ks, Vs = 2, 3, 16, 24
-    for kind, tr in transports.items():
-        for topo in [t for t in TOPOLOGIES if t != "auto"] + ["auto"]:
-            for reverse in (False, True):
-                for blocks in (None, 5) if topo == "ring" else (None,):
+        # scan correctness, every topology, vs host fold
+        Bs, Hs, Ks, Vs = 2, 3, 16, 24
+        for kind, tr in transports.items():
+            for topo in [t for t in TOPOLOGIES if t != "auto"] + ["auto"]:
+                for reverse in (False, True):
+                    for blocks in (None, 5) if topo == "ring" else (None,):
 
-                    def sc(tr=tr, topo=topo, reverse=reverse, blocks=blocks):
-                        a_all = rng.uniform(0.3, 1.0, (P, Bs, Hs, Ks)).astype(np.float32)
-                        S_all = rng.standard_normal((P, Bs, Hs, Ks, Vs)).astype(np.float32)
-                        init = rng.standard_normal((Bs, Hs, Ks, Vs)).astype(np.float32)
-                        first = P - 1 if reverse else 0
-                        got = scan(
-                            cp.asarray(a_all[rank]),
-                            cp.asarray(S_all[rank]),
-                            comm,
-                            topology=topo,
-                            blocks=blocks,
-                            reverse=reverse,
-                            initial=cp.asarray(init) if rank == first else None,
-                            transport=tr,
-                        )
-                        order = list(range(P))[::-1] if reverse else list(range(P))
-                        ref = fold_reference(
-                            [(a_all[r].astype(np.float64), S_all[r].astype(np.float64)) for r in order],
-                            initial=init.astype(np.float64),
-                        )
-                        want = ref[order.index(rank)]
-                        return rel(got.get(), want), f"{type(got).__module__.split('.')[0]} result"
+                        def sc(tr=tr, topo=topo, reverse=reverse, blocks=blocks):
+                            a_all = rng.uniform(0.3, 1.0, (P, Bs, Hs, Ks)).astype(np.float32)
+                            S_all = rng.standard_normal((P, Bs, Hs, Ks, Vs)).astype(np.float32)
+                            init = rng.standard_normal((Bs, Hs, Ks, Vs)).astype(np.float32)
+                            first = P - 1 if reverse else 0
+                            got = scan(
+                                cp.asarray(a_all[rank]),
+                                cp.asarray(S_all[rank]),
+                                comm,
+                                topology=topo,
+                                blocks=blocks,
+                                reverse=reverse,
+                                initial=cp.asarray(init) if rank == first else None,
+                                transport=tr,
+                            )
+                            order = list(range(P))[::-1] if reverse else list(range(P))
+                            ref = fold_reference(
+                                [(a_all[r].astype(np.float64), S_all[r].astype(np.float64)) for r in order],
+                                initial=init.astype(np.float64),
+                            )
+                            want = ref[order.index(rank)]
+                            return rel(got.get(), want), f"{type(got).__module__.split('.')[0]} result"
 
-                    nm = f"scan {kind} {topo}" + (" reverse" if reverse else "")
-                    nm += "" if blocks is None else f" blocks={blocks}"
-                    S.check(nm, agreed(sc), 1e-5)
+                        nm = f"scan {kind} {topo}" + (" reverse" if reverse else "")
+                        nm += "" if blocks is None else f" blocks={blocks}"
+                        S.check(nm, agreed(sc), 1e-5)
 
     # timings: All-Scan ring vs one raw message of the same bytes
     def wall_ms(fn, reps=20, warmup=3):
@@ -923,7 +976,7 @@ def multi(args) -> int:
         for q in sends:
             q.wait()
 
-    for mib in (1, 16):
+    for mib in () if args.zeco_only else (1, 16):
         nel = mib * (1 << 20) // 4
         Kb, Vb = 128, 128
         lead = nel // (Kb * Vb)
@@ -953,6 +1006,12 @@ def multi(args) -> int:
                         scan(ax, Sx, comm, topology=topo, blocks=blocks, transport=tr)
 
                     res[(topo, blocks)] = wall_ms(run_scan)
+                for topo, blocks in (("ring", 1), ("ring", None), ("tree", None)):
+
+                    def run_lean(tr=tr, topo=topo, blocks=blocks, ax=ax, Sx=Sx):
+                        scan(ax, Sx, comm, topology=topo, blocks=blocks, transport=tr, check_values=False, agreed=True)
+
+                    res[(topo + " lean", blocks)] = wall_ms(run_lean)
                 S.timing(f"raw message {mib} MiB [{kind}]", t_raw, GBps=round(mib * 1.048576 / t_raw, 1))
                 for (topo, blocks), ms in res.items():
                     S.timing(f"scan {topo} blocks={blocks} {mib} MiB [{kind}]", ms, x_raw=round(ms / t_raw, 2))
@@ -1023,6 +1082,38 @@ def multi(args) -> int:
                 target="<=1.05",
             )
             S.timing(f"one GPU fwd+bwd {L} tokens ({zdt})", t_one)
+            lean = ZeCOGLA(comm, scan="ring", chunk_size=64, transport=transports.get(kind, kind), check_values=False)
+
+            def zeco_lean():
+                lean.forward(mine["q"], mine["k"], mine["v"], mine["g"])
+                lean.backward(mine["do"])
+
+            t_lean = wall_ms(zeco_lean, reps=args.zeco_repeats, warmup=2)
+            t_one2 = wall_ms(single_step, reps=args.zeco_repeats, warmup=2)
+            S.timing(f"ZeCO fwd+bwd {P} GPUs, check_values=False ({zdt}, {kind})", t_lean,
+                     ratio=round(t_lean / t_one2, 3), one_gpu_ms=round(t_one2, 3), target="<=1.05")
+            # where the ZeCO time goes: device-synchronised phases (profile mode), slowest rank per phase
+            layer.profile = True
+            phases: dict[str, list[float]] = {}
+            for _ in range(5):
+                cp.cuda.Device().synchronize()
+                comm.Barrier()
+                zeco_step()
+                for d, tm in (("fwd", layer.timings.fwd), ("bwd", layer.timings.bwd)):
+                    for key, sec in tm.items():
+                        phases.setdefault(f"{d}.{key}", []).append(sec * 1e3)
+            layer.profile = False
+            for key in sorted(phases):
+                med = np.array([np.median(phases[key])])
+                worst = np.empty_like(med)
+                comm.Allreduce(med, worst, op=MPI.MAX)
+                S.timing(f"ZeCO phase {key} (profile mode, slowest rank)", float(worst[0]))
+            for name, fn in (("one GPU fwd prepare", lambda: G.chunk_gla_prepare(mine["q"], mine["k"], mine["v"],
+                                                                                 mine["g"])),
+                             ("one GPU fwd", lambda: G.chunk_gla(mine["q"], mine["k"], mine["v"], mine["g"])),
+                             ("one GPU bwd", lambda: G.chunk_gla_bwd(mine["q"], mine["k"], mine["v"], mine["g"],
+                                                                     mine["do"]))):
+                S.timing(name + f" {L} tokens", wall_ms(fn, reps=args.zeco_repeats, warmup=1))
         except Exception as exc:  # noqa: BLE001
             S.check("ZeCO layer run", lambda exc=exc: (float("inf"), f"{type(exc).__name__}: {exc}"), 0.0)
             if rank == 0:
@@ -1047,11 +1138,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock, printed)")
     p.add_argument("--repeats", type=int, default=20, help="timed repetitions (median)")
     p.add_argument("--T", type=int, default=32768, help="tokens (per GPU with --multi) of the timed shape")
-    p.add_argument("--nc", type=int, nargs="*", default=[4, 8, 16], help="tensor-core chunks per segment to time")
+    p.add_argument("--nc", type=int, nargs="*", default=[8, 16, 32, 64], help="tensor-core chunks per segment to time")
     p.add_argument("--zeco-repeats", type=int, default=10)
     p.add_argument(
         "--quick", action="store_true", help="bf16 checks only (compiles only the bf16 kernels), then the timings"
     )
+    p.add_argument("--zeco-only", action="store_true", help="--multi: only the ZeCO layer step")
     p.add_argument("--zeco-transport", default="auto", choices=["auto", "cuda-aware", "staged", "nccl"])
     return p
 

@@ -5,7 +5,7 @@ Under several ranks:
 
 * every test's outcome is agreed collectively: if it fails on any rank it fails on every rank,
   and rank 0's report carries the other ranks' failure text ("failed on rank(s) [...]");
-* only rank 0 prints; the others stay quiet;
+* only rank 0 prints; the others stay quiet (``HPCZECO_TEST_VERBOSE_RANKS=1``: every rank reports);
 * a deadlocked test is ended by pytest-timeout (thread method: stacks are dumped, the process
   exits, and mpiexec tears the job down); ``MPIEXEC_TIMEOUT`` bounds the whole run as well.
 
@@ -35,7 +35,7 @@ SIZE = COMM.Get_size() if COMM is not None else 1
 
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config):
-    if SIZE > 1 and RANK != 0:
+    if SIZE > 1 and RANK != 0 and os.environ.get("HPCZECO_TEST_VERBOSE_RANKS") != "1":
         reporter = config.pluginmanager.getplugin("terminalreporter")
         if reporter is not None:
             config.pluginmanager.unregister(reporter)
