@@ -88,13 +88,13 @@ def test_device_value_flags_match_host_mirror(rng, dtype):
 
     side = cp.cuda.Stream(non_blocking=True)
     specials = np.array([np.nan, np.inf, -np.inf, 0.5, -0.0, 0.0, 1e-3], dtype=np.float32)
-    for n in (0, 1, 7, 8, 1000, 4097, 262144, 300001):
+    for n in (0, 7, 1000, 300001):  # empty, one word and a tail, one level, two levels (+ leftover words)
         x = (-np.abs(rng.standard_normal(n)).astype(np.float32))
         if n and rng.random() < 0.8:
             x[rng.integers(0, n)] = specials[rng.integers(0, len(specials))]
         d = cp.asarray(x).astype(dtype)
         h = d.get()
-        views = [(d, h)] + ([(d[1:], h[1:]), (d[::3], h[::3])] if n > 3 else [])
+        views = [(d, h)] + ([(d[1:], h[1:]), (d[::3], h[::3])] if n > 3 else [])  # packed, misaligned, strided
         for dv, hv in views:
             for gate in (False, True):
                 want = value_flags_host(np.ascontiguousarray(hv), gate)
