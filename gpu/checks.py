@@ -18,6 +18,7 @@ to overlap them with other work) and :meth:`ValueFlags.result` copies every flag
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -150,7 +151,7 @@ def start_value_flags(arrays: list[tuple[Any, bool]], stream: Any = None) -> Val
         ready.record(cupy.cuda.get_current_stream())
         stream.wait_event(ready)
     outs = []
-    with stream if stream is not None else _nullctx():
+    with stream if stream is not None else contextlib.nullcontext():
         for x, width, exp_mask, gate in specs:
             if x.size == 0:
                 outs.append(cupy.zeros((), dtype=np.int32))
@@ -178,10 +179,3 @@ def value_flags_host(x: np.ndarray, gate: bool = False) -> int:
     E, SIGN, LOW = _constants(width, exp_mask, lanes)
     return _word_flags(np.asarray(words).astype(np.uint64), E, SIGN, LOW, gate)
 
-
-class _nullctx:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -155,25 +155,20 @@ class ZeCOGLA:
             B, T, H, K, V = validate_gla_inputs(q, k, v, g, initial_state=initial_state,
                                                 check_values=self.check_values and not self._device)
             shapes.update(B=B, H=H, K=K, V=V)
-            if self._device and not self.check_values:
-                if self.scan != "serial" and T and B * H:
-                    from .gpu.gla import chunk_gla_prepare
-
-                    sc = float(self.scale) if self.scale is not None else K ** -0.5
-                    prepared.append(chunk_gla_prepare(q, k, v, g, scale=sc, chunk_size=self.chunk_size))
-            elif self._device:
+            if self._device:
                 # CuPy: the value checks reduce on a side stream while the local pass (which needs no
                 # communication) runs; a bad value still stops every rank before the first message
                 arrays = {"q": q, "k": k, "v": v, "g": g}
                 if initial_state is not None:
                     arrays["initial_state"] = initial_state
-                flags = self._start_value_flags(arrays, gate="g")
+                flags = self._start_value_flags(arrays, gate="g") if self.check_values else None
                 if self.scan != "serial" and T and B * H:
                     from .gpu.gla import chunk_gla_prepare
 
                     sc = float(self.scale) if self.scale is not None else K ** -0.5
                     prepared.append(chunk_gla_prepare(q, k, v, g, scale=sc, chunk_size=self.chunk_size))
-                raise_for_flags(arrays, flags.result())
+                if flags is not None:
+                    raise_for_flags(arrays, flags.result())
 
         err = local_error(check)
         agree = {
@@ -300,8 +295,8 @@ class ZeCOGLA:
                 if get_array_module(x) is not get_array_module(q):
                     raise TypeError(f"{name} must live where q does (a {get_array_module(q).__name__} array)")
             if get_array_module(do) is np:
-                for name, x in values.items():
-                    if self.check_values:
+                if self.check_values:
+                    for name, x in values.items():
                         check_finite(name, x)
                 return
             # CuPy: the value checks reduce on a side stream while the backward's state passes run
