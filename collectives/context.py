@@ -108,7 +108,7 @@ class CommContext:
         """The (cached) transport for buffers like ``like`` on ``pcomm`` (collective on first use)."""
         if kind is None and (like is None or type(like) is np.ndarray) and self._host is not None:
             return self._host
-        from hpczeco.backend import is_device_array
+        from hpczeco.base.backend import is_device_array
 
         from .transport import TRANSPORT_ENV, get_transport
 

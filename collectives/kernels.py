@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
-from hpczeco.backend import get_array_module
+from hpczeco.base.backend import get_array_module
 
 __all__ = ["axpy_rows", "row_kernel", "numba_available"]
 

@@ -81,9 +81,8 @@ import time
 from typing import Any
 
 import numpy as np
+from hpczeco.base.backend import get_array_module, is_device_array, to_numpy
 from mpi4py import MPI
-
-from hpczeco.backend import get_array_module, is_device_array, to_numpy
 
 from .agree import collective_check
 from .context import RELAY_TAGS, CommContext, get_context

@@ -133,7 +133,7 @@ def get_transport(comm: MPI.Comm, like: Any = None, kind: str | None = None) -> 
     ``collectives/device.py``: ``kind`` or ``$HPCZECO_TRANSPORT`` ("cuda-aware", "staged", "nccl"),
     else detection. A device pointer is never handed to an MPI not known to be CUDA-aware.
     """
-    from hpczeco.backend import is_device_array
+    from hpczeco.base.backend import is_device_array
 
     if like is None or not is_device_array(like):
         if kind not in (None, "host", "auto"):

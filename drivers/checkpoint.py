@@ -137,7 +137,7 @@ def check_name(name: str) -> None:
 
 
 def _to_host(x: Any) -> np.ndarray:
-    from hpczeco.backend import to_numpy
+    from hpczeco.base.backend import to_numpy
 
     a = to_numpy(x)
     if not isinstance(a, np.ndarray):

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from hpczeco.base import bf16
 
 RESULT_FILE = "gpu_daaf_suite.json"
 PROBE_FILE = "probe.jsonl"
@@ -207,8 +208,8 @@ def probe(rec: Recorder, seed: int, quick: bool, group: str) -> None:
             v = rng.standard_normal((B, T, H, Dv)).astype(np.float32)
             g = global_set(T, kind, rng)
             if elem == "bf16":
-                hq, hk, hv = gd.bf16_bits(q), gd.bf16_bits(k), gd.bf16_bits(v)
-                fq, fk, fv = gd.bf16_to_float32(hq), gd.bf16_to_float32(hk), gd.bf16_to_float32(hv)
+                hq, hk, hv = bf16.to_bits(q), bf16.to_bits(k), bf16.to_bits(v)
+                fq, fk, fv = bf16.from_bits(hq), bf16.from_bits(hk), bf16.from_bits(hv)
                 storage = "bfloat16"
             elif elem == "f16":
                 hq, hk, hv = q.astype(np.float16), k.astype(np.float16), v.astype(np.float16)
@@ -221,7 +222,7 @@ def probe(rec: Recorder, seed: int, quick: bool, group: str) -> None:
                              None, cp.asarray(g), impl=impl, storage=storage)
             cp.cuda.get_current_stream().synchronize()
             oh = o.get()
-            of = gd.bf16_to_float32(oh) if elem == "bf16" else oh.astype(np.float32)
+            of = bf16.from_bits(oh) if elem == "bf16" else oh.astype(np.float32)
             ref = gd.reference_attention(fq, fk, fv, g, W)
             rec.check(stage, name, rel_err(of, ref), TOL[elem], detail="max rel err ", group=impl, elem=elem, T=T,
                       W=W, set=kind)

@@ -58,6 +58,7 @@ if __name__ == "__main__" and not __package__:
     _bootstrap()
 
 import numpy as np  # noqa: E402
+from hpczeco.base import bf16  # noqa: E402
 
 # ------------------------------------------------------------------------------------------- harness
 
@@ -162,15 +163,6 @@ def rel(a: Any, b: Any) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
-def bf16_bits(x: np.ndarray) -> np.ndarray:
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def bf16_float(b: Any) -> np.ndarray:
-    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
 class DT:
     """One input precision: host rounding, device upload/download."""
 
@@ -179,14 +171,14 @@ class DT:
 
     def round(self, x: np.ndarray) -> np.ndarray:
         if self.name == "bf16":
-            return bf16_float(bf16_bits(x))
+            return bf16.from_bits(bf16.to_bits(x))
         if self.name == "fp16":
             return x.astype(np.float16).astype(np.float32)
         return x.astype(np.float32)
 
     def up(self, x: np.ndarray):
         if self.name == "bf16":
-            return self.cp.asarray(bf16_bits(x))
+            return self.cp.asarray(bf16.to_bits(x))
         if self.name == "fp16":
             return self.cp.asarray(x.astype(np.float16))
         return self.cp.asarray(x.astype(np.float32))
@@ -194,7 +186,7 @@ class DT:
     def down(self, x) -> np.ndarray:
         h = x.get() if hasattr(x, "get") else np.asarray(x)
         if self.name == "bf16" and h.dtype == np.uint16:
-            return bf16_float(h)
+            return bf16.from_bits(h)
         return h.astype(np.float32)
 
 
@@ -487,7 +479,7 @@ def single(args) -> int:
             o_si, h_si = G.chunk_gla(
                 s0["q"], s0["k"], s0["v"], s0["g"], scale=scale, output_final_state=True, impl="simt"
             )
-            ref_big["o"], ref_big["h"] = bf16_float(o_si.get()), h_si.get()
+            ref_big["o"], ref_big["h"] = bf16.from_bits(o_si.get()), h_si.get()
         os.environ["HPCZECO_TC_VARIANT"] = var
         try:
             o_tc, h_tc = G.chunk_gla(
@@ -495,7 +487,7 @@ def single(args) -> int:
             )
         finally:
             os.environ["HPCZECO_TC_VARIANT"] = chosen
-        a = bf16_float(o_tc.get())
+        a = bf16.from_bits(o_tc.get())
         eo, eh = rel(a, ref_big["o"]), rel(h_tc.get(), ref_big["h"])
         fin = bool(np.isfinite(a).all())
         return (max(eo, eh) if fin else float("inf")), f"o {eo:.2e} ht {eh:.2e} finite {fin}"
@@ -535,7 +527,7 @@ def single(args) -> int:
             ours = ref_big.get("o")
             if ours is None:
                 s0 = sets[0]
-                ours = bf16_float(G.chunk_gla(s0["q"], s0["k"], s0["v"], s0["g"], scale=scale)[0].get())
+                ours = bf16.from_bits(G.chunk_gla(s0["q"], s0["k"], s0["v"], s0["g"], scale=scale)[0].get())
             return rel(ours, of), "rel(ours, fla)"
 
         S.check("ours vs flash-linear-attention chunk_gla (bf16, bench shape)", fla_vs_ours, 2e-2)

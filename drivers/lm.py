@@ -33,8 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 import numpy as np
-
-from hpczeco.backend import get_array_module
+from hpczeco.base.backend import get_array_module
 
 __all__ = [
     "LMConfig",

@@ -181,7 +181,7 @@ class FlatParams:
 
     def pack(self, grads: dict[str, Any]) -> np.ndarray:
         """Gradients (numpy or CuPy) as one flat host vector in parameter order."""
-        from hpczeco.backend import get_array_module, to_numpy
+        from hpczeco.base.backend import get_array_module, to_numpy
 
         xp = get_array_module(grads[next(iter(self.shapes))])
         flat = xp.concatenate([grads[n].reshape(-1) for n in self.shapes])

@@ -41,9 +41,6 @@ __all__ = [
     "allowed_mask",
     "attention",
     "attention_torch",
-    "bf16_round",
-    "bf16_to_float32",
-    "bf16_bits",
     "device_plan",
     "kernel_info",
     "prepare",
@@ -67,24 +64,6 @@ _STORAGE = ("bfloat16", "float16")
 
 
 # --------------------------------------------------------------------------- host helpers (numpy only)
-
-
-def bf16_bits(x: Any) -> np.ndarray:
-    """bfloat16 bit patterns (uint16, round to nearest even) of ``x`` (any float array)."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    nan = (u & 0x7FFFFFFF) > 0x7F800000
-    r = ((u + np.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    return np.where(nan, np.uint16(0x7FC0), r)
-
-
-def bf16_to_float32(bits: Any) -> np.ndarray:
-    """float32 values of bfloat16 bit patterns (uint16/int16)."""
-    return (np.asarray(bits).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
-def bf16_round(x: Any) -> np.ndarray:
-    """``x`` rounded to bfloat16 and back (float32)."""
-    return bf16_to_float32(bf16_bits(x))
 
 
 def allowed_mask(global_mask: Any, local_window: int) -> np.ndarray:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .backend import get_array_module
+from .base.backend import get_array_module
 from .collectives import local_error
 from .collectives.scan import agree_fast
 from .gla import chunk_gla, chunk_gla_bwd, validate_gla_inputs
@@ -281,7 +281,7 @@ class ZeCOGLA:
         last = self.size - 1
 
         def check() -> None:
-            from .checks import check_array, check_finite, check_shape
+            from .base.checks import check_array, check_finite, check_shape
 
             check_array("do", do, ndim=4)
             check_shape("do", do, (B, L, H, V), "(like v)")

@@ -21,6 +21,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from hpczeco.base import bf16
 from hpczeco.gpu import build as gbuild
 from hpczeco.gpu import emu as gemu
 from hpczeco.gpu import gla as ggla
@@ -92,15 +93,15 @@ def test_emulated_simt_forward_backward(emu_rt, rng):
     # no initial state, no dht, bf16 (uint16 bits), chunk 64 with a partial chunk
     T = 67
     q, k, v, g, do, _, _ = _inputs(rng, B, T, 1, 36, 20)
-    Q, Kk, Vv, G, DO = (gemu.f32_to_bf16_bits(x) for x in (q, k, v, g, do))
-    q, k, v, g, do = (gemu.bf16_bits_to_f32(x) for x in (Q, Kk, Vv, G, DO))
+    Q, Kk, Vv, G, DO = (bf16.to_bits(x) for x in (q, k, v, g, do))
+    q, k, v, g, do = (bf16.from_bits(x) for x in (Q, Kk, Vv, G, DO))
     o, _ = ggla.chunk_gla(Q, Kk, Vv, G, impl="simt")
     assert o.dtype == np.uint16
-    assert rel(gemu.bf16_bits_to_f32(o), recurrent_gla(*f64(q, k, v, g))[0]) < 5e-3
+    assert rel(bf16.from_bits(o), recurrent_gla(*f64(q, k, v, g))[0]) < 5e-3
     grads = ggla.chunk_gla_bwd(Q, Kk, Vv, G, DO)
     ref = recurrent_gla_bwd(*f64(q, k, v, g, do))
     for name, a, b in zip(("dq", "dk", "dv", "dg"), grads[:4], ref[:4]):
-        assert rel(gemu.bf16_bits_to_f32(a), b) < 5e-3, name
+        assert rel(bf16.from_bits(a), b) < 5e-3, name
     assert rel(grads[4], ref[4]) < 1e-5
 
 
@@ -112,8 +113,8 @@ def test_emulated_simt_forward_backward(emu_rt, rng):
 def test_emulated_tensor_core_forward(emu_rt, rng, variant, strong, monkeypatch):
     B, T, H, K, V = 1, 150, 1, 32, 48
     q, k, v, g, _, h0, _ = _inputs(rng, B, T, H, K, V, strong=strong)
-    Q, Kk, Vv, G = (gemu.f32_to_bf16_bits(x) for x in (q, k, v, g))
-    q, k, v, g = (gemu.bf16_bits_to_f32(x) for x in (Q, Kk, Vv, G))
+    Q, Kk, Vv, G = (bf16.to_bits(x) for x in (q, k, v, g))
+    q, k, v, g = (bf16.from_bits(x) for x in (Q, Kk, Vv, G))
     monkeypatch.setenv("HPCZECO_TC_NC", "2")  # 3 chunks -> 2 segments: the segment scan is exercised
     monkeypatch.setenv("HPCZECO_TC_VARIANT", variant)
     emu_rt.launched.clear()
@@ -122,7 +123,7 @@ def test_emulated_tensor_core_forward(emu_rt, rng, variant, strong, monkeypatch)
     assert f"gla_tc_seg_output<bf16, {lds}, {pf}>" in emu_rt.launched
     f64 = [x.astype(np.float64) for x in (q, k, v, g, h0)]
     ro, rht = recurrent_gla(*f64[:4], initial_state=f64[4], output_final_state=True)
-    assert rel(gemu.bf16_bits_to_f32(o), ro) < 1e-2
+    assert rel(bf16.from_bits(o), ro) < 1e-2
     assert rel(ht, rht) < 1e-2
 
 
@@ -147,17 +148,17 @@ def test_emulated_zeco_pieces(emu_rt, rng):
 def test_emulated_zeco_tensor_core_pieces(emu_rt, rng, monkeypatch):
     B, T, H, K, V = 1, 200, 2, 32, 48
     q, _, _, g, do, S, _ = _inputs(rng, B, T, H, K, V)
-    Q, Gb, DO = (gemu.f32_to_bf16_bits(x) for x in (q, g, do))
-    q, g, do = (gemu.bf16_bits_to_f32(x).astype(np.float64) for x in (Q, Gb, DO))
+    Q, Gb, DO = (bf16.to_bits(x) for x in (q, g, do))
+    q, g, do = (bf16.from_bits(x).astype(np.float64) for x in (Q, Gb, DO))
     G64 = np.cumsum(g, axis=1)
     G = ggla.decay_cumsum(Gb)
-    o0 = gemu.f32_to_bf16_bits(rng.standard_normal((B, T, H, V)).astype(np.float32))
+    o0 = bf16.to_bits(rng.standard_normal((B, T, H, V)).astype(np.float32))
     o = o0.copy()
     emu_rt.launched.clear()
     ggla.state_correction(o, Q, G, S, scale=0.3)
     assert emu_rt.launched == ["zeco_tc_correction<bf16>"]
-    ref = gemu.bf16_bits_to_f32(o0) + 0.3 * np.einsum("bthk,bhkv->bthv", q * np.exp(G64), S)
-    assert rel(gemu.bf16_bits_to_f32(o), ref) < 1e-2
+    ref = bf16.from_bits(o0) + 0.3 * np.einsum("bthk,bhkv->bthv", q * np.exp(G64), S)
+    assert rel(bf16.from_bits(o), ref) < 1e-2
     monkeypatch.setenv("HPCZECO_TC_NC", "2")  # 4 chunks -> 2 segments, summed
     emu_rt.launched.clear()
     U = ggla.initial_state_grad(Q, Gb, DO, scale=0.3)
@@ -273,13 +274,13 @@ def test_kernel_groups_split_compilation_by_input_type():
 def test_emulated_tensor_core_state_pass_opt_in(emu_rt, rng, monkeypatch):
     B, T, H, K, V = 1, 150, 2, 32, 48
     q, k, v, g, do, h0, dht = _inputs(rng, B, T, H, K, V)
-    bits = [gemu.f32_to_bf16_bits(x) for x in (q, k, v, g, do)]
-    xs = [gemu.bf16_bits_to_f32(x).astype(np.float64) for x in bits]
+    bits = [bf16.to_bits(x) for x in (q, k, v, g, do)]
+    xs = [bf16.from_bits(x).astype(np.float64) for x in bits]
     monkeypatch.setenv("HPCZECO_TC_STATES", "1")
     emu_rt.launched.clear()
     got = ggla.chunk_gla_bwd(*bits, initial_state=h0, dht=dht)
     assert "gla_tc_chunk_outer<bf16>" in emu_rt.launched
     ref = recurrent_gla_bwd(*xs, initial_state=h0.astype(np.float64), dht=dht.astype(np.float64))
     for name, a, b in zip(("dq", "dk", "dv", "dg"), got[:4], ref[:4]):
-        assert rel(gemu.bf16_bits_to_f32(a), b) < 1e-2, name
+        assert rel(bf16.from_bits(a), b) < 1e-2, name
     assert rel(got[4], ref[4]) < 1e-2

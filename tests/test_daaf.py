@@ -247,7 +247,7 @@ def test_bad_inputs_are_named(rng):
 
 @pytest.mark.gpu
 def test_gpu_dispatch_matches_the_reference(rng):
-    from hpczeco.backend import cupy_available
+    from hpczeco.base.backend import cupy_available
 
     if not cupy_available():
         pytest.skip("needs CuPy and a CUDA GPU")

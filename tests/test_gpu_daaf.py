@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hpczeco.base import bf16
 from hpczeco.gpu import daaf as gd
 
 GPU_DIR = Path(gd.__file__).resolve().parent
@@ -62,14 +63,14 @@ def _mask(T: int, spans=(), p: float = 0.0, rng=None) -> np.ndarray:
 
 def test_bf16_rounding_is_round_to_nearest_even():
     x = np.array([1.0, 1.0 + 2**-8, 1.0 + 3 * 2**-8, 1.0 + 2**-9, -2.5, 3.0e38, np.inf], dtype=np.float32)
-    r = gd.bf16_round(x)
+    r = bf16.round_to_bf16(x)
     assert r[0] == 1.0
     assert r[1] == 1.0  # tie -> even (mantissa ...0)
     assert r[2] == 1.0 + 4 * 2**-8  # tie -> even (mantissa ...0 after rounding up)
     assert r[3] == 1.0
     assert r[4] == -2.5
     assert np.isinf(r[6])
-    assert gd.bf16_bits(np.array([np.nan], np.float32))[0] & 0x7F80 == 0x7F80
+    assert bf16.to_bits(np.array([np.nan], np.float32))[0] & 0x7F80 == 0x7F80
 
 
 def test_reference_matches_cpu_package(rng):
@@ -178,8 +179,8 @@ def _ptr(a):
 def _emu_tc(so, q, k, v, g, W, elem, mt, reverse=True):
     B, T, H, D = q.shape
     if elem == "bf16":
-        hq, hk, hv = gd.bf16_bits(q), gd.bf16_bits(k), gd.bf16_bits(v)
-        fq, fk, fv = (gd.bf16_to_float32(x) for x in (hq, hk, hv))
+        hq, hk, hv = bf16.to_bits(q), bf16.to_bits(k), bf16.to_bits(v)
+        fq, fk, fv = (bf16.from_bits(x) for x in (hq, hk, hv))
     else:
         hq, hk, hv = (x.astype(np.float16).view(np.uint16) for x in (q, k, v))
         fq, fk, fv = (x.view(np.float16).astype(np.float32) for x in (hq, hk, hv))
@@ -190,7 +191,7 @@ def _emu_tc(so, q, k, v, g, W, elem, mt, reverse=True):
     rc = so.daaf_emu_tc(int(elem == "bf16"), D, mt, _ptr(hq), _ptr(hk), _ptr(hv), _ptr(o), _ptr(gidx), _ptr(gm),
                         B, T, H, len(gidx), W, ctypes.c_float(scale * np.log2(np.e)), int(reverse))
     assert rc == 0
-    out = gd.bf16_to_float32(o) if elem == "bf16" else o.view(np.float16).astype(np.float32)
+    out = bf16.from_bits(o) if elem == "bf16" else o.view(np.float16).astype(np.float32)
     return out, gd.reference_attention(fq, fk, fv, g, W, scale)
 
 
@@ -314,8 +315,8 @@ def test_gpu_kernels_match_reference(rng, impl, elem, D):
         g = _mask(T, spans, p, rng)
         q, k, v = _inputs(rng, 2, T, 2, D)
         if elem == "bf16":
-            hq, hk, hv = gd.bf16_bits(q), gd.bf16_bits(k), gd.bf16_bits(v)
-            fq, fk, fv = (gd.bf16_to_float32(x) for x in (hq, hk, hv))
+            hq, hk, hv = bf16.to_bits(q), bf16.to_bits(k), bf16.to_bits(v)
+            fq, fk, fv = (bf16.from_bits(x) for x in (hq, hk, hv))
             storage = "bfloat16"
         elif elem == "f16":
             hq, hk, hv = q.astype(np.float16), k.astype(np.float16), v.astype(np.float16)
@@ -326,7 +327,7 @@ def test_gpu_kernels_match_reference(rng, impl, elem, D):
             storage = None
         o = gd.attention(cp.asarray(hq), cp.asarray(hk), cp.asarray(hv), np.flatnonzero(g), W, None,
                          cp.asarray(g), impl=impl, storage=storage).get()
-        of = gd.bf16_to_float32(o) if elem == "bf16" else o.astype(np.float32)
+        of = bf16.from_bits(o) if elem == "bf16" else o.astype(np.float32)
         err = _rel(of, gd.reference_attention(fq, fk, fv, g, W))
         assert err <= TOL[elem], f"T={T} W={W} spans={spans} p={p}: rel err {err:.3g} > {TOL[elem]}"
 

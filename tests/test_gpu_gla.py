@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hpczeco.base.backend import cupy_available
 
-from hpczeco.backend import cupy_available
 from hpczeco.gla import recurrent_gla, recurrent_gla_bwd
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cupy_available(), reason="needs CuPy and a CUDA GPU")]
@@ -50,8 +50,9 @@ def test_fp32_forward_backward(rng, strong):
 @pytest.mark.parametrize("strong", [False, True])
 def test_bf16_tensor_core_forward(rng, strong):
     import cupy as cp
+    from hpczeco.base.bf16 import from_bits as bf16_bits_to_f32
+    from hpczeco.base.bf16 import to_bits as f32_to_bf16_bits
     from hpczeco.gpu import gla as G
-    from hpczeco.gpu.emu import bf16_bits_to_f32, f32_to_bf16_bits
 
     q, k, v, g, _, h0 = _inputs(rng, 1, 333, 2, 128, 64, strong)
     bits = [f32_to_bf16_bits(x) for x in (q, k, v, g)]

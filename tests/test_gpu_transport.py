@@ -10,8 +10,7 @@ import os
 
 import numpy as np
 import pytest
-
-from hpczeco.backend import cupy_available
+from hpczeco.base.backend import cupy_available
 
 needs_gpu = pytest.mark.skipif(not cupy_available(), reason="needs CuPy and a CUDA GPU")
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import is_device_array
-from ..checks import check_array, check_finite, check_same_dtype
+from ..base.backend import is_device_array
+from ..base.checks import check_array, check_finite, check_same_dtype
 from .kernels import causal_rows, finalize, local_rows
 from .planner import Plan, plan_arrays
 

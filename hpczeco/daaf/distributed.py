@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import is_device_array
+from ..base.backend import is_device_array
 from ..collectives.agree import collective_check, local_error
 from ..collectives.halo import allgather_v, allreduce, gather_lengths, halo_exchange, reduce_scatter_v
 from .attention import QUERY_BLOCK, attention, check_qkv, resolve_scale

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import is_device_array
+from ..base.backend import is_device_array
 from . import _kernels as _kn
 from ._blas import single_threaded_blas
 from .validate import check_chunk_size, check_scale, compute_dtype_name, validate_gla_inputs

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import to_numpy
+from ..base.backend import to_numpy
 from .validate import check_scale, validate_gla_inputs
 
 __all__ = ["recurrent_gla", "recurrent_gla_bwd"]

@@ -54,8 +54,8 @@ from typing import Any
 import numba as nb
 import numpy as np
 
-from ..backend import is_device_array
-from ..checks import check_array, check_shape, dtype_name
+from ..base.backend import is_device_array
+from ..base.checks import check_array, check_shape, dtype_name
 from . import _kernels as _kn
 from ._blas import single_threaded_blas
 from .chunk import (

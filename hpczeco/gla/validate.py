@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ..backend import get_array_module, is_device_array
-from ..checks import check_array, check_finite, check_log_gate, check_same_dtype, check_shape, dtype_name
+from ..base.backend import get_array_module, is_device_array
+from ..base.checks import check_array, check_finite, check_log_gate, check_same_dtype, check_shape, dtype_name
 
 __all__ = [
     "validate_gla_inputs",
