@@ -215,7 +215,7 @@ def scan_start(
     ``handle.wait()``, and should call ``handle.test()`` now and then so the ring keeps forwarding
     (``progress="thread"`` drives it from a helper thread instead). ``out`` (optional, like ``S``,
     C-contiguous, not overlapping the inputs) receives the result, which saves allocating (and
-    page-faulting) a new state per call. See the module docstring.
+    page-faulting) a new state per call. See the module docstring and :mod:`.handle` (progress).
 
     ``timeout`` (seconds; None = ``$HPCZECO_COLLECTIVE_TIMEOUT``, unset = wait forever; the same on
     every rank): a rank that waits longer than that -- for the other ranks to arrive at the
