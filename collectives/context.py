@@ -4,15 +4,18 @@ The first collective call on a user communicator ``comm`` (collective: every ran
 creates a :class:`CommContext` holding
 
 * ``pcomm``: a private ``Dup`` of ``comm``, so that the library's messages never match the
-  caller's own point-to-point traffic (the MPI library convention);
+  caller's own point-to-point traffic (the MPI library convention). Its tags: :data:`RELAY_TAGS`,
+  :data:`AGREE_TAG`, :data:`DISPATCH_TAGS` below :data:`SCAN_TAG_BASE`, then one tag per collective;
 * an operation counter: every rank calls collectives on ``comm`` in the same order, so the n-th
   operation gets the same tag on every rank without any communication. Two operations in flight
   at once (forward and backward scans, two layers) therefore use distinct tags;
-* a lazily built rank-reversed communicator (for ``MPI_Exscan`` in reverse order) and a cache of
-  transports (device transports can be expensive to build: NCCL communicators).
+* a lazily built rank-reversed communicator (for ``MPI_Exscan`` in reverse order), the pool of
+  scratch buffers and ``transports``: the one cache of the transports that carry the library's
+  traffic on ``pcomm`` (filled by :mod:`.selection` and :mod:`.device`; device transports can be
+  expensive to build: NCCL communicators).
 
-The context lives as long as ``comm``: freeing ``comm`` frees the private communicators.
-Knows nothing about attention.
+The context lives as long as ``comm``: freeing ``comm`` frees the private communicators and drops
+the cached transports. Knows nothing about attention, nor about what a transport is.
 """
 
 from __future__ import annotations
@@ -24,13 +27,26 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["BufferPool", "CommContext", "get_context", "RELAY_TAGS", "SCAN_TAG_BASE", "POOL_ENV"]
+__all__ = [
+    "BufferPool",
+    "CommContext",
+    "get_context",
+    "RELAY_TAGS",
+    "AGREE_TAG",
+    "DISPATCH_TAGS",
+    "SCAN_TAG_BASE",
+    "POOL_ENV",
+]
 
 #: environment variable: most MiB of scratch buffers kept for reuse per communicator (default 512)
 POOL_ENV = "HPCZECO_POOL_MB"
 
 #: tags of the whole-state relay (LASP-1) in scan order and in reverse order
 RELAY_TAGS = (1, 2)
+#: tag of the timeout-mode arrival/agreement messages (:func:`.agree.agree_fast`)
+AGREE_TAG = 7
+#: tags of the task dispatcher (:mod:`.dispatch`): worker ready, work, stop
+DISPATCH_TAGS = (11, 12, 13)
 #: collective operations use tags SCAN_TAG_BASE + (sequence number mod slots)
 SCAN_TAG_BASE = 16
 
@@ -40,8 +56,8 @@ _KEYVAL: int | None = None
 class BufferPool:
     """Scratch buffers kept for reuse, keyed by array module, shape and dtype.
 
-    Fresh large allocations cost page faults on first touch (on virtual machines ~1 us per 4 KiB
-    page), which is of the order of the transfer itself; the scans therefore take their scratch
+    Fresh large allocations cost a page fault per page on first touch, which on virtual machines is
+    of the order of the transfer itself; the scans therefore take their scratch
     buffers from here and give them back when their requests are complete. At most ``max_bytes``
     are kept; beyond that, released buffers are dropped. Thread-safe.
     """
@@ -87,9 +103,8 @@ class CommContext:
         self.tag_slots = max(1, min(1 << 20, int(tag_ub) - SCAN_TAG_BASE))
         self.seq = 0
         self._reversed: MPI.Comm | None = None
-        self._transports: dict[Any, Any] = {}
-        self._host: Any = None
-        self.cache: dict[Any, Any] = {}
+        #: transports on ``pcomm`` by name ("host", and device kinds requested or resolved)
+        self.transports: dict[str, Any] = {}
         self.pool = BufferPool(int(float(os.environ.get(POOL_ENV, "512")) * (1 << 20)))
 
     def next_tag(self) -> int:
@@ -104,23 +119,6 @@ class CommContext:
             self._reversed = self.pcomm.Split(0, self.size - 1 - self.rank)
         return self._reversed
 
-    def transport(self, like: Any = None, kind: str | None = None):
-        """The (cached) transport for buffers like ``like`` on ``pcomm`` (collective on first use)."""
-        if kind is None and (like is None or type(like) is np.ndarray) and self._host is not None:
-            return self._host
-        from hpczeco.base.backend import is_device_array
-
-        from .transport import TRANSPORT_ENV, get_transport
-
-        key = ("device", kind or os.environ.get(TRANSPORT_ENV) or "auto") if is_device_array(like) else ("host",)
-        tr = self._transports.get(key)
-        if tr is None:
-            tr = get_transport(self.pcomm, like=like, kind=kind)
-            self._transports[key] = tr
-            if key == ("host",):
-                self._host = tr
-        return tr
-
     def free(self) -> None:
         for c in (self._reversed, self.pcomm):
             if c is not None and c != MPI.COMM_NULL:
@@ -129,7 +127,7 @@ class CommContext:
                 except Exception:  # noqa: S110 - finalizing: nothing useful to do
                     pass
         self._reversed = None
-        self._transports.clear()
+        self.transports.clear()
         self.pool.clear()
 
 

@@ -2,7 +2,8 @@
 
 All three implement :class:`~hpczeco.collectives.transport.Transport`, so the scans and
 baselines run unchanged on device arrays. Choose one with :func:`get_device_transport`
-(``kind`` in ``"auto"``, ``"cuda-aware"``, ``"staged"``, ``"nccl"``; cached per communicator and kind).
+(``kind`` in ``"auto"``, ``"cuda-aware"``, ``"staged"``, ``"nccl"``; built on the communicator's private
+duplicate and cached in its context, :attr:`.context.CommContext.transports`, per kind).
 
 Stream semantics (all transports): a send buffer is read *after* all work already queued on the
 CuPy stream current at ``isend`` time; a receive buffer is safe to use from the stream current at
@@ -23,6 +24,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .context import CommContext, get_context
+from .names import DEVICE_TRANSPORT_KINDS, check_device_kind
 from .transport import Request, Transport, _DoneRequest, _MPIRequest
 
 __all__ = [
@@ -31,6 +34,8 @@ __all__ = [
     "StagedTransport",
     "NcclTransport",
     "get_device_transport",
+    "device_transport",
+    "resolve_kind",
     "mpi_cuda_support",
     "cuda_aware_known",
     "nccl_available",
@@ -39,7 +44,8 @@ __all__ = [
 
 #: set to 1 to declare the MPI CUDA-aware (0 to forbid device pointers in MPI calls)
 CUDA_AWARE_ENV = "HPCZECO_CUDA_AWARE"
-TRANSPORT_KINDS = ("auto", "cuda-aware", "staged", "nccl")
+#: the device transport kinds (:data:`.names.DEVICE_TRANSPORT_KINDS`)
+TRANSPORT_KINDS = DEVICE_TRANSPORT_KINDS
 
 _cp = None
 
@@ -147,10 +153,9 @@ class CudaAwareTransport(Transport):
         """Ring allgather from point-to-point messages only.
 
         An MPI whose point-to-point layer is CUDA-aware through UCX (pml ucx) may still run its
-        collectives through host code paths: Open MPI 4.1.6 built without CUDA segfaulted in
-        ``Allgather`` on device buffers (coll/tuned copies the local block with memcpy) on the GPU
-        machine (2026-11-29). So only Isend/Irecv touch device memory here; the local block is
-        copied by CuPy.
+        collectives through host code paths (an Open MPI built without CUDA segfaulted in ``Allgather``
+        on device buffers: docs/benchmarks/gpu.md). So only Isend/Irecv touch device memory here; the
+        local block is copied by CuPy.
         """
         _check_buf("sendbuf", sendbuf)
         _check_buf("recvbuf", recvbuf)
@@ -444,18 +449,15 @@ class NcclTransport(Transport):
 
 
 def _cache_for(comm: MPI.Comm) -> dict:
-    """The transports cached for ``comm``: kept in the communicator's library context (an MPI attribute), so
-    they go when ``comm`` is freed -- a handle-keyed cache handed a freed communicator's transport to the next
-    ``Dup`` that reused its handle ("invalid communicator")."""
-    from .context import get_context  # noqa: PLC0415
-
-    return get_context(comm).cache.setdefault("device_transports", {})
+    """The transports cached for ``comm``: its library context's :attr:`~.context.CommContext.transports`
+    (an MPI attribute of ``comm``), so they go when ``comm`` is freed -- a handle-keyed cache handed a
+    freed communicator's transport to the next ``Dup`` that reused its handle ("invalid communicator")."""
+    return get_context(comm).transports
 
 
 def resolve_kind(comm: MPI.Comm, kind: str) -> str:
     """The concrete kind "auto" stands for on ``comm`` (the same on every rank)."""
-    if kind not in TRANSPORT_KINDS:
-        raise ValueError(f"transport kind must be one of {TRANSPORT_KINDS}, got {kind!r}")
+    check_device_kind(kind)
     if kind != "auto":
         return kind
     aware = cuda_aware_known()
@@ -470,26 +472,36 @@ def resolve_kind(comm: MPI.Comm, kind: str) -> str:
     return "staged"
 
 
-def get_device_transport(comm: MPI.Comm, kind: str = "auto") -> Transport:
-    """The device transport ``kind`` for ``comm`` (cached per communicator and kind).
+def device_transport(ctx: CommContext, kind: str = "auto") -> Transport:
+    """The device transport ``kind`` on ``ctx.pcomm``, from (or into) ``ctx.transports``.
 
     ``"auto"``: CUDA-aware MPI if known CUDA-aware, else NCCL if available, else host-staged.
-    Collective over ``comm`` the first time for "auto" and "nccl" (agreement / unique-id bcast).
+    Collective over the communicator the first time for "auto" and "nccl" (agreement / unique-id bcast).
     """
-    if kind not in TRANSPORT_KINDS:
-        raise ValueError(f"transport kind must be one of {TRANSPORT_KINDS}, got {kind!r}")
-    cache = _cache_for(comm)
+    check_device_kind(kind)
+    cache = ctx.transports
     if kind in cache:
         return cache[kind]
-    concrete = resolve_kind(comm, kind)
+    concrete = resolve_kind(ctx.pcomm, kind)
     if concrete in cache:
         t = cache[concrete]
     elif concrete == "cuda-aware":
-        t = CudaAwareTransport(comm)
+        t = CudaAwareTransport(ctx.pcomm)
     elif concrete == "nccl":
-        t = NcclTransport(comm)
+        t = NcclTransport(ctx.pcomm)
     else:
-        t = StagedTransport(comm)
+        t = StagedTransport(ctx.pcomm)
     cache[concrete] = t
     cache[kind] = t
     return t
+
+
+def get_device_transport(comm: MPI.Comm, kind: str = "auto") -> Transport:
+    """The device transport ``kind`` for ``comm``: it carries its messages on ``comm``'s private duplicate
+    and is cached in ``comm``'s library context per kind (the same object the scans on ``comm`` use).
+
+    ``"auto"``: CUDA-aware MPI if known CUDA-aware, else NCCL if available, else host-staged.
+    Collective over ``comm`` the first time (the context's ``Dup``; agreement / unique-id bcast).
+    """
+    check_device_kind(kind)
+    return device_transport(get_context(comm), kind)

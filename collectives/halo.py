@@ -24,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .agree import collective_check, local_error
-from .transport import get_transport
+from .selection import get_transport
 
 __all__ = ["halo_exchange", "allgather_v", "reduce_scatter_v", "allreduce", "gather_lengths", "HALO_TAG"]
 

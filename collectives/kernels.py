@@ -1,4 +1,9 @@
-"""The scan's one arithmetic kernel: ``out[r, :] = a[r] * X[r, :] + S[r, :]`` on ``[R, V]`` rows.
+"""The scan operator: its float reference and its one arithmetic kernel.
+
+The operator on pairs ``(a [..., K], S [..., K, V])`` is ``(a1, S1) o (a2, S2) = (a1 a2, a2[..., None] S1 + S2)``
+(associative, not commutative, identity ``(1, 0)``). :func:`combine` and :func:`fold_reference` are its
+plain array form (the reference the tests check the scans against); the scans apply it as
+:func:`axpy_rows`, ``out[r, :] = a[r] * X[r, :] + S[r, :]`` on ``[R, V]`` rows.
 
 Host (numpy) arrays use a fused Numba loop (one pass, no temporary, releases the GIL) when Numba
 is importable and the arrays are C-contiguous float32/float64 of one dtype; ``out`` may be ``X``
@@ -14,7 +19,27 @@ from typing import Any
 import numpy as np
 from hpczeco.base.backend import get_array_module
 
-__all__ = ["axpy_rows", "row_kernel", "numba_available"]
+__all__ = ["combine", "fold_reference", "axpy_rows", "row_kernel", "numba_available"]
+
+
+def combine(x: tuple[Any, Any], y: tuple[Any, Any]) -> tuple[Any, Any]:
+    """``x o y`` for pairs ``(a [..., K], S [..., K, V])``: ``(a_x a_y, a_y[..., None] S_x + S_y)`` (new arrays)."""
+    ax, sx = x
+    ay, sy = y
+    return ax * ay, ay[..., None] * sx + sy
+
+
+def fold_reference(pairs: list[tuple[Any, Any]], initial: Any = None) -> list[Any]:
+    """Sequential exclusive scan of ``pairs`` in list order: ``[S_in^(0), S_in^(1), ...]`` (for tests)."""
+    out = []
+    S0 = pairs[0][1]
+    xp = get_array_module(S0)
+    X = xp.zeros_like(S0) if initial is None else initial.copy()
+    for a, S in pairs:
+        out.append(X.copy())
+        X = a[..., None] * X + S
+    return out
+
 
 _FUSED: Any = None  # None: not tried yet; False: unavailable
 

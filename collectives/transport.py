@@ -1,24 +1,23 @@
-"""The send/recv seam: one small interface, one implementation per transport.
+"""The send/recv seam: one small interface, and its host implementation.
 
 Algorithms in this package (ring All-Scan, tree scan, baselines, halo exchange) are written once
 against :class:`Transport`. ``HostTransport`` moves numpy buffers with mpi4py's uppercase
 methods. Device transports for CuPy buffers (CUDA-aware MPI, host-staged MPI, NCCL) live in
-``collectives/device.py`` and are chosen by :func:`get_transport`.
+:mod:`.device`; :mod:`.selection` picks and caches the transport for a communicator's buffers
+(:func:`~.selection.get_transport`).
 """
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from typing import Any, Protocol
 
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["Request", "Transport", "HostTransport", "get_transport", "TRANSPORT_ENV"]
+from .names import TRANSPORT_ENV
 
-#: environment variable naming the device transport: "cuda-aware", "staged" or "nccl"
-TRANSPORT_ENV = "HPCZECO_TRANSPORT"
+__all__ = ["Request", "Transport", "HostTransport", "TRANSPORT_ENV"]
 
 
 class Request(Protocol):
@@ -124,21 +123,3 @@ class HostTransport(Transport):
 
     def iallgather(self, sendbuf: np.ndarray, recvbuf: np.ndarray) -> Request:
         return _MPIRequest(self.comm.Iallgather(sendbuf, recvbuf))
-
-
-def get_transport(comm: MPI.Comm, like: Any = None, kind: str | None = None) -> Transport:
-    """The transport for buffers like ``like`` on ``comm``.
-
-    numpy (or ``None``) -> :class:`HostTransport`. CuPy -> a device transport from
-    ``collectives/device.py``: ``kind`` or ``$HPCZECO_TRANSPORT`` ("cuda-aware", "staged", "nccl"),
-    else detection. A device pointer is never handed to an MPI not known to be CUDA-aware.
-    """
-    from hpczeco.base.backend import is_device_array
-
-    if like is None or not is_device_array(like):
-        if kind not in (None, "host", "auto"):
-            raise ValueError(f"transport {kind!r} needs device (CuPy) arrays; these are host arrays")
-        return HostTransport(comm)
-    from . import device  # noqa: PLC0415 - imports CuPy
-
-    return device.get_device_transport(comm, kind or os.environ.get(TRANSPORT_ENV) or "auto")

@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
-DEFAULT_TOPOLOGIES = "ring,tree,allgather,serial,exscan"
 
 
 def parse_size(text: str) -> int:
@@ -61,11 +60,12 @@ def state_shape(nbytes: int, itemsize: int, V: int = 128, Kmax: int = 128) -> tu
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
+    from hpczeco.collectives.names import ALGORITHMS, TOPOLOGIES
+
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter, epilog=__doc__)
     ap.add_argument("--sizes", default=DEFAULT_SIZES, help="state sizes in bytes per rank (K/M suffixes)")
-    ap.add_argument("--topologies", default=DEFAULT_TOPOLOGIES,
-                    help="comma list of ring,tree,allgather,serial,exscan,auto")
+    ap.add_argument("--topologies", default=",".join(ALGORITHMS), help=f"comma list of {','.join(TOPOLOGIES)}")
     ap.add_argument("--blocks", default="4,16,64",
                     help="extra fixed ring piece counts (each <= K; the model's choice always runs as 'ring')")
     ap.add_argument("--repeats", type=int, default=15, help="timed repeats per point (median reported)")
@@ -143,24 +143,24 @@ def time_point(comm, fn, repeats: int, warmup: int, limit: float) -> list[float]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from hpczeco.collectives import scan_start
+    from hpczeco.collectives import costmodel, scan_start
+    from hpczeco.collectives.calibrate import calibrate
+    from hpczeco.collectives.names import TOPOLOGIES
     from mpi4py import MPI
-
-    from hpczeco import costmodel
 
     comm = MPI.COMM_WORLD
     P, rank = comm.Get_size(), comm.Get_rank()
     dtype = np.dtype(args.dtype)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     topos = [t.strip() for t in args.topologies.split(",") if t.strip()]
-    bad = [t for t in topos if t not in ("ring", "tree", "allgather", "serial", "exscan", "auto")]
+    bad = [t for t in topos if t not in TOPOLOGIES]
     if bad:
         raise SystemExit(f"unknown topologies {bad}")
     fixed_blocks = [int(b) for b in args.blocks.split(",") if b.strip()] if "ring" in topos else []
 
     if args.calibrate:
-        params = costmodel.calibrate(comm, sizes=(8, 64 << 10, 1 << 20, 4 << 20), dtype=args.dtype,
-                                     method=args.calibrate_method)
+        params = calibrate(comm, sizes=(8, 64 << 10, 1 << 20, 4 << 20), dtype=args.dtype,
+                           method=args.calibrate_method)
     else:
         params = costmodel.parse_link(args.link)
     costmodel.set_default_params(params)  # blocks=None / "auto" use the same numbers as the predictions

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-DEFAULT_TOPOLOGIES = "ring,tree,allgather,serial,exscan"
-
 
 def _parser(prog: str) -> argparse.ArgumentParser:
+    from hpczeco.collectives.names import ALGORITHMS
+
+    default_topologies = ",".join(ALGORITHMS)
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=4096, help="tokens per rank (default 4096; the issue asks 16384)")
     ap.add_argument("--B", type=int, default=1)
@@ -35,7 +36,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--V", type=int, default=64)
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
-    ap.add_argument("--topologies", default=DEFAULT_TOPOLOGIES, help=f"comma list (default {DEFAULT_TOPOLOGIES})")
+    ap.add_argument("--topologies", default=default_topologies, help=f"comma list (default {default_topologies})")
     ap.add_argument("--blocks", type=int, default=None, help="ring blocks (default: cost model's choice)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)

@@ -1,6 +1,6 @@
 """`hpczeco model`: predicted All-Scan (ring) vs tree vs allgather (and serial, exscan) time for any P.
 
-Alpha-beta-gamma model of :mod:`hpczeco.costmodel` for the link you give (``--link`` preset or
+Alpha-beta-gamma model of :mod:`hpczeco.collectives.costmodel` for the link you give (``--link`` preset or
 ``--alpha``/``--beta``), optionally two-level (``--gpus-per-node`` with ``--inter-link`` between
 nodes). The state per rank is ``--state-bytes`` or ``B*H*K*V*itemsize``. The ZeCO paper's measured
 communication times (H100 cluster, 8 GPUs per node, NVLink inside and InfiniBand across nodes) are
@@ -18,7 +18,6 @@ from pathlib import Path
 
 #: ZeCO paper (arXiv 2507.01004), communication time per All-Scan vs LASP-2's AllGather, ms
 PAPER = {8: {"ring": 0.226, "allgather": 0.375}, 256: {"ring": 2.165, "allgather": 8.514}}
-TOPOS = ("ring", "tree", "allgather", "serial", "exscan")
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -48,7 +47,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str = "hpczeco model") -> int:
     from dataclasses import replace
 
-    from hpczeco import costmodel as cm
+    from hpczeco.collectives import costmodel as cm
+    from hpczeco.collectives.names import ALGORITHMS as TOPOS
 
     args = build_parser(prog).parse_args(argv)
     try:
@@ -117,6 +117,7 @@ def _plot(rows: list[dict], png: Path, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from hpczeco.collectives.names import ALGORITHMS as TOPOS
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     Ps = [r["P"] for r in rows]

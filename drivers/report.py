@@ -168,8 +168,8 @@ def plot_over_p(runs: list[dict[str, Any]], png: Path, max_p: int) -> list[int]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from hpczeco import costmodel as cm
+    from hpczeco.collectives import costmodel as cm
+    from hpczeco.collectives.names import ALGORITHMS
 
     all_sizes = sorted({r["nbytes"] for run in runs for r in run["results"]})
     wanted = [s for s in (16 << 10, 1 << 20, 16 << 20) if s in all_sizes]
@@ -177,7 +177,7 @@ def plot_over_p(runs: list[dict[str, Any]], png: Path, max_p: int) -> list[int]:
     ref = runs[-1]
     params = cm.LinkParams(**ref["params"])
     alg = ref.get("exscan_algorithm", "recursive_doubling")
-    topos = ("ring", "tree", "allgather", "serial", "exscan")
+    topos = ALGORITHMS
     Pmod = sorted({2 ** i for i in range(1, max(2, max_p).bit_length())} | {run["P"] for run in runs})
     fig, axes = plt.subplots(1, len(wanted), figsize=(5.5 * len(wanted), 4), squeeze=False)
     for ax, size in zip(axes.flat, wanted):
@@ -221,7 +221,7 @@ def write_report(runs: list[dict[str, Any]], out: Path, max_p: int) -> Path:
         "| P | oversubscribed | dtype | calibration | exscan modelled as |",
         "|---|---|---|---|---|",
     ]
-    from hpczeco import costmodel as cm
+    from hpczeco.collectives import costmodel as cm
 
     for run in runs:
         desc = cm.LinkParams(**run["params"]).describe()

@@ -11,6 +11,7 @@ import os
 import numpy as np
 import pytest
 from hpczeco.base.backend import cupy_available
+from hpczeco.collectives.names import ALGORITHMS
 
 needs_gpu = pytest.mark.skipif(not cupy_available(), reason="needs CuPy and a CUDA GPU")
 
@@ -62,7 +63,7 @@ def test_exchange_and_allgather(comm, gpu):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.mpi
-@pytest.mark.parametrize("topology", ["ring", "tree", "allgather", "serial", "exscan"])
+@pytest.mark.parametrize("topology", ALGORITHMS)
 def test_scan_on_device_arrays(comm, gpu, rng, topology):
     from hpczeco.collectives import device as D
     from hpczeco.collectives.scan import fold_reference, scan

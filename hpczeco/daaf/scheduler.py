@@ -12,7 +12,8 @@ Policies (non-preemptive; a free worker takes the best waiting request that has 
 * ``"fcfs"``: earliest arrival, then lower id.
 
 :func:`simulate` is a discrete-event simulation (deterministic); :func:`serve_mpi` runs the same
-policies for real over MPI (rank 0 dispatches, ranks ``1..P-1`` prefill; one rank serves alone).
+policies for real over MPI (rank 0 dispatches, ranks ``1..P-1`` prefill; one rank serves alone) through
+the collectives' task dispatcher (:mod:`hpczeco.collectives.dispatch`), which owns the messages.
 Metrics (:func:`metrics`): TTFT = finish - arrival (queueing + prefill), p50/p99, share of deadlines
 met (finish <= deadline), busy fraction = total service time / (workers x (last finish - first arrival)).
 """
@@ -20,13 +21,11 @@ met (finish <= deadline), busy fraction = total service time / (workers x (last 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 __all__ = ["Request", "Served", "ScheduleResult", "POLICIES", "priority", "simulate", "metrics", "serve_mpi"]
 
@@ -154,65 +153,6 @@ def metrics(res: ScheduleResult) -> dict:
     }
 
 
-_READY, _WORK, _STOP = 11, 12, 13
-
-
-def _recv_polling(comm, source: int, tag: int, status):
-    """``comm.recv`` that sleeps between probes (MPICH's blocking receive spins a core, which on an
-    oversubscribed node steals it from the ranks doing the prefill)."""
-    nap = 1e-4
-    while not comm.Iprobe(source=source, tag=tag):
-        time.sleep(nap)
-        nap = min(2e-3, nap * 1.5)
-    return comm.recv(source=source, tag=tag, status=status)
-
-
-def _dispatch(comm, scaled: dict[int, Request], policy: str, workers: int) -> ScheduleResult:
-    """Rank 0 of :func:`serve_mpi`: hand requests to ready workers by policy, record completions."""
-    t0 = time.perf_counter()
-    clock = lambda: time.perf_counter() - t0
-    waiting = sorted(scaled.values(), key=lambda r: (r.arrival, r.rid))
-    started: dict[int, tuple[int, float]] = {}
-    served: list[Served] = []
-    idle: list[int] = []
-    busy, stopped = 0.0, 0
-    st = MPI.Status()
-    while stopped < workers:
-        now = clock()
-        while idle and waiting:
-            ready = [r for r in waiting if r.arrival <= now]
-            if not ready:
-                break
-            r = _pick(ready, now, policy)
-            waiting.remove(r)
-            w = idle.pop(0)
-            started[r.rid] = (w, now)
-            comm.send(r.rid, dest=w, tag=_WORK)
-        if not waiting:
-            for w in idle:
-                comm.send(None, dest=w, tag=_STOP)
-                stopped += 1
-            idle = []
-            if stopped == workers:
-                break
-        elif idle:  # requests remain but none has arrived: wait for the next arrival or a message
-            t_next = min(r.arrival for r in waiting)
-            while clock() < t_next and not comm.Iprobe(source=MPI.ANY_SOURCE, tag=_READY):
-                time.sleep(min(1e-3, max(0.0, t_next - clock())))
-            if not comm.Iprobe(source=MPI.ANY_SOURCE, tag=_READY):
-                continue
-        msg = _recv_polling(comm, MPI.ANY_SOURCE, _READY, st)
-        now = clock()
-        if msg is not None:  # (rid, seconds of service)
-            rid, secs = msg
-            w, start = started.pop(rid)
-            r = scaled[rid]
-            served.append(Served(rid, w, start, now, r.arrival, r.deadline))
-            busy += secs
-        idle.append(st.Get_source())
-    return ScheduleResult(policy, workers, sorted(served, key=lambda s: s.rid), busy)
-
-
 def serve_mpi(requests: Sequence[Request], comm, run: Callable[[Request], Any], policy: str = "priority",
               time_scale: float = 1.0) -> ScheduleResult:
     """Serve ``requests`` for real over ``comm`` (collective; every rank passes the same list).
@@ -221,52 +161,20 @@ def serve_mpi(requests: Sequence[Request], comm, run: Callable[[Request], Any], 
     multiplied by ``time_scale``); ranks ``1..P-1`` call ``run(request)`` and report back. With one
     rank, rank 0 serves alone. TTFT is measured on rank 0 from arrival to the completion message.
     Returns the same :class:`ScheduleResult` on every rank (``busy`` = measured service seconds).
+    The messages go through :func:`hpczeco.collectives.dispatch.dispatch` (on a private duplicate of ``comm``).
     """
     from ..collectives.agree import collective_check, local_error  # noqa: PLC0415
+    from ..collectives.dispatch import dispatch  # noqa: PLC0415
 
-    size = comm.Get_size()
-    workers = max(1, size - 1)
+    workers = max(1, comm.Get_size() - 1)
     err = local_error(lambda: _check(requests, workers, policy))
     collective_check(comm, "serve_mpi", err, {"policy": policy, "rids": [r.rid for r in requests] if err is None
                                               else None})
-    scaled = {r.rid: Request(r.rid, r.arrival * time_scale, r.deadline * time_scale, r.density, r.cost, r.payload)
-              for r in requests}
+    scaled = [Request(r.rid, r.arrival * time_scale, r.deadline * time_scale, r.density, r.cost, r.payload)
+              for r in requests]
     by_id = {r.rid: r for r in requests}
-    comm.Barrier()
-    if size == 1:
-        t0 = time.perf_counter()
-        waiting = sorted(scaled.values(), key=lambda r: (r.arrival, r.rid))
-        served, busy = [], 0.0
-        while waiting:
-            now = time.perf_counter() - t0
-            ready = [r for r in waiting if r.arrival <= now]
-            if not ready:
-                time.sleep(max(0.0, min(r.arrival for r in waiting) - now))
-                continue
-            r = _pick(ready, now, policy)
-            waiting.remove(r)
-            a = time.perf_counter()
-            run(by_id[r.rid])
-            b = time.perf_counter()
-            busy += b - a
-            served.append(Served(r.rid, 0, a - t0, b - t0, r.arrival, r.deadline))
-        return ScheduleResult(policy, 1, sorted(served, key=lambda s: s.rid), busy)
-
-    if comm.Get_rank() == 0:
-        res = _dispatch(comm, scaled, policy, workers)
-    else:
-        comm.send(None, dest=0, tag=_READY)
-        st = MPI.Status()
-        while True:
-            rid = _recv_polling(comm, 0, MPI.ANY_TAG, st)
-            if st.Get_tag() == _STOP:
-                break
-            a = time.perf_counter()
-            run(by_id[rid])
-            comm.send((rid, time.perf_counter() - a), dest=0, tag=_READY)
-        res = None
-    req = comm.Ibarrier()  # wait for the last worker without spinning a core
-    while not req.Test():
-        time.sleep(1e-3)
-    data = comm.bcast(None if res is None else (res.policy, res.workers, [asdict(s) for s in res.served], res.busy))
-    return ScheduleResult(data[0], data[1], [Served(**s) for s in data[2]], data[3])
+    done = dispatch(comm, scaled, lambda r: run(by_id[r.rid]), lambda ready, now: _pick(ready, now, policy),
+                    lambda r: r.arrival)
+    served = [Served(scaled[c.index].rid, c.worker, c.start, c.finish, scaled[c.index].arrival,
+                     scaled[c.index].deadline) for c in done]
+    return ScheduleResult(policy, workers, sorted(served, key=lambda s: s.rid), float(sum(c.busy for c in done)))

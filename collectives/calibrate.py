@@ -1,0 +1,148 @@
+"""Calibration of the cost model on the running machine: link ``alpha``/``beta`` and combine ``gamma``/``delta``.
+
+:func:`calibrate` measures ``alpha``/``beta`` by a cyclic shift (every rank sends to the next and
+receives from the previous at once: the ring's steady state) or by ping-pong between rank pairs
+(all pairs at once), medians of repeats; ``gamma``/``delta`` by timing the scans' combine kernel
+(:func:`measure_combine`) on every rank at once. The messages run on a private duplicate of the
+communicator. Knows nothing about attention.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from .costmodel import LinkParams
+from .kernels import axpy_rows
+
+__all__ = ["calibrate", "measure_combine"]
+
+#: tags of the ping-pong and cyclic-shift messages (on the private duplicate)
+_PINGPONG_TAG, _SHIFT_TAG = 7, 9
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+def _pingpong(comm: MPI.Comm, peer: int, lead: bool, nbytes: int, repeats: int, dtype: Any) -> list[float]:
+    buf = np.zeros(max(1, nbytes // np.dtype(dtype).itemsize), dtype=dtype)
+    times = []
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        if lead:
+            comm.Send(buf, dest=peer, tag=_PINGPONG_TAG)
+            comm.Recv(buf, source=peer, tag=_PINGPONG_TAG)
+        else:
+            comm.Recv(buf, source=peer, tag=_PINGPONG_TAG)
+            comm.Send(buf, dest=peer, tag=_PINGPONG_TAG)
+        if r:  # the first round trip is warm-up
+            times.append((time.perf_counter() - t0) / 2)
+    return times
+
+
+def measure_combine(nbytes: int, repeats: int = 20, dtype: Any = "float32", V: int = 128) -> float:
+    """Median seconds of one combine ``f = a * X + S`` on ``nbytes`` of state, with the kernel the scans
+    use (:func:`.kernels.axpy_rows`: fused Numba loop on the host)."""
+    n = max(1, nbytes // np.dtype(dtype).itemsize)
+    V = min(V, n)
+    rows = max(1, n // V)
+    X = np.ones((rows, V), dtype=dtype)
+    S = np.ones_like(X)
+    f = np.empty_like(X)
+    a = np.full(rows, 0.5, dtype=dtype)
+    axpy_rows(X, a, S, f)  # compile / warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        axpy_rows(X, a, S, f)
+        times.append(time.perf_counter() - t0)
+    return _median(times)
+
+
+def _sleep_barrier(comm: MPI.Comm) -> None:
+    """A barrier that yields the CPU while waiting (oversubscribed ranks do not steal the pingers' cores)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(50e-6)
+
+
+def _shift(comm: MPI.Comm, nbytes: int, repeats: int, dtype: Any) -> list[float]:
+    """Every rank at once sends to rank+1 and receives from rank-1 (cyclic): seconds per step."""
+    n = max(1, nbytes // np.dtype(dtype).itemsize)
+    sbuf = np.ones(n, dtype=dtype)
+    rbuf = np.zeros(n, dtype=dtype)
+    P, rank = comm.Get_size(), comm.Get_rank()
+    right, left = (rank + 1) % P, (rank - 1) % P
+    times = []
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        comm.Sendrecv(sbuf, right, _SHIFT_TAG, rbuf, left, _SHIFT_TAG)
+        if r:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def calibrate(
+    comm: MPI.Comm,
+    sizes: tuple[int, ...] = (8, 4096, 1 << 20, 4 << 20),
+    repeats: int = 15,
+    dtype: Any = "float32",
+    method: str = "shift",
+) -> LinkParams:
+    """Measure ``LinkParams`` on the running machine (collective over ``comm``; same result on every rank).
+
+    ``method="shift"`` (default): every rank at once sends ``s`` bytes to the next rank and receives
+    from the previous (a cyclic ``Sendrecv``) -- the steady state of the pipelined ring, where each
+    rank receives one piece while it sends the previous one, and of the tree's and allgather's
+    rounds. ``method="pingpong"``: ranks paired (0,1), (2,3), ... ping-pong all at once, half the
+    round trip (a rank without partner waits in a sleeping barrier). On shared memory without a
+    single-copy mechanism the shift step costs about twice the ping-pong one (each rank copies
+    in and out), and it is the shift that predicts the ring.
+
+    ``alpha``: the step time of the smallest size; ``beta``: the median over the sizes of 64 KiB and
+    more (else all larger ones) of ``(t - alpha) / size``; medians over repeats, then over ranks.
+    ``gamma``/``delta``: every rank times the scans' combine kernel at the largest and at a tiny
+    size at the same time (memory bandwidth is shared); medians over ranks. Rank 0's numbers are
+    broadcast. One rank alone measures ``alpha = beta = 0`` (no link).
+    """
+    if method not in ("shift", "pingpong"):
+        raise ValueError(f"method must be 'shift' or 'pingpong', got {method!r}")
+    sizes = tuple(sorted(int(s) for s in sizes))
+    if len(sizes) < 2 or sizes[0] <= 0:
+        raise ValueError(f"sizes needs at least two positive sizes, got {sizes}")
+    c = comm.Dup()
+    try:
+        P, rank = c.Get_size(), c.Get_rank()
+        alpha = beta = 0.0
+        if P >= 2:
+            peer = rank ^ 1
+            active = method == "shift" or peer < P
+            res: dict[int, float] = {}
+            for s in sizes:
+                _sleep_barrier(c)
+                if method == "shift":
+                    res[s] = _median(_shift(c, s, repeats, dtype))
+                elif active:
+                    res[s] = _median(_pingpong(c, peer, rank % 2 == 0, s, repeats, dtype))
+            _sleep_barrier(c)
+            everyone = [r for r in c.allgather(res if active else None) if r is not None]
+            med = {s: _median([r[s] for r in everyone]) for s in sizes}
+            alpha = med[sizes[0]]
+            big = [s for s in sizes[1:] if s >= 64 * 1024] or list(sizes[1:])
+            beta = max(0.0, _median([(med[s] - alpha) / (s - sizes[0]) for s in big]))
+        _sleep_barrier(c)
+        g_big = measure_combine(sizes[-1], repeats, dtype)
+        delta = measure_combine(64, repeats, dtype)
+        comb = c.allgather((g_big, delta))
+        g_big, delta = _median([x[0] for x in comb]), _median([x[1] for x in comb])
+        gamma = max(0.0, (g_big - delta) / sizes[-1])
+        vals = c.bcast((alpha, beta, gamma, delta) if rank == 0 else None, root=0)
+    finally:
+        c.Free()
+    return LinkParams(*vals, name=f"calibrated ({method})")

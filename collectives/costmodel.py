@@ -1,0 +1,344 @@
+"""Alpha-beta-gamma cost model of the exclusive scans of :mod:`.scan`: formulas, presets, the ``"auto"`` pick.
+
+Parameters (:class:`LinkParams`): ``alpha`` seconds per message (latency plus the software
+overhead of one MPI call from Python), ``beta`` seconds per byte on a link, ``gamma`` seconds per
+state byte of one combine ``a * X + S`` (reads two states, writes one), ``delta`` the fixed cost
+of one combine call. ``m`` is the state size in bytes (``S.nbytes``); pairs ``(a, S)`` that carry
+the decays too are ``m' = m (1 + 1/V)`` bytes.
+
+Formulas (critical path; ``P`` ranks, ``k`` ring pieces, ``L = ceil(log2 P)``):
+
+* ring (pipelined All-Scan): piece 0 takes ``P - 1`` hops and ``P - 2`` combines, the other
+  ``k - 1`` pieces trail one stage each::
+
+      T = (P + k - 2)(alpha + m beta / k) + (P + k - 3)(delta + m gamma / k)      [combines only if P > 2]
+
+  minimised at ``k* = sqrt(m ((P - 2) beta + (P - 3) gamma) / (alpha + delta))`` -- the paper's
+  ``sqrt((P - 2) m beta / alpha)`` when combines are free (clamped to 1..K; :func:`best_blocks`
+  takes the better integer next to it).
+* serial relay (LASP-1): ``(P - 1)(alpha + m beta) + (P - 2)(delta + m gamma)`` (the ring with k = 1).
+* tree (recursive doubling): ``L`` rounds, each one send and one receive of ``m'`` and up to two
+  combines, plus packing the pair once: ``L (alpha + m' beta + 2 (delta + m' gamma)) + m' gamma / 2``.
+* allgather (LASP-2): the library allgather of ``P m'`` bytes (recursive doubling for small
+  messages, ring for large: ``min(L, P - 1) alpha + (P - 1) m' beta``) plus the last rank's local fold of
+  ``P - 2`` combines and a copy.
+* exscan: MPICH's ``MPI_Exscan`` is recursive doubling (modelled like the tree);
+  Open MPI's (``coll/basic``) is linear, i.e. a serial relay of packed pairs (``algorithm="linear"``).
+  Each user-op call also pays ``delta``.
+
+Presets (:data:`PRESETS`; rough, for predictions on machines you are not running on):
+
+* ``nvlink4``: ``alpha = 10 us`` (MPI-level point-to-point on GPU buffers including the CUDA-aware
+  path's synchronisation; NCCL/UCX measurements are 5-20 us), ``1/beta = 200 GB/s`` (achieved
+  GPU-GPU bandwidth over NVLink 4; the H100 NVLink peak is 450 GB/s per direction), combine at HBM
+  speed (``gamma`` from ~3 TB/s over 3 bytes moved per state byte) and ``delta = 2 us`` (a kernel launch).
+* ``ib-ndr``: ``alpha = 3 us`` (InfiniBand NDR MPI latency is 1-5 us), ``1/beta = 50 GB/s``
+  (400 Gb/s), GPU combine as above.
+* ``shm``: one node's shared memory through MPI from Python: ``alpha = 3 us``, ``1/beta = 8 GB/s``,
+  host combine ``gamma = 0.05 ns/B``, ``delta = 1 us`` -- the order of what the calibration measured
+  on this project's CPU machine (docs/benchmarks/scan.md); calibrate for real numbers.
+
+:func:`.calibrate.calibrate` measures the running machine. Pure arithmetic: no MPI, no arrays.
+Knows nothing about attention.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
+from typing import Any
+
+from .names import ALGORITHMS
+
+__all__ = [
+    "LinkParams",
+    "PRESETS",
+    "preset",
+    "parse_link",
+    "default_params",
+    "set_default_params",
+    "ring_time",
+    "best_blocks",
+    "serial_time",
+    "tree_time",
+    "allgather_time",
+    "exscan_time",
+    "predict",
+    "choose",
+    "predict_hier",
+    "with_name",
+    "LINK_ENV",
+]
+
+#: environment variable with the default link parameters: a preset name or "alpha,beta[,gamma[,delta]]"
+LINK_ENV = "HPCZECO_LINK"
+
+
+@dataclass(frozen=True)
+class LinkParams:
+    """``alpha`` s/message, ``beta`` s/byte, ``gamma`` s/state byte combined, ``delta`` s/combine call."""
+
+    alpha: float
+    beta: float
+    gamma: float = 0.0
+    delta: float = 0.0
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for k in ("alpha", "beta", "gamma", "delta"):
+            v = getattr(self, k)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"LinkParams.{k} must be a finite number >= 0, got {v!r}")
+
+    def describe(self) -> str:
+        bw = f"{1e-9 / self.beta:.1f} GB/s" if self.beta > 0 else "inf"
+        return (f"{self.name}: alpha={self.alpha * 1e6:.2f} us, 1/beta={bw}, gamma={self.gamma * 1e12:.1f} ps/B, "
+                f"delta={self.delta * 1e6:.2f} us")
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_HBM_GAMMA = 3.0 / 3.0e12  # 3 bytes moved per state byte at ~3 TB/s
+PRESETS: dict[str, LinkParams] = {
+    "nvlink4": LinkParams(alpha=10e-6, beta=1 / 200e9, gamma=_HBM_GAMMA, delta=2e-6, name="nvlink4"),
+    "ib-ndr": LinkParams(alpha=3e-6, beta=1 / 50e9, gamma=_HBM_GAMMA, delta=2e-6, name="ib-ndr"),
+    "shm": LinkParams(alpha=3e-6, beta=1 / 8e9, gamma=0.05e-9, delta=1e-6, name="shm"),
+}
+
+_DEFAULT: LinkParams | None = None
+
+
+def preset(name: str) -> LinkParams:
+    """The preset ``name`` (one of :data:`PRESETS`)."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown link preset {name!r} (choose from {', '.join(PRESETS)})") from None
+
+
+def parse_link(text: str) -> LinkParams:
+    """A preset name, or ``"alpha,beta[,gamma[,delta]]"`` in seconds and seconds per byte."""
+    text = text.strip()
+    if text in PRESETS:
+        return PRESETS[text]
+    try:
+        vals = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"link must be a preset ({', '.join(PRESETS)}) or 'alpha,beta[,gamma[,delta]]', "
+                         f"got {text!r}") from None
+    if not 2 <= len(vals) <= 4:
+        raise ValueError(f"link 'alpha,beta[,gamma[,delta]]' needs 2 to 4 numbers, got {text!r}")
+    return LinkParams(*vals, name="custom")
+
+
+def set_default_params(params: LinkParams | None) -> None:
+    """Set (or with None, reset) this process's default parameters, used by ``topology="auto"`` and
+    ``blocks=None``. Set the same on every rank (a disagreement is reported by the scan)."""
+    global _DEFAULT
+    if params is not None and not isinstance(params, LinkParams):
+        raise TypeError(f"params must be LinkParams or None, got {type(params).__name__}")
+    _DEFAULT = params
+
+
+def default_params(memory: str = "host") -> LinkParams:
+    """:func:`set_default_params`'s value, else ``$HPCZECO_LINK``, else "shm" (host) / "nvlink4" (device)."""
+    if _DEFAULT is not None:
+        return _DEFAULT
+    env = os.environ.get(LINK_ENV)
+    if env:
+        return parse_link(env)
+    return PRESETS["nvlink4" if memory == "device" else "shm"]
+
+
+# --------------------------------------------------------------------------- formulas
+
+
+def _check(P: int, nbytes: float) -> None:
+    if P < 1:
+        raise ValueError(f"P must be >= 1, got {P}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+
+
+def _rounds(P: int) -> int:
+    return (P - 1).bit_length()
+
+
+def ring_time(P: int, nbytes: float, k: int, params: LinkParams) -> float:
+    """Pipelined ring with ``k`` pieces (seconds)."""
+    _check(P, nbytes)
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if P == 1:
+        return 0.0
+    p, m = params, float(nbytes)
+    t = (P + k - 2) * (p.alpha + m * p.beta / k)
+    if P > 2:
+        t += (P + k - 3) * (p.delta + m * p.gamma / k)
+    return t
+
+
+@lru_cache(maxsize=4096)
+def _best_blocks(P: int, nbytes: float, K: int, params: LinkParams) -> int:
+    if P <= 2 or K <= 1:
+        return 1
+    # ring_time = const + k (alpha + delta) + m ((P - 2) beta + (P - 3) gamma) / k: convex in k
+    a = params.alpha + params.delta
+    b = (P - 2) * params.beta + (P - 3) * params.gamma
+    kstar = math.sqrt(nbytes * b / a) if a > 0 else float(K)
+    cands = {1, K, max(1, min(K, math.floor(kstar))), max(1, min(K, math.ceil(kstar)))}
+    return min(sorted(cands), key=lambda k: ring_time(P, nbytes, k, params))
+
+
+def best_blocks(P: int, nbytes: float, K: int, params: LinkParams) -> int:
+    """The ring's best piece count in 1..K: the integer next to
+    ``k* = sqrt(m ((P-2) beta + (P-3) gamma) / (alpha + delta))`` (the paper's ``sqrt((P-2) m beta / alpha)``
+    when combines are free); 1 for ``P <= 2``."""
+    _check(P, nbytes)
+    if K < 1:
+        raise ValueError(f"K must be >= 1, got {K}")
+    return _best_blocks(int(P), float(nbytes), int(K), params)
+
+
+def serial_time(P: int, nbytes: float, params: LinkParams) -> float:
+    """Unpipelined relay (LASP-1)."""
+    return ring_time(P, nbytes, 1, params)
+
+
+def tree_time(P: int, nbytes: float, params: LinkParams, V: int = 128) -> float:
+    """Recursive-doubling scan of packed pairs."""
+    _check(P, nbytes)
+    if P == 1:
+        return 0.0
+    m2 = nbytes * (1 + 1 / V)
+    p = params
+    return _rounds(P) * (p.alpha + m2 * p.beta + 2 * (p.delta + m2 * p.gamma)) + m2 * p.gamma / 2
+
+
+def allgather_time(P: int, nbytes: float, params: LinkParams, V: int = 128) -> float:
+    """LASP-2: library allgather of ``P m'`` bytes plus the last rank's local prefix fold."""
+    _check(P, nbytes)
+    if P == 1:
+        return 0.0
+    m2 = nbytes * (1 + 1 / V)
+    p = params
+    comm = min(_rounds(P), P - 1) * p.alpha + (P - 1) * m2 * p.beta
+    fold = max(P - 2, 0) * (p.delta + nbytes * p.gamma) + m2 * p.gamma / 2 + nbytes * p.gamma / 3
+    return comm + fold
+
+
+def exscan_time(
+    P: int, nbytes: float, params: LinkParams, V: int = 128, algorithm: str = "recursive_doubling"
+) -> float:
+    """``MPI_Exscan`` with a user op: "recursive_doubling" (MPICH) or "linear" (Open MPI coll/basic)."""
+    _check(P, nbytes)
+    if P == 1:
+        return 0.0
+    m2 = nbytes * (1 + 1 / V)
+    p = params
+    if algorithm == "linear":
+        return (P - 1) * (p.alpha + m2 * p.beta) + (P - 2) * (p.delta + m2 * p.gamma) + m2 * p.gamma / 2
+    if algorithm != "recursive_doubling":
+        raise ValueError(f"algorithm must be 'recursive_doubling' or 'linear', got {algorithm!r}")
+    return _rounds(P) * (p.alpha + m2 * p.beta + 2 * (p.delta + m2 * p.gamma)) + m2 * p.gamma / 2
+
+
+def predict(
+    topology: str,
+    P: int,
+    nbytes: float,
+    params: LinkParams,
+    *,
+    blocks: int | None = None,
+    K: int = 128,
+    V: int = 128,
+    exscan_algorithm: str = "recursive_doubling",
+) -> float:
+    """Predicted seconds of one scan. ``blocks=None`` for the ring means :func:`best_blocks`."""
+    if topology == "ring":
+        k = best_blocks(P, nbytes, K, params) if blocks is None else blocks
+        return ring_time(P, nbytes, k, params)
+    if topology == "serial":
+        return serial_time(P, nbytes, params)
+    if topology == "tree":
+        return tree_time(P, nbytes, params, V)
+    if topology == "allgather":
+        return allgather_time(P, nbytes, params, V)
+    if topology == "exscan":
+        return exscan_time(P, nbytes, params, V, exscan_algorithm)
+    raise ValueError(f"topology must be one of {ALGORITHMS}, got {topology!r}")
+
+
+def choose(P: int, nbytes: float, K: int, params: LinkParams, V: int = 128) -> tuple[str, int | None]:
+    """The fastest of ring (with its best blocks), tree and allgather: ``(topology, blocks)``.
+
+    ``blocks`` is None unless the ring wins. Serial is never faster than the ring and exscan never
+    faster than the tree in this model, so neither is picked. Deterministic (same on every rank).
+    """
+    k = best_blocks(P, nbytes, K, params)
+    cands = [
+        ("ring", ring_time(P, nbytes, k, params)),
+        ("tree", tree_time(P, nbytes, params, V)),
+        ("allgather", allgather_time(P, nbytes, params, V)),
+    ]
+    topo = min(cands, key=lambda c: c[1])[0]
+    return topo, (k if topo == "ring" else None)
+
+
+def with_name(params: LinkParams, name: str) -> LinkParams:
+    """``params`` renamed."""
+    return replace(params, name=name)
+
+
+# --------------------------------------------------------------------------- two-level machines
+
+
+def _hop(p: LinkParams, piece: float) -> float:
+    return p.alpha + piece * p.beta
+
+
+def predict_hier(
+    topology: str,
+    P: int,
+    nbytes: float,
+    intra: LinkParams,
+    inter: LinkParams,
+    per_node: int,
+    *,
+    blocks: int | None = None,
+    K: int = 128,
+    V: int = 128,
+) -> tuple[float, int | None]:
+    """``(seconds, blocks)`` on nodes of ``per_node`` ranks: ``intra`` links inside a node, ``inter`` across.
+
+    Ranks are numbered node by node. Ring: piece 0 crosses ``P - 1`` hops (``ceil(P/per_node) - 1``
+    of them between nodes) and ``P - 2`` combines; the other pieces trail at the slowest stage.
+    Tree and allgather: once ``P > per_node`` every round has a pair across nodes, so rounds cost
+    ``inter``. Combines use ``intra``'s ``gamma``/``delta`` (the compute is the same device).
+    """
+    if per_node < 1:
+        raise ValueError(f"per_node must be >= 1, got {per_node}")
+    if P <= per_node:
+        k = (best_blocks(P, nbytes, K, intra) if blocks is None else blocks) if topology == "ring" else None
+        return predict(topology, P, nbytes, intra, blocks=k, K=K, V=V), k
+    n_inter = -(-P // per_node) - 1
+    n_intra = P - 1 - n_inter
+    cmb = intra
+
+    def ring(k: int) -> float:
+        piece = nbytes / k
+        first = n_intra * _hop(intra, piece) + n_inter * _hop(inter, piece) + (P - 2) * (cmb.delta + piece * cmb.gamma)
+        stage = _hop(inter, piece) + cmb.delta + piece * cmb.gamma
+        return first + (k - 1) * stage
+
+    if topology in ("ring", "serial"):
+        if topology == "serial":
+            return ring(1), 1
+        if blocks is None:
+            blocks = min(range(1, K + 1), key=ring)
+        return ring(blocks), blocks
+    merged = LinkParams(inter.alpha, inter.beta, cmb.gamma, cmb.delta, name=f"{inter.name}+{intra.name}")
+    return predict(topology, P, nbytes, merged, K=K, V=V), None
