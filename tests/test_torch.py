@@ -4,7 +4,9 @@ dtypes, errors, packed documents (cu_seqlens), a GLA layer built on it, and that
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -271,3 +273,31 @@ def test_core_does_not_import_torch():
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr
+
+
+def _mpiexec() -> str | None:
+    if os.environ.get("MPIEXEC"):
+        return os.environ["MPIEXEC"]
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else shutil.which("mpiexec")
+
+
+@pytest.mark.slow
+def test_example_script_under_mpiexec(tmp_path):
+    """`mpiexec -n 2 python examples/gla_lm.py --compare-single`: the script's own P-rank vs 1-rank comparison."""
+    exe = _mpiexec()
+    if exe is None:
+        pytest.skip("no mpiexec")
+    env = dict(os.environ, HYDRA_LAUNCHER="fork", MPIR_CVAR_CH4_PROGRESS_THROTTLE="true", OMP_NUM_THREADS="1",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = tmp_path / "losses.json"
+    cmd = [exe, "-n", "2", sys.executable, str(ROOT / "examples" / "gla_lm.py"), "--steps", "3", "--tokens", "96",
+           "--layers", "1", "--d-model", "32", "--compare-single", "--json", str(out)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=170)
+    assert res.returncode == 0, res.stdout + res.stderr
+    data = json.loads(out.read_text())
+    assert data["ranks"] == 2 and len(data["losses"]) == 3 and len(data["single_losses"]) == 3
+    assert data["max_loss_diff"] < 1e-10 and data["max_param_diff"] < 1e-10
+    assert "largest |loss(P) - loss(1)|" in res.stdout
