@@ -6,7 +6,8 @@
   bits (``uint16``, the form :mod:`hpczeco.gpu.gla` takes). Results come back the same way, and are
   viewed as ``torch.bfloat16`` again.
 - :func:`cuda_stream`: torch's current CUDA stream of a device as the current CuPy stream, so the kernels
-  run in order with the surrounding torch work (no synchronisation is added).
+  run in order with the surrounding torch work. The DLPack exchanges then name the same stream on both
+  sides, so neither library records an event or waits.
 
 Layouts are whatever the caller passes (``[B, T, H, K]`` for q, k, g ...): nothing here reshapes.
 """
@@ -102,22 +103,6 @@ def cuda_stream(device: int) -> Iterator[None]:
         yield
 
 
-class _Exporter:
-    """A tensor's DLPack capsule for ``cupy.from_dlpack`` without the stream handshake: the producer and the
-    consumer are the same stream here (:func:`cuda_stream`), so the event torch would record is not needed."""
-
-    __slots__ = ("t",)
-
-    def __init__(self, t: torch.Tensor):
-        self.t = t
-
-    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
-        return torch.utils.dlpack.to_dlpack(self.t)
-
-    def __dlpack_device__(self) -> Any:
-        return self.t.__dlpack_device__()
-
-
 def to_device(t: torch.Tensor | None) -> Any:
     """A zero-copy CuPy view of a CUDA tensor (made contiguous first; bfloat16 as ``uint16`` raw bits).
 
@@ -132,10 +117,7 @@ def to_device(t: torch.Tensor | None) -> Any:
     bf16 = t.dtype == torch.bfloat16
     if bf16:
         t = t.view(torch.int16)
-    try:
-        arr = cupy.from_dlpack(_Exporter(t))
-    except (TypeError, AttributeError, BufferError):  # a CuPy that insists on the stream handshake
-        arr = cupy.from_dlpack(t)
+    arr = cupy.from_dlpack(t)  # the consumer's stream is torch's current one: no event is recorded
     return arr.view(cupy.uint16) if bf16 else arr
 
 
@@ -150,10 +132,7 @@ def from_device(a: Any, dtype: torch.dtype | None = None) -> torch.Tensor | None
     bits = a.dtype == cupy.uint16
     if bits:
         a = a.view(cupy.int16)
-    try:
-        t = torch.utils.dlpack.from_dlpack(a.toDlpack())  # legacy capsule: no stream handshake (same stream)
-    except AttributeError:  # a CuPy without toDlpack
-        t = torch.from_dlpack(a)
+    t = torch.from_dlpack(a)  # torch's current stream is CuPy's current one here: no event is recorded
     if bits:
         t = t.view(torch.bfloat16)
     return t if dtype is None or t.dtype == dtype else t.to(dtype)
