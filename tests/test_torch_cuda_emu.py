@@ -1,0 +1,110 @@
+"""The CUDA branch of hpczeco.torch.chunk_gla without a GPU: its tensor <-> array views (bf16 as raw bits, zero-copy)
+and its calls of hpczeco.gpu.gla, run on the CPU emulation of the CUDA kernels (``gpu/emu``) with numpy standing in
+for CuPy (DLPack works the same way for CPU memory). On a GPU machine tests/test_torch_gpu.py runs the real thing."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import types
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (the optional 'torch' extra)")
+
+from hpczeco.gpu import emu as gemu  # noqa: E402
+from hpczeco.gpu import gla as ggla  # noqa: E402
+from torch_gla_reference import recurrent_gla_torch  # noqa: E402
+
+import hpczeco.torch as ht  # noqa: E402
+from hpczeco.torch import _arrays, chunk  # noqa: E402
+
+
+class _Stream:
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+FAKE_CUPY = types.SimpleNamespace(
+    from_dlpack=np.from_dlpack, uint16=np.uint16, int16=np.int16, zeros=np.zeros,
+    cuda=types.SimpleNamespace(Device=lambda index: contextlib.nullcontext(), ExternalStream=_Stream),
+)
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """numpy as CuPy, and a torch 'current stream' without CUDA."""
+    monkeypatch.setattr(_arrays, "cupy_module", lambda: FAKE_CUPY)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    _arrays._STREAMS.clear()
+    yield
+    _arrays._STREAMS.clear()
+
+
+@pytest.fixture(scope="module")
+def emu_runtime():
+    if gemu.compiler() is None:
+        pytest.skip("no C++ compiler (g++) for the CUDA emulation")
+    names = [n for n in ggla.kernel_names() if not re.search(r"(?<!b)f16", n)]  # float + bf16 (as test_cuda_build)
+    old = ggla._set_runtime(gemu.EmuRuntime(ggla.kernel_source(), names))
+    yield
+    ggla._set_runtime(old)
+
+
+@pytest.fixture
+def cuda_branch(fake_cupy, emu_runtime, monkeypatch):
+    """hpczeco.torch.chunk_gla takes its CUDA branch for CPU tensors."""
+    monkeypatch.setattr(chunk, "_host_forward", chunk._cuda_forward)
+    monkeypatch.setattr(chunk, "_host_backward", chunk._cuda_backward)
+
+
+def rel(x, ref) -> float:
+    x, ref = x.detach().to(torch.float64), ref.detach().to(torch.float64)
+    return float(torch.linalg.vector_norm(x - ref) / torch.linalg.vector_norm(ref))
+
+
+def test_views_are_zero_copy_and_bf16_travels_as_raw_bits(fake_cupy, rng):
+    t = torch.from_numpy(rng.standard_normal((2, 5, 3, 4))).to(torch.bfloat16)
+    with _arrays.cuda_stream(0):
+        a = _arrays.to_device(t)
+        assert a.dtype == np.uint16 and a.ctypes.data == t.data_ptr()
+        assert np.array_equal(a.view(np.int16), t.view(torch.int16).numpy())
+        back = _arrays.from_device(a)
+        assert back.dtype == torch.bfloat16 and back.data_ptr() == t.data_ptr() and torch.equal(back, t)
+        f = torch.from_numpy(rng.standard_normal((3, 4))).float()
+        fa = _arrays.to_device(f)
+        assert fa.dtype == np.float32 and fa.ctypes.data == f.data_ptr()
+        s = f.t()  # not contiguous: viewed through a contiguous copy
+        sa = _arrays.to_device(s)
+        assert sa.flags.c_contiguous and np.array_equal(sa, s.numpy())
+        assert _arrays.from_device(fa, torch.float64).dtype == torch.float64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_branch_on_the_emulated_kernels(cuda_branch, rng, dtype):
+    B, T, H, K, V = 1, 70, 1, 12, 8
+    arrays = [rng.standard_normal((B, T, H, K)), rng.standard_normal((B, T, H, K)), rng.standard_normal((B, T, H, V)),
+              rng.uniform(-1.0, 0.0, (B, T, H, K)), rng.standard_normal((B, T, H, V))]
+    q, k, v, g, do = (torch.from_numpy(a).to(dtype) for a in arrays)
+    h0 = torch.from_numpy(rng.standard_normal((B, H, K, V))).to(dtype)  # bf16 h0: converted to float32 for the kernels
+    dht = torch.from_numpy(rng.standard_normal((B, H, K, V))).float()
+    ins = [x.clone().requires_grad_() for x in (q, k, v, g, h0)]
+    o, fin = ht.chunk_gla(*ins[:4], initial_state=ins[4], output_final_state=True)
+    assert o.dtype == dtype and fin.dtype == torch.float32
+    refs = [x.double().requires_grad_() for x in (q, k, v, g, h0)]
+    ro, states = recurrent_gla_torch(*refs[:4], initial_state=refs[4])
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel(o, ro) < tol and rel(fin, states[-1]) < 1e-5
+    ((o * do).sum() + (fin * dht).sum()).backward()
+    ((ro * do.double()).sum() + (states[-1] * dht.double()).sum()).backward()
+    for name, x, r in zip(("q", "k", "v", "g", "initial_state"), ins, refs):
+        assert x.grad.dtype == dtype, name
+        assert rel(x.grad, r.grad) < 5 * tol, (name, rel(x.grad, r.grad))
