@@ -93,6 +93,17 @@ def _windows_mask_kernel(starts, chosen, window, mask):
             mask[s0 + x] = 1
 
 
+@cuda.jit(device=True)
+def _count_items(mask, n, base):
+    # set entries of mask[base : base + SCAN_ITEMS] (within [0, n)): one thread's share of the compaction
+    c = 0
+    for i in range(SCAN_ITEMS):
+        x = base + i
+        if x < n and mask[x] != 0:
+            c += 1
+    return c
+
+
 @cuda.jit(cache=_CACHE)
 def _count_kernel(mask, n, counts):
     # block b covers [b * nt * SCAN_ITEMS, (b + 1) * nt * SCAN_ITEMS): counts[b] = its set entries
@@ -100,13 +111,7 @@ def _count_kernel(mask, n, counts):
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     red = cuda.shared.array(MAX_THREADS, dtype=numba.int32)
-    base = (b * nt + tid) * SCAN_ITEMS
-    c = 0
-    for i in range(SCAN_ITEMS):
-        x = base + i
-        if x < n and mask[x] != 0:
-            c += 1
-    red[tid] = c
+    red[tid] = _count_items(mask, n, (b * nt + tid) * SCAN_ITEMS)
     cuda.syncthreads()
     step = nt // 2
     while step > 0:
@@ -139,11 +144,7 @@ def _scatter_kernel(mask, n, offsets, idx, before):
     nt = cuda.blockDim.x
     sh = cuda.shared.array(MAX_THREADS, dtype=numba.int32)
     base = (b * nt + tid) * SCAN_ITEMS
-    c = 0
-    for i in range(SCAN_ITEMS):
-        x = base + i
-        if x < n and mask[x] != 0:
-            c += 1
+    c = _count_items(mask, n, base)
     sh[tid] = c
     cuda.syncthreads()
     d = 1

@@ -76,11 +76,14 @@ __all__ = [
     "memory_floor",
 ]
 
-# reached through this module by drivers/gpu_suite.py and the tests (with kernel_group, ZC_SMEM_CORRECTION)
+# the former private names, reached through this module by drivers/gpu_suite.py and the tests (with
+# kernel_group, ZC_SMEM_CORRECTION); new code imports them from gla_common / gla_tc
 _KERNEL_FILES = KERNEL_FILES
 _runtime = runtime
 _set_runtime = set_runtime
 _local_states = local_states
+_scan = state_scan
+_cumsum_T = cumsum_T
 
 
 # ---------------------------------------------------------------------------------------------- forward
