@@ -1,8 +1,8 @@
 """Fused value checks for device arrays: one reduction per array over the raw bits, one synchronisation for all.
 
 The host-style checks (``isfinite(x.astype(float32)).all()``, ``(g > 0).any()``) cost a float32 copy, a bool
-temporary and a device synchronisation per array; on the ZeCO bench shape that was about a millisecond per
-layer call. Here each array is reduced once, on its bit pattern, to a small integer of flags:
+temporary and a device synchronisation per array (what that cost at the ZeCO bench shape: docs/RELIABILITY.md).
+Here each array is reduced once, on its bit pattern, to a small integer of flags:
 
 * bit 0 (:data:`NONFINITE`): some element is NaN or +-Inf (exponent bits all set);
 * bit 1 (:data:`POSITIVE`, only with ``gate=True``): some element has a clear sign bit and is not +0 (> 0,

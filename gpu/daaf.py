@@ -19,18 +19,22 @@ Kernels (``impl``):
 
 16-bit inputs: CuPy ``float16``, CuPy ``bfloat16`` (CuPy with ml_dtypes), or raw 16-bit integer
 arrays with ``storage="bfloat16"``/``"float16"`` (bf16 bits without ml_dtypes). PyTorch tensors go
-through :func:`attention_torch` (zero-copy DLPack views). This module knows nothing of MPI; the host
-helpers (:func:`reference_attention`, :func:`bf16_round`) need only numpy.
+through :func:`attention_torch` (zero-copy DLPack views). The kernels load and launch through
+:mod:`hpczeco.gpu.runtime` (so the CPU emulation runs these very wrappers on numpy arrays); the float64
+reference they must equal is :mod:`hpczeco.daaf.reference`. This module knows nothing of MPI.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ..base.backend import to_numpy
+from .args import check_int
+from .runtime import HERE, KernelSet, RuntimeSlot
+from .runtime import kernel_source as _source
 
 __all__ = [
     "AUTO_TC",
@@ -38,19 +42,17 @@ __all__ = [
     "KERNEL_SOURCE",
     "DevicePlan",
     "Prepared",
-    "allowed_mask",
     "attention",
     "attention_torch",
     "device_plan",
     "kernel_info",
     "prepare",
     "prepare_torch",
-    "reference_attention",
     "resolve_impl",
     "tc_smem_bytes",
 ]
 
-KERNEL_SOURCE = Path(__file__).with_name("daaf_attention.cu")
+KERNEL_SOURCE = HERE / "daaf_attention.cu"
 IMPLS = ("auto", "tc", "tc2", "tc3", "simple")
 AUTO_TC = "tc"  # the tensor-core variant "auto" picks
 TC_MTILES = {"tc": 1, "tc2": 2, "tc3": 1}  # 16-row m-tiles per warp
@@ -63,34 +65,7 @@ SIMPLE_ROWS_PER_BLOCK = 4  # 128 threads, one warp per query row
 _STORAGE = ("bfloat16", "float16")
 
 
-# --------------------------------------------------------------------------- host helpers (numpy only)
-
-
-def allowed_mask(global_mask: Any, local_window: int) -> np.ndarray:
-    """``[T, T]`` bool: query ``t`` attends to key ``j`` (the DAAF rule in the module docstring)."""
-    g = np.asarray(global_mask, dtype=bool)
-    t = np.arange(len(g))[:, None]
-    j = np.arange(len(g))[None, :]
-    return (j <= t) & ((t - j <= local_window) | g[:, None] | g[None, :])
-
-
-def reference_attention(q: Any, k: Any, v: Any, global_mask: Any, local_window: int,
-                        scale: float | None = None) -> np.ndarray:
-    """DAAF attention in float64 on the host, ``[B, T, H, D]`` x2, ``[B, T, H, Dv]`` -> ``[B, T, H, Dv]``.
-
-    O(T^2) time and memory (builds the ``[T, T]`` mask): tests and small ``T`` only.
-    """
-    q = np.asarray(q, dtype=np.float64)
-    k = np.asarray(k, dtype=np.float64)
-    v = np.asarray(v, dtype=np.float64)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    ok = allowed_mask(global_mask, local_window)
-    s = np.einsum("bthd,bjhd->bhtj", q, k) * scale
-    s = np.where(ok[None, None], s, -np.inf)
-    s -= s.max(axis=-1, keepdims=True)
-    p = np.exp(s)
-    p /= p.sum(axis=-1, keepdims=True)
-    return np.einsum("bhtj,bjhe->bthe", p, v)
+# --------------------------------------------------------------------------- kernel geometry
 
 
 def tc_smem_bytes(D: int, mtiles: int = 1) -> int:
@@ -116,53 +91,55 @@ def resolve_impl(impl: str, elem: str, D: int, Dv: int) -> str:
     return impl
 
 
-# --------------------------------------------------------------------------- CuPy module
-
-
-def _cupy():
-    try:
-        import cupy  # noqa: PLC0415
-    except ImportError as exc:  # pragma: no cover - depends on the machine
-        raise RuntimeError(f"hpczeco.gpu.daaf needs CuPy ({exc})") from exc
-    return cupy
-
-
-@functools.cache
-def _module(device_id: int):
-    cupy = _cupy()
-    with cupy.cuda.Device(device_id):
-        return cupy.RawModule(code=KERNEL_SOURCE.read_text(), options=("-std=c++17",))
-
-
-def _kernel(name: str):
-    cupy = _cupy()
-    dev = cupy.cuda.Device().id
-    return _kernel_on(dev, name)
-
-
-@functools.cache
-def _kernel_on(device_id: int, name: str):
-    cupy = _cupy()
-    with cupy.cuda.Device(device_id):
-        kern = _module(device_id).get_function(name)
-        if name.startswith("daaf_tc"):
-            kind = name.split("_")[1]
-            kern.max_dynamic_shared_size_bytes = tc_smem_bytes(int(name.rsplit("_d", 1)[1]), TC_MTILES[kind])
-    return kern
+# --------------------------------------------------------------------------- kernels and their runtime
 
 
 def kernel_names() -> list[str]:
+    """The ``extern "C"`` kernel names of ``daaf_attention.cu``."""
     out = [f"daaf_simple_{e}" for e in ("f32", "f16", "bf16")]
     out += [f"daaf_{kind}_{e}_d{d}" for kind in ("tc", "tc2") for d in TC_DIMS for e in ("bf16", "f16")]
     out += [f"daaf_tc3_{e}_d128" for e in ("bf16", "f16")]
     return out
 
 
+def kernel_source() -> str:
+    """The kernel source as NVRTC and the CPU emulation compile it."""
+    return _source((KERNEL_SOURCE.name,))
+
+
+#: the DAAF kernels: one NVRTC module per device (plain names, no name expressions)
+KERNELS = KernelSet(
+    label="hpczeco.gpu.daaf", files=(KERNEL_SOURCE.name,), names=lambda file: kernel_names(), name_expressions=False
+)
+_SLOT = RuntimeSlot(KERNELS)
+
+
+def _runtime():
+    try:
+        return _SLOT.get()
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise RuntimeError(f"hpczeco.gpu.daaf needs CuPy ({exc})") from exc
+
+
+def _set_runtime(rt: Any) -> Any:
+    """Testing hook: run the wrappers on another runtime (e.g. the CPU emulation); returns the old one."""
+    return _SLOT.set(rt)
+
+
+def _smem_of(name: str) -> int:
+    """Dynamic shared memory a kernel is launched with (0 for the simple kernels)."""
+    if not name.startswith("daaf_tc"):
+        return 0
+    return tc_smem_bytes(int(name.rsplit("_d", 1)[1]), TC_MTILES[name.split("_")[1]])
+
+
 def kernel_info() -> dict[str, dict]:
-    """Per kernel: registers, local (spill) bytes, static shared bytes, the block limit (compiles the module)."""
+    """Per kernel: registers, local (spill) bytes, static shared bytes, the block limit (compiles the module;
+    CuPy only)."""
+    rt = _runtime()
     info = {}
     for name in kernel_names():
-        kern = _kernel(name)
+        kern = rt.function(name, _smem_of(name))
         info[name] = {
             "num_regs": int(kern.num_regs),
             "local_size_bytes": int(kern.local_size_bytes),
@@ -186,21 +163,14 @@ class DevicePlan:
         self.T = int(T)
         self.local_window = int(local_window)
         self.n_global = int(global_idx.size)
-        self._gidx_arg = global_idx if global_idx.size else _cupy().zeros(1, dtype=np.int32)
-
-
-def _check_int(name: str, value: Any, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
-    return int(value)
+        self._gidx_arg = global_idx if global_idx.size else _runtime().xp.zeros(1, dtype=np.int32)
 
 
 def _as_device(x: Any, name: str):
     """CuPy view/copy of numpy, CuPy, torch (CUDA) or list input."""
-    cupy = _cupy()
-    if isinstance(x, cupy.ndarray):
+    rt = _runtime()
+    cupy = rt.xp
+    if rt.is_native(x):
         return x
     if type(x).__module__.startswith("torch"):
         import torch  # noqa: PLC0415
@@ -224,9 +194,9 @@ def device_plan(global_idx: Any, local_window: int, T: int, is_global_query_mask
     ``[T]``, True exactly at ``global_idx`` (built from it when None). ``validate`` checks the contents
     (one device reduction and one synchronisation); shapes and dtypes are always checked.
     """
-    cupy = _cupy()
-    T = _check_int("T", T, 1)
-    W = min(_check_int("local_window", local_window, 0), T)
+    cupy = _runtime().xp
+    T = check_int("T", T, 1)
+    W = min(check_int("local_window", local_window, 0), T)
     gi = _as_device(global_idx, "global_idx")
     if gi.ndim != 1:
         raise ValueError(f"global_idx must be 1-D [G], got shape {tuple(gi.shape)}")
@@ -255,7 +225,7 @@ def device_plan(global_idx: Any, local_window: int, T: int, is_global_query_mask
             bad[1] = (gi[1:] <= gi[:-1]).any()
         bad[2] = (gm[cupy.clip(gi, 0, T - 1)] == 0).any()
         bad[3] = int(gi.size) != gm.astype(np.int64).sum()
-        b = bad.get()
+        b = to_numpy(bad)
         if b[0]:
             raise ValueError(f"global_idx must lie in [0, {T})")
         if b[1]:
@@ -289,12 +259,11 @@ def _elem_of(x: Any, storage: str | None) -> str:
 class Prepared:
     """One ready launch: ``p()`` runs the kernel on the current stream and returns the output array."""
 
-    def __init__(self, kern, grid, block, args, smem: int, out, impl: str, name: str):
-        self.kern, self.grid, self.block, self.args, self.smem = kern, grid, block, args, smem
-        self.out, self.impl, self.name = out, impl, name
+    def __init__(self, launch, out, impl: str, name: str):
+        self.launch, self.out, self.impl, self.name = launch, out, impl, name
 
     def __call__(self):
-        self.kern(self.grid, self.block, self.args, shared_mem=self.smem)
+        self.launch()
         return self.out
 
 
@@ -306,9 +275,10 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
     ``reverse`` schedules the last query tiles (the longest rows) first. ``plan`` reuses a
     :class:`DevicePlan` (then ``global_idx``/``is_global_query_mask`` are ignored).
     """
-    cupy = _cupy()
+    rt = _runtime()
+    cupy = rt.xp
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, cupy.ndarray):
+        if not rt.is_native(x):
             raise TypeError(f"{name} must be a CuPy array, got {type(x).__name__}")
         if x.ndim != 4:
             raise ValueError(f"{name} must have 4 dimensions [B, T, H, D], got shape {tuple(x.shape)}")
@@ -340,15 +310,15 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
 
     def prep(x):
         x = cupy.ascontiguousarray(x)
-        if x.data.ptr % 16:
+        if rt.ptr(x) % 16:
             x = x.copy()
         return x
 
     q, k, v = prep(q), prep(k), prep(v)
     if out is None:
         out = cupy.empty((B, T, H, Dv), dtype=v.dtype)
-    elif not (isinstance(out, cupy.ndarray) and out.shape == (B, T, H, Dv) and out.dtype == v.dtype
-              and out.flags.c_contiguous and out.data.ptr % 16 == 0):
+    elif not (rt.is_native(out) and out.shape == (B, T, H, Dv) and out.dtype == v.dtype
+              and out.flags.c_contiguous and rt.ptr(out) % 16 == 0):
         raise ValueError(f"out must be a C-contiguous CuPy array of shape {(B, T, H, Dv)} and dtype {v.dtype}")
     if kind == "simple":
         name = f"daaf_simple_{elem}"
@@ -356,13 +326,13 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
         grid = ((rows + SIMPLE_ROWS_PER_BLOCK - 1) // SIMPLE_ROWS_PER_BLOCK,)
         args = (q, k, v, out, plan._gidx_arg, plan.gmask, np.int32(B), np.int32(T), np.int32(H), np.int32(D),
                 np.int32(Dv), np.int32(plan.n_global), np.int32(plan.local_window), np.float32(scale))
-        return Prepared(_kernel(name), grid, (32 * SIMPLE_ROWS_PER_BLOCK,), args, 0, out, kind, name)
+        return Prepared(rt.bind(name, grid, (32 * SIMPLE_ROWS_PER_BLOCK,), args), out, kind, name)
     name = f"daaf_{kind}_{elem}_d{D}"
     rows_per_block = TC_BLOCK_Q * TC_MTILES[kind]
     grid = ((T + rows_per_block - 1) // rows_per_block, H, B)
     args = (q, k, v, out, plan._gidx_arg, plan.gmask, np.int32(T), np.int32(H), np.int32(plan.n_global),
             np.int32(plan.local_window), np.float32(scale * math.log2(math.e)), np.int32(1 if reverse else 0))
-    return Prepared(_kernel(name), grid, (TC_THREADS,), args, tc_smem_bytes(D, TC_MTILES[kind]), out, kind, name)
+    return Prepared(rt.bind(name, grid, (TC_THREADS,), args, tc_smem_bytes(D, TC_MTILES[kind])), out, kind, name)
 
 
 def attention(q, k, v, global_idx: Any, local_window: int, scale: float | None = None,
@@ -407,7 +377,7 @@ class _TorchPrepared:
         self.impl, self.name = prepared.impl, prepared.name
 
     def __call__(self):
-        cupy = _cupy()
+        cupy = _runtime().xp
         with cupy.cuda.Device(self.device), cupy.cuda.ExternalStream(self.stream_ptr):
             self.prepared()
         return self.out_t
@@ -421,7 +391,7 @@ def prepare_torch(q, k, v, global_idx: Any, local_window: int, scale: float | No
     ``plan``: a :class:`DevicePlan` to reuse (e.g. across layers)."""
     import torch  # noqa: PLC0415
 
-    cupy = _cupy()
+    cupy = _runtime().xp
     storage, bits = _torch_views(q, k, v)
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

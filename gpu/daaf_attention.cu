@@ -27,7 +27,8 @@
 //                                  counted twice.
 //
 // No #include: the file builds with NVRTC (CuPy) and with nvcc (-std=c++17) alike; 16-bit floats
-// travel as raw bits (unsigned short) and are converted with PTX cvt instructions (sm_80+).
+// travel as raw bits (unsigned short) and are converted with PTX cvt instructions (sm_80+). After
+// gpu/emu/cuda_emu.h (CUDA_EMU) the PTX helpers are the CPU emulator's instead (tests/test_gpu_daaf.py).
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -48,7 +49,7 @@ __device__ __forceinline__ int daaf_lower_bound(const int* __restrict__ a, int n
 }
 
 // ------------------------------------------------------------------ 16-bit conversions
-#ifndef DAAF_EMU
+#ifndef CUDA_EMU
 __device__ __forceinline__ float daaf_f16_to_f32(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -64,7 +65,11 @@ __device__ __forceinline__ u16 daaf_f32_to_bf16(float x) {
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
     return h;
 }
-#endif  // (DAAF_EMU: gpu/daaf_emu.h defines these and the PTX helpers below on the CPU)
+#else
+inline float daaf_f16_to_f32(u16 h) { return emu_f16_to_f32(h); }
+inline u16 daaf_f32_to_f16(float x) { return emu_f32_to_f16(x); }
+inline u16 daaf_f32_to_bf16(float x) { return emu_f32_to_bf16(x); }
+#endif
 __device__ __forceinline__ float daaf_bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
 
 // ------------------------------------------------------------------ element types (load/store as fp32)
@@ -168,7 +173,7 @@ DAAF_SIMPLE_KERNEL(daaf_simple_f16, ElemF16)
 DAAF_SIMPLE_KERNEL(daaf_simple_bf16, ElemBF16)
 
 // ------------------------------------------------------------------ tensor-core kernel: PTX helpers
-#ifndef DAAF_EMU
+#ifndef CUDA_EMU
 
 __device__ __forceinline__ u32 daaf_smem_addr(const void* p) {
     u32 a;
@@ -226,7 +231,38 @@ __device__ __forceinline__ float daaf_ex2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
-#endif  // DAAF_EMU
+#else  // the CPU emulator's forms (shared addresses are offsets into its dynamic shared memory)
+inline u32 daaf_smem_addr(const void* p) { return emu_smem_addr(p); }
+inline void daaf_cp_async16(u32 dst, const void* src, int src_bytes) {
+    emu_cp_async16(emu_dynamic_smem() + dst, src, src_bytes);
+}
+inline void daaf_cp_async_commit() { emu_cp_async_commit(); }
+template <int N>
+inline void daaf_cp_async_wait() { emu_cp_async_wait(N); }
+inline void daaf_ldsm(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3, bool trans) {
+    u32 r[4];
+    emu_ldmatrix_x4(r, emu_dynamic_smem() + addr, trans);
+    r0 = r[0]; r1 = r[1]; r2 = r[2]; r3 = r[3];
+}
+inline void daaf_ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) { daaf_ldsm(addr, r0, r1, r2, r3, false); }
+inline void daaf_ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) { daaf_ldsm(addr, r0, r1, r2, r3, true); }
+template <bool BF>
+inline void daaf_mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) { emu_mma_m16n8k16<BF>(c, a, b0, b1); }
+template <bool BF>
+inline u32 daaf_pack2(float lo, float hi) { return emu_pack2<BF>(lo, hi); }
+inline float daaf_ex2(float x) { return emu_ex2(x); }
+#endif  // CUDA_EMU
+
+// c[mt][n], c[mt][n + 1] += a[mt] * (b0, b1), (b2, b3) for every m-tile mt: each B fragment feeds MT mma
+template <bool BF, int MT, int N>
+__device__ __forceinline__ void daaf_mma_pair(float (&c)[MT][N][4], int n, const u32 (&a)[MT][4], u32 b0, u32 b1,
+                                              u32 b2, u32 b3) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        daaf_mma<BF>(c[mt][n], a[mt], b0, b1);
+        daaf_mma<BF>(c[mt][n + 1], a[mt], b2, b3);
+    }
+}
 
 struct alignas(16) DaafVec16 { u32 x, y, z, w; };
 
@@ -266,8 +302,8 @@ __device__ __forceinline__ void daaf_tc_body(
     static_assert(NTH % CPR == 0 && BC % (NTH / CPR) == 0, "tile loads must divide evenly among the threads");
 
     // dynamic shared memory: [stage 0: K | V][stage 1: K | V][Q tile, MT = 2], each K/V TILE elements
-#ifdef DAAF_EMU
-    DaafVec16* const daaf_smem = daaf_emu_dynamic_smem();
+#ifdef CUDA_EMU
+    DaafVec16* const daaf_smem = reinterpret_cast<DaafVec16*>(emu_dynamic_smem());
 #else
     extern __shared__ DaafVec16 daaf_smem[];  // 16-byte aligned by its element type
 #endif
@@ -421,11 +457,7 @@ __device__ __forceinline__ void daaf_tc_body(
             for (int np = 0; np < 4; ++np) {
                 u32 b0, b1, b2, b3;
                 daaf_ldsm_x4(cS + k_ld + np * 16 * ROWB + kk * 32, b0, b1, b2, b3);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    daaf_mma<BF>(s[mt][2 * np], qa[mt], b0, b1);
-                    daaf_mma<BF>(s[mt][2 * np + 1], qa[mt], b2, b3);
-                }
+                daaf_mma_pair<BF>(s, 2 * np, qa, b0, b1, b2, b3);
             }
         }
 
@@ -508,11 +540,7 @@ __device__ __forceinline__ void daaf_tc_body(
             for (int dp = 0; dp < NDT / 2; ++dp) {
                 u32 b0, b1, b2, b3;
                 daaf_ldsm_x4_t(cS + v_ld + kk * 16 * ROWB + dp * 32, b0, b1, b2, b3);
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) {
-                    daaf_mma<BF>(acc[mt][2 * dp], a[mt], b0, b1);
-                    daaf_mma<BF>(acc[mt][2 * dp + 1], a[mt], b2, b3);
-                }
+                daaf_mma_pair<BF>(acc, 2 * dp, a, b0, b1, b2, b3);
             }
         }
         __syncthreads();  // stage st is refilled by the next iteration's issue
@@ -560,7 +588,7 @@ DAAF_TC_KERNEL(daaf_tc_bf16_d128, true, 128, 1, __launch_bounds__(DAAF_TC_THREAD
 DAAF_TC_KERNEL(daaf_tc_f16_d128, false, 128, 1, __launch_bounds__(DAAF_TC_THREADS))
 DAAF_TC_KERNEL(daaf_tc_bf16_d64, true, 64, 1, __launch_bounds__(DAAF_TC_THREADS))
 DAAF_TC_KERNEL(daaf_tc_f16_d64, false, 64, 1, __launch_bounds__(DAAF_TC_THREADS))
-// "tc3": the same with a register cap for 3 resident blocks per SM (168 registers: a few bytes spill at D=128)
+// "tc3": the same with a register cap for 3 resident blocks per SM (a few bytes may spill at D=128)
 DAAF_TC_KERNEL(daaf_tc3_bf16_d128, true, 128, 1, __launch_bounds__(DAAF_TC_THREADS, 3))
 DAAF_TC_KERNEL(daaf_tc3_f16_d128, false, 128, 1, __launch_bounds__(DAAF_TC_THREADS, 3))
 // "tc2": 128 query rows per block (two m-tiles per warp share each K/V fragment), Q read from shared memory

@@ -18,22 +18,17 @@ how the tests run them under the CUDA simulator, ``NUMBA_ENABLE_CUDASIM=1``). Kn
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
 from typing import Any
 
 import numba
 import numpy as np
 
-from . import _numba_shim
-
-_numba_shim.apply()  # numba-cuda 0.30.4 with numpy 2.5 needs np.row_stack (see _numba_shim)
-cuda = importlib.import_module("numba.cuda")
+from .args import check_int
+from .numba_util import SIMULATOR, cuda, dev, is_cupy, stream
 
 __all__ = ["window_entropy", "windows_to_mask", "mask_to_index", "threshold_plan", "window_starts", "SIMULATOR"]
 
-SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 _CACHE = not SIMULATOR
 ENTROPY_CHUNK = 1024  # window ids staged in shared memory at a time
 MAX_THREADS = 256  # largest block of the entropy and scan kernels (power of two)
@@ -98,6 +93,17 @@ def _windows_mask_kernel(starts, chosen, window, mask):
             mask[s0 + x] = 1
 
 
+@cuda.jit(device=True)
+def _count_items(mask, n, base):
+    # set entries of mask[base : base + SCAN_ITEMS] (within [0, n)): one thread's share of the compaction
+    c = 0
+    for i in range(SCAN_ITEMS):
+        x = base + i
+        if x < n and mask[x] != 0:
+            c += 1
+    return c
+
+
 @cuda.jit(cache=_CACHE)
 def _count_kernel(mask, n, counts):
     # block b covers [b * nt * SCAN_ITEMS, (b + 1) * nt * SCAN_ITEMS): counts[b] = its set entries
@@ -105,13 +111,7 @@ def _count_kernel(mask, n, counts):
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     red = cuda.shared.array(MAX_THREADS, dtype=numba.int32)
-    base = (b * nt + tid) * SCAN_ITEMS
-    c = 0
-    for i in range(SCAN_ITEMS):
-        x = base + i
-        if x < n and mask[x] != 0:
-            c += 1
-    red[tid] = c
+    red[tid] = _count_items(mask, n, (b * nt + tid) * SCAN_ITEMS)
     cuda.syncthreads()
     step = nt // 2
     while step > 0:
@@ -144,11 +144,7 @@ def _scatter_kernel(mask, n, offsets, idx, before):
     nt = cuda.blockDim.x
     sh = cuda.shared.array(MAX_THREADS, dtype=numba.int32)
     base = (b * nt + tid) * SCAN_ITEMS
-    c = 0
-    for i in range(SCAN_ITEMS):
-        x = base + i
-        if x < n and mask[x] != 0:
-            c += 1
+    c = _count_items(mask, n, base)
     sh[tid] = c
     cuda.syncthreads()
     d = 1
@@ -173,28 +169,12 @@ def _scatter_kernel(mask, n, offsets, idx, before):
 # ------------------------------------------------------------------------------------------ wrappers
 
 
-def _is_cupy(x: Any) -> bool:
-    return type(x).__module__.startswith("cupy")
-
-
 def _xp(x: Any):
-    if _is_cupy(x):
+    if is_cupy(x):
         import cupy  # noqa: PLC0415
 
         return cupy
     return np
-
-
-def _stream(*arrays: Any):
-    if any(_is_cupy(a) for a in arrays) and not SIMULATOR:
-        import cupy  # noqa: PLC0415
-
-        return cuda.external_stream(cupy.cuda.get_current_stream().ptr)
-    return 0
-
-
-def _dev(x: Any):
-    return cuda.as_cuda_array(x) if _is_cupy(x) else x
 
 
 def _pow2(n: int, name: str) -> int:
@@ -203,19 +183,11 @@ def _pow2(n: int, name: str) -> int:
     return int(n)
 
 
-def _check_int(name: str, value: Any, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
-    return int(value)
-
-
 def window_starts(T: int, window: int, stride: int | None = None) -> np.ndarray:
     """Start positions ``[n_windows]`` (int64, host) of the scan windows: the CPU planner's rule."""
-    T = _check_int("T", T, 1)
-    window = _check_int("window", window, 1)
-    stride = window if stride is None else _check_int("stride", stride, 1)
+    T = check_int("T", T, 1)
+    window = check_int("window", window, 1)
+    stride = window if stride is None else check_int("stride", stride, 1)
     if window > T:
         raise ValueError(f"window ({window}) is larger than the text ({T} tokens)")
     starts = np.arange(0, T - window + 1, stride, dtype=np.int64)
@@ -226,7 +198,7 @@ def window_starts(T: int, window: int, stride: int | None = None) -> np.ndarray:
 
 def _tokens(tokens: Any):
     xp = _xp(tokens)
-    tok = tokens if _is_cupy(tokens) else np.asarray(tokens)
+    tok = tokens if is_cupy(tokens) else np.asarray(tokens)
     if tok.dtype.kind not in "iu":
         raise TypeError(f"tokens must hold int token ids, got dtype {tok.dtype}")
     if tok.ndim != 1 or tok.size == 0:
@@ -242,14 +214,14 @@ def window_entropy(tokens: Any, window: int = 512, stride: int | None = None, vo
     ``ValueError`` if ``window`` exceeds the text or a token id is negative or ``>= vocab_size``.
     """
     tok, xp = _tokens(tokens)
-    window = _check_int("window", window, 1)
+    window = check_int("window", window, 1)
     if bias_correction not in ("none", "miller-madow"):
         raise ValueError(f"bias_correction must be 'none' or 'miller-madow', got {bias_correction!r}")
     lo, hi = int(tok.min()), int(tok.max())
     if lo < 0:
         raise ValueError(f"tokens must be non-negative ids, got min {lo}")
     if vocab_size is not None:
-        vocab_size = _check_int("vocab_size", vocab_size, 1)
+        vocab_size = check_int("vocab_size", vocab_size, 1)
         if hi >= vocab_size:
             raise ValueError(f"tokens holds id {hi} >= vocab_size ({vocab_size})")
     starts_h = window_starts(int(tok.size), window, stride)
@@ -257,7 +229,7 @@ def window_entropy(tokens: Any, window: int = 512, stride: int | None = None, vo
     starts = xp.asarray(starts_h)
     h = xp.zeros(len(starts_h), dtype=np.float64)
     m = xp.zeros(len(starts_h), dtype=np.float64)
-    _entropy_kernel[len(starts_h), nt, _stream(tok)](_dev(tok), _dev(starts), window, _dev(h), _dev(m))
+    _entropy_kernel[len(starts_h), nt, stream(tok)](dev(tok), dev(starts), window, dev(h), dev(m))
     if bias_correction == "miller-madow":
         h = h + (xp.rint(m) - 1.0) / (2.0 * window * math.log(2.0))
     cap = window if vocab_size is None else min(window, vocab_size)
@@ -271,8 +243,8 @@ def windows_to_mask(T: int, starts: Any, chosen: Any, window: int, threads: int 
 
     The result is a CuPy array when ``chosen`` is one, else numpy."""
     xp = _xp(chosen)
-    T = _check_int("T", T, 1)
-    window = _check_int("window", window, 1)
+    T = check_int("T", T, 1)
+    window = check_int("window", window, 1)
     st = xp.ascontiguousarray(xp.asarray(starts), dtype=np.int64)
     ch = xp.ascontiguousarray(xp.asarray(chosen)).astype(np.uint8)
     if st.shape != ch.shape or st.ndim != 1:
@@ -282,7 +254,7 @@ def windows_to_mask(T: int, starts: Any, chosen: Any, window: int, threads: int 
     mask = xp.zeros(T, dtype=np.uint8)
     if st.size:
         nt = _pow2(threads or SCAN_THREADS, "threads")
-        _windows_mask_kernel[int(st.size), nt, _stream(ch)](_dev(st), _dev(ch), window, _dev(mask))
+        _windows_mask_kernel[int(st.size), nt, stream(ch)](dev(st), dev(ch), window, dev(mask))
     return mask
 
 
@@ -292,7 +264,7 @@ def mask_to_index(mask: Any, threads: int | None = None):
     ``global_idx`` lists the set positions in ascending order; ``n_global_before[i]`` counts set
     entries at positions ``< i`` (``hpczeco.daaf.plan_arrays``' arrays, computed on the device)."""
     xp = _xp(mask)
-    mk = mask if _is_cupy(mask) else np.asarray(mask)
+    mk = mask if is_cupy(mask) else np.asarray(mask)
     if mk.ndim != 1 or mk.size == 0:
         raise ValueError(f"mask must be a non-empty 1-D [T] array, got shape {tuple(mk.shape)}")
     if mk.dtype != np.bool_ and mk.dtype.kind not in "iu":
@@ -305,12 +277,12 @@ def mask_to_index(mask: Any, threads: int | None = None):
     counts = xp.zeros(nb, dtype=np.int32)
     offsets = xp.zeros(nb + 1, dtype=np.int32)
     before = xp.zeros(T + 1, dtype=np.int32)
-    s = _stream(mk)
-    _count_kernel[nb, nt, s](_dev(mk), T, _dev(counts))
-    _scan_counts_kernel[1, 1, s](_dev(counts), nb, _dev(offsets), _dev(before), T)
+    s = stream(mk)
+    _count_kernel[nb, nt, s](dev(mk), T, dev(counts))
+    _scan_counts_kernel[1, 1, s](dev(counts), nb, dev(offsets), dev(before), T)
     G = int(offsets[nb])  # one synchronisation: the size of global_idx
     idx = xp.zeros(max(G, 1), dtype=np.int32)
-    _scatter_kernel[nb, nt, s](_dev(mk), T, _dev(offsets), _dev(idx), _dev(before))
+    _scatter_kernel[nb, nt, s](dev(mk), T, dev(offsets), dev(idx), dev(before))
     return idx[:G], before
 
 

@@ -1,14 +1,10 @@
 // Common definitions for the GLA kernels (compiled by NVRTC through cupy.RawModule, by nvcc for
-// the build check, and by g++ through gpu/emu/cuda_emu.h for the CPU emulation test).
-// No CUDA headers are included: 16-bit types are plain structs converted with bit operations,
-// so NVRTC needs no include path besides this folder.
+// the build check, and by g++ after gpu/emu/cuda_emu.h for the CPU emulation, which defines CUDA_EMU
+// and the intrinsics used here). No CUDA headers are included: 16-bit types are plain structs
+// converted with bit operations, so NVRTC needs no include path besides this folder.
 #pragma once
 
-#ifndef GLA_EMU
 #define GLA_DEVICE __device__ __forceinline__
-#else
-#define GLA_DEVICE inline
-#endif
 
 typedef long long i64;
 
@@ -19,24 +15,8 @@ struct f16 {
   unsigned short x;
 };
 
-GLA_DEVICE float bits_to_float(unsigned int u) {
-#ifndef GLA_EMU
-  return __uint_as_float(u);
-#else
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-#endif
-}
-GLA_DEVICE unsigned int float_to_bits(float f) {
-#ifndef GLA_EMU
-  return __float_as_uint(f);
-#else
-  unsigned int u;
-  memcpy(&u, &f, 4);
-  return u;
-#endif
-}
+GLA_DEVICE float bits_to_float(unsigned int u) { return __uint_as_float(u); }
+GLA_DEVICE unsigned int float_to_bits(float f) { return __float_as_uint(f); }
 
 GLA_DEVICE float to_f(float v) { return v; }
 GLA_DEVICE float to_f(double v) { return (float)v; }
@@ -48,27 +28,29 @@ GLA_DEVICE unsigned short f2bf_bits(float f) {
   return (unsigned short)(u >> 16);
 }
 GLA_DEVICE float to_f(f16 v) {
-#ifndef GLA_EMU
+#ifndef CUDA_EMU
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.x));
   return f;
 #else
-  _Float16 h;
-  memcpy(&h, &v.x, 2);
-  return (float)h;
+  return emu_f16_to_f32(v.x);
 #endif
 }
 GLA_DEVICE unsigned short f2h_bits(float f) {
-#ifndef GLA_EMU
+#ifndef CUDA_EMU
   unsigned short h;
   asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
   return h;
 #else
-  _Float16 h = (_Float16)f;
-  unsigned short u;
-  memcpy(&u, &h, 2);
-  return u;
+  return emu_f32_to_f16(f);
 #endif
+}
+// a 16-bit type (bf16, f16) holding the bit pattern u
+template <typename H>
+GLA_DEVICE H from_bits(unsigned short u) {
+  H r;
+  r.x = u;
+  return r;
 }
 
 template <typename T>
@@ -83,19 +65,11 @@ struct Conv<double> {
 };
 template <>
 struct Conv<bf16> {
-  static GLA_DEVICE bf16 from(float f) {
-    bf16 r;
-    r.x = f2bf_bits(f);
-    return r;
-  }
+  static GLA_DEVICE bf16 from(float f) { return from_bits<bf16>(f2bf_bits(f)); }
 };
 template <>
 struct Conv<f16> {
-  static GLA_DEVICE f16 from(float f) {
-    f16 r;
-    r.x = f2h_bits(f);
-    return r;
-  }
+  static GLA_DEVICE f16 from(float f) { return from_bits<f16>(f2h_bits(f)); }
 };
 template <typename T>
 GLA_DEVICE T from_f(float f) {
@@ -104,10 +78,13 @@ GLA_DEVICE T from_f(float f) {
 
 // exp of a non-positive argument (all decay factors here are <= 1); __expf is accurate to ~2 ulp
 // for such arguments and flushes very negative ones to 0, which is the right limit.
-GLA_DEVICE float dexp(float x) {
-#ifndef GLA_EMU
-  return __expf(x);
-#else
-  return expf(x);
-#endif
+GLA_DEVICE float dexp(float x) { return __expf(x); }
+
+// x = 0 (a register tile: accumulators, fragments)
+template <int R, int C>
+GLA_DEVICE void set_zero(float (&x)[R][C]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int c = 0; c < C; ++c) x[r][c] = 0.f;
 }

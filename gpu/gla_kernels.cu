@@ -18,6 +18,52 @@
 
 #define GLA_NT 256  // threads per block of every kernel here
 
+// g, q, k of one chunk (rows t < len of 64, from token t0) in K columns k0..k0+31, as fp32 (zero outside)
+template <typename T>
+GLA_DEVICE void load_gqk_tile(float (*gs)[33], float (*qs)[33], float (*ks)[33], const T* __restrict__ g,
+                              const T* __restrict__ q, const T* __restrict__ k, int b, int h, int t0, int len,
+                              int Tlen, int H, int K, int k0) {
+  for (int e = threadIdx.x; e < 64 * 32; e += GLA_NT) {
+    const int t = e / 32, kk = e % 32;
+    float gv = 0.f, qv = 0.f, kv = 0.f;
+    if (t < len && k0 + kk < K) {
+      const i64 idx = ((i64)(b * Tlen + t0 + t) * H + h) * K + k0 + kk;
+      gv = to_f(g[idx]);
+      qv = to_f(q[idx]);
+      kv = to_f(k[idx]);
+    }
+    gs[t][kk] = gv;
+    qs[t][kk] = qv;
+    ks[t][kk] = kv;
+  }
+}
+
+// inclusive cumulative sum down the 64 rows of the 32 columns of bs (threads 0..31, one column each)
+GLA_DEVICE void cumsum_rows64(float (*bs)[33]) {
+  const int col = threadIdx.x;
+  if (col < 32) {
+    float run = 0.f;
+    for (int t = 0; t < 64; ++t) {
+      run += bs[t][col];
+      bs[t][col] = run;
+    }
+  }
+}
+
+// row t of the decayed scores over one K tile: A[cc] += sum_kk q_t k_s exp(b_t - b_s), s = tx + 16 cc <= t < len
+GLA_DEVICE void decayed_scores_row(float (&A)[4], const float (*qs)[33], const float (*ks)[33],
+                                   const float (*bs)[33], int t, int tx, int len) {
+#pragma unroll
+  for (int cc = 0; cc < 4; ++cc) {
+    const int s = tx + 16 * cc;
+    if (s <= t && t < len) {
+      float a = 0.f;
+      for (int kk = 0; kk < 32; ++kk) a += qs[t][kk] * ks[s][kk] * dexp(bs[t][kk] - bs[s][kk]);
+      A[cc] += a;
+    }
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(GLA_NT) gla_chunk_outer(const T* __restrict__ left, const T* __restrict__ right,
                                                           const T* __restrict__ g, float* __restrict__ out,
@@ -131,25 +177,11 @@ __global__ void __launch_bounds__(GLA_NT) gla_chunk_output(const T* __restrict__
   const float* S0b = S0 != nullptr ? S0 + (i64)bh * K * V : nullptr;
   const float* prec = S0 != nullptr ? pre + ((i64)bh * NT + c) * K : nullptr;
   float acc[4][4], A[4][4];
-#pragma unroll
-  for (int r = 0; r < 4; ++r)
-#pragma unroll
-    for (int cc = 0; cc < 4; ++cc) acc[r][cc] = A[r][cc] = 0.f;
+  set_zero(acc);
+  set_zero(A);
 
   for (int k0 = 0; k0 < K; k0 += 32) {
-    for (int e = tid; e < 64 * 32; e += GLA_NT) {
-      const int t = e / 32, kk = e % 32;
-      float gv = 0.f, qv = 0.f, kv = 0.f;
-      if (t < len && k0 + kk < K) {
-        const i64 idx = ((i64)(b * Tlen + t0 + t) * H + h) * K + k0 + kk;
-        gv = to_f(g[idx]);
-        qv = to_f(q[idx]);
-        kv = to_f(k[idx]);
-      }
-      bs[t][kk] = gv;
-      qs[t][kk] = qv;
-      ks[t][kk] = kv;
-    }
+    load_gqk_tile<T>(bs, qs, ks, g, q, k, b, h, t0, len, Tlen, H, K, k0);
     for (int e = tid; e < 32 * 64; e += GLA_NT) {  // incoming state: zero-start scan + decayed S0
       const int kk = e / 64, j = e % 64;
       float sv = 0.f;
@@ -160,26 +192,12 @@ __global__ void __launch_bounds__(GLA_NT) gla_chunk_output(const T* __restrict__
       Ss[kk][j] = sv;
     }
     __syncthreads();
-    if (tid < 32) {
-      float run = 0.f;
-      for (int t = 0; t < 64; ++t) {
-        run += bs[t][tid];
-        bs[t][tid] = run;
-      }
-    }
+    cumsum_rows64(bs);
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int t = ty + 16 * r;
-#pragma unroll
-      for (int cc = 0; cc < 4; ++cc) {
-        const int s = tx + 16 * cc;
-        if (s <= t && t < len) {
-          float a = 0.f;
-          for (int kk = 0; kk < 32; ++kk) a += qs[t][kk] * ks[s][kk] * dexp(bs[t][kk] - bs[s][kk]);
-          A[r][cc] += a;
-        }
-      }
+      decayed_scores_row(A[r], qs, ks, bs, t, tx, len);
       for (int kk = 0; kk < 32; ++kk) {
         const float qe = qs[t][kk] * dexp(bs[t][kk]);
 #pragma unroll
@@ -232,46 +250,15 @@ __global__ void __launch_bounds__(GLA_NT) gla_bwd_scores(const T* __restrict__ q
   const int t0 = c * C, len = min(C, Tlen - t0);
   const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
   float A[4][4], dA[4][4];
-#pragma unroll
-  for (int r = 0; r < 4; ++r)
-#pragma unroll
-    for (int cc = 0; cc < 4; ++cc) A[r][cc] = dA[r][cc] = 0.f;
+  set_zero(A);
+  set_zero(dA);
   for (int k0 = 0; k0 < K; k0 += 32) {
-    for (int e = tid; e < 64 * 32; e += GLA_NT) {
-      const int t = e / 32, kk = e % 32;
-      float gv = 0.f, qv = 0.f, kv = 0.f;
-      if (t < len && k0 + kk < K) {
-        const i64 idx = ((i64)(b * Tlen + t0 + t) * H + h) * K + k0 + kk;
-        gv = to_f(g[idx]);
-        qv = to_f(q[idx]);
-        kv = to_f(k[idx]);
-      }
-      bs[t][kk] = gv;
-      qs[t][kk] = qv;
-      ks[t][kk] = kv;
-    }
+    load_gqk_tile<T>(bs, qs, ks, g, q, k, b, h, t0, len, Tlen, H, K, k0);
     __syncthreads();
-    if (tid < 32) {
-      float run = 0.f;
-      for (int t = 0; t < 64; ++t) {
-        run += bs[t][tid];
-        bs[t][tid] = run;
-      }
-    }
+    cumsum_rows64(bs);
     __syncthreads();
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int t = ty + 16 * r;
-#pragma unroll
-      for (int cc = 0; cc < 4; ++cc) {
-        const int s = tx + 16 * cc;
-        if (s <= t && t < len) {
-          float a = 0.f;
-          for (int kk = 0; kk < 32; ++kk) a += qs[t][kk] * ks[s][kk] * dexp(bs[t][kk] - bs[s][kk]);
-          A[r][cc] += a;
-        }
-      }
-    }
+    for (int r = 0; r < 4; ++r) decayed_scores_row(A[r], qs, ks, bs, ty + 16 * r, tx, len);
     __syncthreads();
   }
   for (int v0 = 0; v0 < V; v0 += 32) {  // qs <- do tile, ks <- v tile
@@ -387,29 +374,11 @@ __global__ void __launch_bounds__(GLA_NT) gla_bwd_dqdk(const T* __restrict__ q, 
     }
     __syncthreads();
   }
-  for (int e = tid; e < 64 * 32; e += GLA_NT) {
-    const int t = e / 32, i = e % 32;
-    float gv = 0.f, qv = 0.f, kv = 0.f;
-    if (t < len && k0 + i < K) {
-      const i64 idx = ((i64)(b * Tlen + t0 + t) * H + h) * K + k0 + i;
-      gv = to_f(g[idx]);
-      qv = to_f(q[idx]);
-      kv = to_f(k[idx]);
-    }
-    bs[t][i] = gv;
-    qs[t][i] = qv;
-    ks[t][i] = kv;
-  }
+  load_gqk_tile<T>(bs, qs, ks, g, q, k, b, h, t0, len, Tlen, H, K, k0);
   const float* dAc = dAin + ((i64)bh * NT + c) * 64 * 64;
   for (int e = tid; e < 64 * 64; e += GLA_NT) dAs[e / 64][e % 64] = dAc[e];
   __syncthreads();
-  if (tid < 32) {
-    float run = 0.f;
-    for (int t = 0; t < 64; ++t) {
-      run += bs[t][tid];
-      bs[t][tid] = run;
-    }
-  }
+  cumsum_rows64(bs);
   __syncthreads();
   const float bL = bs[len - 1][kk];
 #pragma unroll
@@ -449,10 +418,8 @@ __global__ void __launch_bounds__(GLA_NT) gla_bwd_dv(const T* __restrict__ k, co
   const float* dSc = dS + ((i64)bh * NT + c) * K * V;
   const float* Db = D != nullptr ? D + (i64)bh * K * V : nullptr;
   float acc[4][4], acc2[4][4];
-#pragma unroll
-  for (int r = 0; r < 4; ++r)
-#pragma unroll
-    for (int cc = 0; cc < 4; ++cc) acc[r][cc] = acc2[r][cc] = 0.f;
+  set_zero(acc);
+  set_zero(acc2);
   for (int k0 = 0; k0 < K; k0 += 32) {
     for (int e = tid; e < 64 * 32; e += GLA_NT) {
       const int t = e / 32, i = e % 32;
@@ -475,13 +442,7 @@ __global__ void __launch_bounds__(GLA_NT) gla_bwd_dv(const T* __restrict__ k, co
       dSs[i][j] = dv;
     }
     __syncthreads();
-    if (tid < 32) {
-      float run = 0.f;
-      for (int t = 0; t < 64; ++t) {
-        run += bs[t][tid];
-        bs[t][tid] = run;
-      }
-    }
+    cumsum_rows64(bs);
     __syncthreads();
     for (int e = tid; e < 64 * 32; e += GLA_NT) {
       const int t = e / 32, i = e % 32;
@@ -588,10 +549,7 @@ __global__ void __launch_bounds__(GLA_NT) gla_state_correction(T* __restrict__ o
   const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
   const float* Sb = S_in + (i64)bh * K * V;
   float acc[4][4];
-#pragma unroll
-  for (int r = 0; r < 4; ++r)
-#pragma unroll
-    for (int cc = 0; cc < 4; ++cc) acc[r][cc] = 0.f;
+  set_zero(acc);
   for (int k0 = 0; k0 < K; k0 += 32) {
     for (int e = tid; e < 64 * 32; e += GLA_NT) {
       const int t = e / 32, i = e % 32;

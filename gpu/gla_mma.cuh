@@ -1,6 +1,7 @@
 // Shared pieces of the tensor-core kernels (gla_tc.cu, gla_zeco.cu): mma.sync m16n8k16 on 16-bit operands
 // with fp32 accumulation, fragment loads (32-bit pairs and ldmatrix.trans), 16-byte vector loads, the
-// shared-memory layout of the GLA forward. Compiled by NVRTC (inlined by gpu/gla.py), nvcc and the CPU emulation.
+// shared-memory layout of the GLA forward, and the loops over fragments the kernels share. Compiled by NVRTC
+// (inlined by gpu/runtime.py), nvcc and the CPU emulation (gpu/emu/cuda_emu.h: ldmatrix and mma.sync emulated).
 #pragma once
 #include "gla_common.cuh"
 
@@ -24,10 +25,10 @@
 #define TC_OFF_SP (TC_OFF_ST + 128 * TC_KP * 2)
 #define TC_SMEM_OUTPUT (TC_OFF_SP + 16)
 
-#ifndef GLA_EMU
+#ifndef CUDA_EMU
 #define TC_DYN_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #else
-#define TC_DYN_SMEM(name) static unsigned char name[TC_SMEM_OUTPUT] __attribute__((aligned(16)))
+#define TC_DYN_SMEM(name) unsigned char* const name = emu_dynamic_smem()
 #endif
 
 typedef unsigned short u16;
@@ -35,93 +36,47 @@ typedef unsigned int u32;
 
 GLA_DEVICE int float_to_int_bits(float f) { return (int)float_to_bits(f); }
 
-#ifdef GLA_EMU
-// emulation of mma.sync.m16n8k16.row.col (fp32 accumulate): lanes exchange fragments through memory
-struct EmuMmaLane {
-  u32 a[4];
-  u32 b[2];
-};
-inline EmuMmaLane emu_mma_buf[32][32];
-template <typename Back>
-inline void emu_mma(float* d, const u32* a, const u32* b, Back back) {
-  const unsigned tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
-  const unsigned w = tid / 32, lane = tid % 32;
-  for (int i = 0; i < 4; ++i) emu_mma_buf[w][lane].a[i] = a[i];
-  for (int i = 0; i < 2; ++i) emu_mma_buf[w][lane].b[i] = b[i];
-  __syncwarp();
-  float A[16][16], Bm[16][8];
-  for (int l = 0; l < 32; ++l) {
-    const int gid = l >> 2, tig = l & 3;
-    const EmuMmaLane& m = emu_mma_buf[w][l];
-    A[gid][2 * tig] = back(m.a[0] & 0xffff);
-    A[gid][2 * tig + 1] = back(m.a[0] >> 16);
-    A[gid + 8][2 * tig] = back(m.a[1] & 0xffff);
-    A[gid + 8][2 * tig + 1] = back(m.a[1] >> 16);
-    A[gid][2 * tig + 8] = back(m.a[2] & 0xffff);
-    A[gid][2 * tig + 9] = back(m.a[2] >> 16);
-    A[gid + 8][2 * tig + 8] = back(m.a[3] & 0xffff);
-    A[gid + 8][2 * tig + 9] = back(m.a[3] >> 16);
-    Bm[2 * tig][gid] = back(m.b[0] & 0xffff);
-    Bm[2 * tig + 1][gid] = back(m.b[0] >> 16);
-    Bm[2 * tig + 8][gid] = back(m.b[1] & 0xffff);
-    Bm[2 * tig + 9][gid] = back(m.b[1] >> 16);
-  }
-  __syncwarp();
-  const int gid = lane >> 2, tig = lane & 3;
-  for (int i = 0; i < 4; ++i) {
-    const int r = gid + (i >= 2 ? 8 : 0), c = 2 * tig + (i & 1);
-    float acc = d[i];
-    for (int kk = 0; kk < 16; ++kk) acc += A[r][kk] * Bm[kk][c];
-    d[i] = acc;
-  }
-}
-#endif
+// mma.sync.aligned.m16n8k16.row.col.f32.TY.TY.f32: d[16x8] += a[16x16] b[16x8] (16-bit operands, fp32 accumulation)
+#define GLA_MMA_SYNC(TY, d, a, b)                                                                          \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, " \
+               "{%0,%1,%2,%3};\n"                                                                          \
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                                            \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]))
 
+template <bool BF>
+struct MmaSync {
+  static GLA_DEVICE void mma(float* d, const u32* a, const u32* b) {
+#ifndef CUDA_EMU
+    if constexpr (BF)
+      GLA_MMA_SYNC("bf16", d, a, b);
+    else
+      GLA_MMA_SYNC("f16", d, a, b);
+#else
+    emu_mma_m16n8k16<BF>(d, a, b[0], b[1]);
+#endif
+  }
+};
+
+// per 16-bit type: the operand rounding (cvt) and its way back to fp32, and the mma on it
 template <typename T>
 struct Mma;
 template <>
-struct Mma<bf16> {
+struct Mma<bf16> : MmaSync<true> {
   static GLA_DEVICE u16 cvt(float f) {
-#ifndef GLA_EMU
+#ifndef CUDA_EMU
     u16 r;
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
     return r;
 #else
-    return f2bf_bits(f);
+    return emu_f32_to_bf16(f);
 #endif
   }
   static GLA_DEVICE float back(u32 u) { return bits_to_float(u << 16); }
-  static GLA_DEVICE void mma(float* d, const u32* a, const u32* b) {
-#ifndef GLA_EMU
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#else
-    emu_mma(d, a, b, back);
-#endif
-  }
 };
 template <>
-struct Mma<f16> {
+struct Mma<f16> : MmaSync<false> {
   static GLA_DEVICE u16 cvt(float f) { return f2h_bits(f); }
-  static GLA_DEVICE float back(u32 u) {
-    f16 h;
-    h.x = (u16)u;
-    return to_f(h);
-  }
-  static GLA_DEVICE void mma(float* d, const u32* a, const u32* b) {
-#ifndef GLA_EMU
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#else
-    emu_mma(d, a, b, back);
-#endif
-  }
+  static GLA_DEVICE float back(u32 u) { return to_f(from_bits<f16>((u16)u)); }
 };
 
 GLA_DEVICE u32 ld32(const u16* p) { return *reinterpret_cast<const u32*>(p); }
@@ -141,7 +96,7 @@ GLA_DEVICE void frag_b(u32* b, const u16* baseT, int ld, int n0, int k0, int gid
 
 // ldmatrix (m8n8, 16-bit): lanes 8i..8i+7 give the row addresses of matrix i. Without .trans lane l gets
 // (row l/4, cols 2(l%4), +1) of each matrix; with .trans (rows 2(l%4), +1; col l/4).
-#ifndef GLA_EMU
+#ifndef CUDA_EMU
 GLA_DEVICE u32 smem_u32(const void* p) {
   unsigned long long s;
   asm("cvta.to.shared.u64 %0, %1;" : "=l"(s) : "l"(reinterpret_cast<unsigned long long>(p)));
@@ -153,20 +108,7 @@ GLA_DEVICE void ldsm_x4_trans(u32* r, const u16* p) {
                : "r"(smem_u32(p)));
 }
 #else
-inline const u16* emu_ldsm_ptr[32][32];
-inline void ldsm_x4_trans(u32* r, const u16* p) {
-  const unsigned tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
-  const unsigned w = tid / 32, lane = tid % 32;
-  emu_ldsm_ptr[w][lane] = p;
-  __syncwarp();
-  const int gid = lane >> 2, tig = lane & 3;
-  for (int i = 0; i < 4; ++i) {
-    const u16* r0 = emu_ldsm_ptr[w][8 * i + 2 * tig];
-    const u16* r1 = emu_ldsm_ptr[w][8 * i + 2 * tig + 1];
-    r[i] = (u32)r0[gid] | ((u32)r1[gid] << 16);
-  }
-  __syncwarp();
-}
+inline void ldsm_x4_trans(u32* r, const u16* p) { emu_ldmatrix_x4(r, p, true); }
 #endif
 // A fragment (16 x 16) of A = M^T where M is stored row-major (M[k][m], row stride ld): rows of M k0..k0+15,
 // columns m0..m0+15.
@@ -192,8 +134,46 @@ GLA_DEVICE V16 ld16(const void* p) { return *reinterpret_cast<const V16*>(p); }
 GLA_DEVICE u16 half_of(const V16& x, int j) { return (u16)((x.w[j >> 1] >> (16 * (j & 1))) & 0xffffu); }
 template <typename T>
 GLA_DEVICE float bits_to_f(u16 u) {
-  T x;
-  x.x = u;
-  return to_f(x);
+  return to_f(from_bits<T>(u));
+}
+
+// ---- loops over the fragments of a warp's accumulators (m16n8 tiles: rows gid, gid + 8; columns 2 tig, +1)
+
+// acc[nt], acc[nt + 1] += a * (the n8 tiles of B at columns n0 + 8 nt, n0 + 8 nt + 8 and rows k0..k0+15), for
+// even nt < NT with n0 + 8 nt < n_end (n_end - n0 a multiple of 16). B is 16-bit with row stride ld: row-major
+// B[k][n] read with ldmatrix.trans (L), or stored transposed BT[n][k] and read as 32-bit pairs (!L).
+template <typename T, bool L, int NT>
+GLA_DEVICE void mma_n_tiles(float (&acc)[NT][4], const u32* a, const u16* Bm, int ld, int k0, int n0, int n_end,
+                            int lane) {
+  const int gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < NT; nt += 2) {
+    if (n0 + 8 * nt < n_end) {
+      u32 b0[2], b1[2];
+      if constexpr (L) {
+        frag_b2_rowmajor(b0, b1, Bm, ld, k0, n0 + 8 * nt, lane);
+      } else {
+        frag_b(b0, Bm, ld, n0 + 8 * nt, k0, gid, tig);
+        frag_b(b1, Bm, ld, n0 + 8 * nt + 8, k0, gid, tig);
+      }
+      Mma<T>::mma(acc[nt], a, b0);
+      Mma<T>::mma(acc[nt + 1], a, b1);
+    }
+  }
+}
+
+// out[r][c] = scale * acc (fp32 [K][V] row-major, row stride V): warp w's rows 16 w + gid (+8), columns < V
+GLA_DEVICE void store_state_frags(float* out, const float (&acc)[16][4], int V, int w, int lane, float scale = 1.f) {
+  const int r = 16 * w + (lane >> 2), tig = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt) {
+    const int c = 8 * nt + 2 * tig;
+    if (c < V) {
+      out[(i64)r * V + c] = scale * acc[nt][0];
+      out[(i64)r * V + c + 1] = scale * acc[nt][1];
+      out[(i64)(r + 8) * V + c] = scale * acc[nt][2];
+      out[(i64)(r + 8) * V + c + 1] = scale * acc[nt][3];
+    }
+  }
 }
 

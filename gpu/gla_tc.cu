@@ -97,7 +97,7 @@ GLA_DEVICE void tc_cumsum(float* bs, int K) {
 // S (warp w owns rows 16w..16w+15 of K, all V in n8 tiles): S = diag(exp(bL)) S + KT V
 // (L: KT holds (k*decay)[t][k] and VT holds V[t][v], both row-major, read with ldmatrix.trans)
 template <typename T, bool L>
-GLA_DEVICE void tc_state_update(float (*sacc)[4], const float* bs, const u16* KT, const u16* VT, int len, int K,
+GLA_DEVICE void tc_state_update(float (&sacc)[16][4], const float* bs, const u16* KT, const u16* VT, int len, int K,
                                 int V, int w, int gid, int tig) {
   const int lane = 4 * gid + tig;
   if (16 * w >= K) return;
@@ -115,16 +115,8 @@ GLA_DEVICE void tc_state_update(float (*sacc)[4], const float* bs, const u16* KT
     u32 a[4];
     if constexpr (L) {
       frag_a_trans(a, KT, TC_KP, 16 * ks, 16 * w, lane);
-#pragma unroll
-      for (int nt = 0; nt < 16; nt += 2) {
-        if (8 * nt < V) {
-          u32 b0[2], b1[2];
-          frag_b2_rowmajor(b0, b1, VT, TC_KP, 16 * ks, 8 * nt, lane);
-          Mma<T>::mma(sacc[nt], a, b0);
-          Mma<T>::mma(sacc[nt + 1], a, b1);
-        }
-      }
-    } else {
+      mma_n_tiles<T, true>(sacc, a, VT, TC_KP, 16 * ks, 0, V, lane);
+    } else {  // one n8 tile at a time
       frag_a(a, KT, TC_CP, 16 * w, 16 * ks, gid, tig);
 #pragma unroll
       for (int nt = 0; nt < 16; ++nt) {
@@ -152,8 +144,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1) gla_tc_seg_state(const T* __res
   const int seg = blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
   const int tid = threadIdx.x, w = tid / 32, lane = tid % 32, gid = lane >> 2, tig = lane & 3;
   float sacc[16][4];
-#pragma unroll
-  for (int nt = 0; nt < 16; ++nt) sacc[nt][0] = sacc[nt][1] = sacc[nt][2] = sacc[nt][3] = 0.f;
+  set_zero(sacc);
   float gsum = 0.f;  // thread kk = tid (< K) accumulates the segment's total log decay
   for (int ci = 0; ci < NC; ++ci) {
     const int t0 = (seg * NC + ci) * 64;
@@ -177,20 +168,7 @@ __global__ void __launch_bounds__(TC_THREADS, 1) gla_tc_seg_state(const T* __res
     tc_state_update<T, L>(sacc, bs, KT, VT, len, K, V, w, gid, tig);
     __syncthreads();
   }
-  if (16 * w < K) {
-    float* out = st + ((i64)bh * NS + seg) * K * V;
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      const int c = 8 * nt + 2 * tig;
-      if (c < V) {
-        const int r = 16 * w + gid;
-        out[(i64)r * V + c] = sacc[nt][0];
-        out[(i64)r * V + c + 1] = sacc[nt][1];
-        out[(i64)(r + 8) * V + c] = sacc[nt][2];
-        out[(i64)(r + 8) * V + c + 1] = sacc[nt][3];
-      }
-    }
-  }
+  if (16 * w < K) store_state_frags(st + ((i64)bh * NS + seg) * K * V, sacc, V, w, lane);
   if (tid < K) gseg[((i64)bh * NS + seg) * K + tid] = gsum;
 }
 
@@ -225,23 +203,9 @@ __global__ void __launch_bounds__(TC_THREADS, 1) gla_tc_chunk_outer(const T* __r
   }
   __syncthreads();
   float sacc[16][4];
-#pragma unroll
-  for (int nt = 0; nt < 16; ++nt) sacc[nt][0] = sacc[nt][1] = sacc[nt][2] = sacc[nt][3] = 0.f;
+  set_zero(sacc);
   tc_state_update<T, true>(sacc, bs, Ld, Rs, len, K, V, w, gid, tig);
-  if (16 * w < K) {
-    float* o = out + ((i64)bh * NT + c) * K * V;
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      const int cc = 8 * nt + 2 * tig;
-      if (cc < V) {
-        const int r = 16 * w + gid;
-        o[(i64)r * V + cc] = sacc[nt][0];
-        o[(i64)r * V + cc + 1] = sacc[nt][1];
-        o[(i64)(r + 8) * V + cc] = sacc[nt][2];
-        o[(i64)(r + 8) * V + cc + 1] = sacc[nt][3];
-      }
-    }
-  }
+  if (16 * w < K) store_state_frags(out + ((i64)bh * NT + c) * K * V, sacc, V, w, lane);
   if (gtot != nullptr && tid < K) gtot[((i64)bh * NT + c) * K + tid] = bs[(len - 1) * TC_BP + tid];
 }
 
@@ -412,44 +376,17 @@ __global__ void __launch_bounds__(TC_THREADS, 1)
       const int tw = w % 4, v0 = 64 * (w / 4);
       if (v0 < V) {
         float oacc[8][4];
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) oacc[nt][0] = oacc[nt][1] = oacc[nt][2] = oacc[nt][3] = 0.f;
+        set_zero(oacc);
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks) {
           u32 a[4];
           frag_a(a, As, TC_CP, 16 * tw, 16 * ks, gid, tig);
-#pragma unroll
-          for (int nt = 0; nt < 8; nt += 2) {
-            if (v0 + 8 * nt < V) {
-              u32 b0[2], b1[2];
-              if constexpr (L) {
-                frag_b2_rowmajor(b0, b1, VT, TC_KP, 16 * ks, v0 + 8 * nt, lane);
-              } else {
-                frag_b(b0, VT, TC_CP, v0 + 8 * nt, 16 * ks, gid, tig);
-                frag_b(b1, VT, TC_CP, v0 + 8 * nt + 8, 16 * ks, gid, tig);
-              }
-              Mma<T>::mma(oacc[nt], a, b0);
-              Mma<T>::mma(oacc[nt + 1], a, b1);
-            }
-          }
+          mma_n_tiles<T, L>(oacc, a, VT, L ? TC_KP : TC_CP, 16 * ks, v0, V, lane);
         }
         for (int ks = 0; ks < K / 16; ++ks) {
           u32 a[4];
           frag_a(a, Qi, TC_KP, 16 * tw, 16 * ks, gid, tig);
-#pragma unroll
-          for (int nt = 0; nt < 8; nt += 2) {
-            if (v0 + 8 * nt < V) {
-              u32 b0[2], b1[2];
-              if constexpr (L) {
-                frag_b2_rowmajor(b0, b1, ST, TC_KP, 16 * ks, v0 + 8 * nt, lane);
-              } else {
-                frag_b(b0, ST, TC_KP, v0 + 8 * nt, 16 * ks, gid, tig);
-                frag_b(b1, ST, TC_KP, v0 + 8 * nt + 8, 16 * ks, gid, tig);
-              }
-              Mma<T>::mma(oacc[nt], a, b0);
-              Mma<T>::mma(oacc[nt + 1], a, b1);
-            }
-          }
+          mma_n_tiles<T, L>(oacc, a, ST, TC_KP, 16 * ks, v0, V, lane);
         }
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {

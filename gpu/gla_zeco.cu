@@ -8,7 +8,7 @@
 #include "gla_mma.cuh"
 
 #define ZC_TOK 128  // tokens per block of the correction
-#define ZC_SMEM_CORRECTION (64 * TC_KP * 2 + 128 * TC_KP * 2)  // gpu/gla.py mirrors it
+#define ZC_SMEM_CORRECTION (64 * TC_KP * 2 + 128 * TC_KP * 2)  // gpu/gla_zeco.py mirrors it
 
 // q*exp(G) of 64 rows t0.. (rows >= len zero) -> Qe[t][k] (16-bit, row stride TC_KP)
 template <typename T>
@@ -62,20 +62,11 @@ __global__ void __launch_bounds__(TC_THREADS) zeco_tc_correction(T* __restrict__
     const int tw = w % 4, v0 = 64 * (w / 4);
     if (v0 < V) {
       float acc[8][4];
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+      set_zero(acc);
       for (int ks = 0; ks < K / 16; ++ks) {
         u32 a[4];
         frag_a(a, Qe, TC_KP, 16 * tw, 16 * ks, gid, tig);
-#pragma unroll
-        for (int nt = 0; nt < 8; nt += 2) {
-          if (v0 + 8 * nt < V) {
-            u32 b0[2], b1[2];
-            frag_b2_rowmajor(b0, b1, Ss, TC_KP, 16 * ks, v0 + 8 * nt, lane);
-            Mma<T>::mma(acc[nt], a, b0);
-            Mma<T>::mma(acc[nt + 1], a, b1);
-          }
-        }
+        mma_n_tiles<T, true>(acc, a, Ss, TC_KP, 16 * ks, v0, V, lane);
       }
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
@@ -108,10 +99,9 @@ __global__ void __launch_bounds__(TC_THREADS, 1) zeco_tc_qT_do(const T* __restri
   __shared__ __align__(16) u16 Qe[64 * TC_KP];
   __shared__ __align__(16) u16 Ds[64 * TC_KP];
   const int seg = blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
-  const int tid = threadIdx.x, w = tid / 32, lane = tid % 32, gid = lane >> 2, tig = lane & 3;
+  const int tid = threadIdx.x, w = tid / 32, lane = tid % 32;
   float acc[16][4];
-#pragma unroll
-  for (int nt = 0; nt < 16; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+  set_zero(acc);
   const int v8 = V / 8;
   for (int ci = 0; ci < NC; ++ci) {
     const int t0 = (seg * NC + ci) * 64;
@@ -130,33 +120,12 @@ __global__ void __launch_bounds__(TC_THREADS, 1) zeco_tc_qT_do(const T* __restri
       for (int ks = 0; ks < 4; ++ks) {
         u32 a[4];
         frag_a_trans(a, Qe, TC_KP, 16 * ks, 16 * w, lane);
-#pragma unroll
-        for (int nt = 0; nt < 16; nt += 2) {
-          if (8 * nt < V) {
-            u32 b0[2], b1[2];
-            frag_b2_rowmajor(b0, b1, Ds, TC_KP, 16 * ks, 8 * nt, lane);
-            Mma<T>::mma(acc[nt], a, b0);
-            Mma<T>::mma(acc[nt + 1], a, b1);
-          }
-        }
+        mma_n_tiles<T, true>(acc, a, Ds, TC_KP, 16 * ks, 0, V, lane);
       }
     }
     __syncthreads();
   }
-  if (16 * w < K) {
-    float* out = U_part + ((i64)bh * NS + seg) * K * V;
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      const int c = 8 * nt + 2 * tig;
-      if (c < V) {
-        const int r = 16 * w + gid;
-        out[(i64)r * V + c] = scale * acc[nt][0];
-        out[(i64)r * V + c + 1] = scale * acc[nt][1];
-        out[(i64)(r + 8) * V + c] = scale * acc[nt][2];
-        out[(i64)(r + 8) * V + c + 1] = scale * acc[nt][3];
-      }
-    }
-  }
+  if (16 * w < K) store_state_frags(U_part + ((i64)bh * NS + seg) * K * V, acc, V, w, lane, scale);
 }
 
 #ifdef GLA_INSTANTIATE

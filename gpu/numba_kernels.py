@@ -13,21 +13,15 @@ belong to the CuPy kernels in :mod:`hpczeco.gpu.gla`, which have the same functi
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
 from typing import Any
 
 import numba
 
-from . import _numba_shim
-
-_numba_shim.apply()  # before the first import of numba.cuda (see _numba_shim)
-cuda = importlib.import_module("numba.cuda")
+from .numba_util import SIMULATOR, cuda, dev, is_cupy, stream
 
 __all__ = ["decay_cumsum", "state_correction", "final_state", "scan_combine", "SIMULATOR"]
 
-SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 _CACHE = not SIMULATOR
 _SEG = 64  # tokens per segment of the cumulative sum
 _TOK = 16  # tokens per block of the correction
@@ -157,27 +151,9 @@ def _combine(a, S_in, S_local, out, is_log):
 # ------------------------------------------------------------------------------------------ wrappers
 
 
-def _is_cupy(x: Any) -> bool:
-    return type(x).__module__.startswith("cupy")
-
-
-def _stream(*arrays: Any):
-    if any(_is_cupy(a) for a in arrays) and not SIMULATOR:
-        import cupy  # noqa: PLC0415
-
-        return cuda.external_stream(cupy.cuda.get_current_stream().ptr)
-    return 0
-
-
-def _dev(x: Any):
-    if _is_cupy(x):
-        return cuda.as_cuda_array(x)
-    return x
-
-
 def _empty_like(x: Any, shape, dtype=None):
     dt = dtype or x.dtype
-    if _is_cupy(x):
+    if is_cupy(x):
         import cupy  # noqa: PLC0415
 
         return cupy.empty(shape, dtype=dt)
@@ -202,8 +178,8 @@ def decay_cumsum(g: Any, out: Any = None) -> Any:
         return G
     nseg = -(-T // _SEG)
     tot = _empty_like(g, (B * H, nseg, K))
-    st = _stream(g, G)
-    dg, dtot, dG = _dev(g), _dev(tot), _dev(G)
+    st = stream(g, G)
+    dg, dtot, dG = dev(g), dev(tot), dev(G)
     kb = min(128, K)
     _seg_sum[(nseg, B * H), kb, st](dg, dtot)
     _seg_carry[-(-B * H * K // 128), 128, st](dtot)
@@ -229,8 +205,8 @@ def state_correction(o: Any, q: Any, G: Any, S_in: Any, scale: float | None = No
     sc = float(K) ** -0.5 if scale is None else float(scale)
     if B * T * H == 0:
         return o
-    st = _stream(o, q, G, S_in)
-    _CORRECTION[str(q.dtype)][(-(-T // _TOK), B * H), _VT, st](_dev(o), _dev(q), _dev(G), _dev(S_in), sc)
+    st = stream(o, q, G, S_in)
+    _CORRECTION[str(q.dtype)][(-(-T // _TOK), B * H), _VT, st](dev(o), dev(q), dev(G), dev(S_in), sc)
     return o
 
 
@@ -245,8 +221,8 @@ def _combine_call(a: Any, S_in: Any, S_local: Any, out: Any, is_log: bool) -> An
     res = out if out is not None else _empty_like(S_in, S_in.shape)
     n = B * H * K * V
     if n:
-        st = _stream(a, S_in, S_local, res)
-        _combine[-(-n // 256), 256, st](_dev(a), _dev(S_in), _dev(S_local), _dev(res), is_log)
+        st = stream(a, S_in, S_local, res)
+        _combine[-(-n // 256), 256, st](dev(a), dev(S_in), dev(S_local), dev(res), is_log)
     return res
 
 

@@ -25,6 +25,7 @@ from hpczeco.base import bf16
 from hpczeco.gpu import build as gbuild
 from hpczeco.gpu import emu as gemu
 from hpczeco.gpu import gla as ggla
+from hpczeco.gpu import runtime as gruntime
 
 from hpczeco.gla import recurrent_gla, recurrent_gla_bwd
 
@@ -242,7 +243,7 @@ def test_tc_shared_memory_layout_matches_python(tmp_path):
     from hpczeco.gpu import gla_tc
 
     src = tmp_path / "layout.cpp"
-    head = f'#include "{gemu._HERE / "cuda_emu.h"}"\n#include "{ggla._HERE / "gla_tc.cu"}"\n'
+    head = f'#include "{gemu.HEADER}"\n#include "{gruntime.HERE / "gla_tc.cu"}"\n'
     src.write_text(head + "STATE TC_SMEM_STATE\nOUT TC_SMEM_OUTPUT\n")
     res = subprocess.run([CXX, "-std=c++20", "-E", "-P", str(src)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -253,7 +254,7 @@ def test_tc_shared_memory_layout_matches_python(tmp_path):
     assert eval(lines["OUT"], {}) == gla_tc.SMEM_OUTPUT  # noqa: S307
     assert gla_tc.SMEM_OUTPUT <= 227 * 1024  # fits an H100/H200 block's opt-in shared memory
     src.write_text(
-        f'#include "{gemu._HERE / "cuda_emu.h"}"\n#include "{ggla._HERE / "gla_zeco.cu"}"\nZC ZC_SMEM_CORRECTION\n'
+        f'#include "{gemu.HEADER}"\n#include "{gruntime.HERE / "gla_zeco.cu"}"\nZC ZC_SMEM_CORRECTION\n'
     )
     res = subprocess.run([CXX, "-std=c++20", "-E", "-P", str(src)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr[-2000:]

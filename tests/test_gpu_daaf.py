@@ -1,23 +1,21 @@
 """DAAF attention on GPUs: gpu/daaf_attention.cu, gpu/daaf.py, gpu/daaf_numba.py.
 
 Without a GPU: the CUDA source builds for sm_90 with nvcc (registers/spills checked); the kernels run
-on the CPU through gpu/daaf_emu.h (every CUDA thread a std::thread, PTX fragment layouts emulated)
-against the float64 reference; the Numba planning kernels run under the CUDA simulator (a
-subprocess with NUMBA_ENABLE_CUDASIM=1) against numpy and the CPU planner. With a GPU (marked
+on the CPU through the wrappers of gpu/daaf.py on the CUDA emulation (gpu/emu: every CUDA thread a
+std::thread, PTX fragment layouts emulated) against the float64 reference (hpczeco.daaf.reference);
+the Numba planning kernels run under the CUDA simulator (a subprocess with NUMBA_ENABLE_CUDASIM=1)
+against numpy and the CPU planner. With a GPU (marked
 ``gpu``): every kernel family against the float64 reference, and input validation.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
@@ -25,6 +23,14 @@ import numpy as np
 import pytest
 from hpczeco.base import bf16
 from hpczeco.gpu import daaf as gd
+from hpczeco.gpu import emu as gemu
+
+from hpczeco.daaf.reference import attention_reference
+
+
+def reference_attention(q, k, v, global_mask, local_window, scale=None):
+    """The float64 DAAF reference for a key-region mask ``[T]``."""
+    return attention_reference(q, k, v, global_mask, scale, local_window=local_window)
 
 GPU_DIR = Path(gd.__file__).resolve().parent
 SRC = GPU_DIR / "daaf_attention.cu"
@@ -71,17 +77,6 @@ def test_bf16_rounding_is_round_to_nearest_even():
     assert r[4] == -2.5
     assert np.isinf(r[6])
     assert bf16.to_bits(np.array([np.nan], np.float32))[0] & 0x7F80 == 0x7F80
-
-
-def test_reference_matches_cpu_package(rng):
-    daaf = pytest.importorskip("hpczeco.daaf")
-    T = 90
-    g = _mask(T, [(10, 30)], 0.05, rng)
-    q, k, v = _inputs(rng, 2, T, 3, 16, 8)
-    ours = gd.reference_attention(q, k, v, g, 7)
-    theirs = daaf.attention_reference(q, k, v, g, local_window=7)
-    np.testing.assert_allclose(ours, theirs, rtol=1e-12, atol=1e-12)
-    np.testing.assert_array_equal(gd.allowed_mask(g, 7), daaf.allowed_mask(g, 7))
 
 
 def test_window_starts_match_planner():
@@ -154,29 +149,16 @@ def test_nvcc_builds_sm90(nvcc_build):
 
 @pytest.fixture(scope="module")
 def emu():
-    gxx = shutil.which("g++")
-    if gxx is None:
+    """The wrappers of gpu/daaf.py on the CPU emulation of the kernels (numpy arrays as device memory)."""
+    if gemu.compiler() is None:
         pytest.skip("g++ not found: the CPU emulation of the kernels needs it")
-    files = [GPU_DIR / "daaf_emu.cpp", GPU_DIR / "daaf_emu.h", SRC]
-    key = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
-    lib = Path(tempfile.gettempdir()) / f"hpczeco-daaf-emu-{key}.so"
-    if not lib.exists():
-        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        r = subprocess.run([gxx, "-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas",
-                            str(files[0]), "-o", str(tmp)], capture_output=True, text=True, timeout=170)
-        assert r.returncode == 0, r.stderr[-4000:]
-        os.replace(tmp, lib)
-    so = ctypes.CDLL(str(lib))
-    so.daaf_emu_tc.restype = ctypes.c_int
-    so.daaf_emu_simple.restype = ctypes.c_int
-    return so
+    rt = gemu.EmuRuntime(gd.kernel_source(), gd.kernel_names())
+    old = gd._set_runtime(rt)
+    yield rt
+    gd._set_runtime(old)
 
 
-def _ptr(a):
-    return a.ctypes.data_as(ctypes.c_void_p) if a is not None and a.size else None
-
-
-def _emu_tc(so, q, k, v, g, W, elem, mt, reverse=True):
+def _emu_tc(rt, q, k, v, g, W, elem, mt, reverse=True):
     B, T, H, D = q.shape
     if elem == "bf16":
         hq, hk, hv = bf16.to_bits(q), bf16.to_bits(k), bf16.to_bits(v)
@@ -184,15 +166,15 @@ def _emu_tc(so, q, k, v, g, W, elem, mt, reverse=True):
     else:
         hq, hk, hv = (x.astype(np.float16).view(np.uint16) for x in (q, k, v))
         fq, fk, fv = (x.view(np.float16).astype(np.float32) for x in (hq, hk, hv))
-    o = np.zeros_like(hq)
     gidx = np.flatnonzero(g).astype(np.int32)
-    gm = g.astype(np.uint8)
     scale = D**-0.5
-    rc = so.daaf_emu_tc(int(elem == "bf16"), D, mt, _ptr(hq), _ptr(hk), _ptr(hv), _ptr(o), _ptr(gidx), _ptr(gm),
-                        B, T, H, len(gidx), W, ctypes.c_float(scale * np.log2(np.e)), int(reverse))
-    assert rc == 0
+    impl = {1: "tc", 2: "tc2"}[mt]
+    storage = "bfloat16" if elem == "bf16" else "float16"
+    rt.launched.clear()
+    o = gd.prepare(hq, hk, hv, gidx, W, scale, g, impl=impl, storage=storage, reverse=reverse)()
+    assert rt.launched == [f"daaf_{impl}_{elem}_d{D}"]
     out = bf16.from_bits(o) if elem == "bf16" else o.view(np.float16).astype(np.float32)
-    return out, gd.reference_attention(fq, fk, fv, g, W, scale)
+    return out, reference_attention(fq, fk, fv, g, W, scale)
 
 
 @pytest.mark.parametrize("mt", [1, 2])
@@ -219,13 +201,11 @@ def test_emulated_simple_kernel_matches_reference(emu, rng):
     B, T, H, D, Dv, W = 1, 20, 1, 40, 24, 3
     g = _mask(T, [(5, 9)])
     q, k, v = _inputs(rng, B, T, H, D, Dv)
-    o = np.zeros((B, T, H, Dv), np.float32)
     gidx = np.flatnonzero(g).astype(np.int32)
-    gm = g.astype(np.uint8)
-    rc = emu.daaf_emu_simple(0, _ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(gidx), _ptr(gm), B, T, H, D, Dv, len(gidx),
-                             W, ctypes.c_float(D**-0.5))
-    assert rc == 0
-    assert _rel(o, gd.reference_attention(q, k, v, g, W)) <= TOL["f32"]
+    emu.launched.clear()
+    o = gd.attention(q, k, v, gidx, W, D**-0.5, g, impl="simple")
+    assert emu.launched == ["daaf_simple_f32"]
+    assert _rel(o, reference_attention(q, k, v, g, W)) <= TOL["f32"]
 
 
 # --------------------------------------------------------------------------- Numba kernels under the CUDA simulator
@@ -328,7 +308,7 @@ def test_gpu_kernels_match_reference(rng, impl, elem, D):
         o = gd.attention(cp.asarray(hq), cp.asarray(hk), cp.asarray(hv), np.flatnonzero(g), W, None,
                          cp.asarray(g), impl=impl, storage=storage).get()
         of = bf16.from_bits(o) if elem == "bf16" else o.astype(np.float32)
-        err = _rel(of, gd.reference_attention(fq, fk, fv, g, W))
+        err = _rel(of, reference_attention(fq, fk, fv, g, W))
         assert err <= TOL[elem], f"T={T} W={W} spans={spans} p={p}: rel err {err:.3g} > {TOL[elem]}"
 
 

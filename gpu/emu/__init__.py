@@ -1,9 +1,10 @@
 """CPU emulation of the CUDA kernels in ``gpu/*.cu`` (tests only; see ``cuda_emu.h``).
 
-:class:`EmuRuntime` compiles the kernel sources with g++ against ``cuda_emu.h`` into a shared
-library and launches kernels by name expression with numpy arrays as device memory, so the very
-wrappers of :mod:`hpczeco.gpu.gla` run unchanged on a machine without a GPU (tiny shapes: every CUDA
-thread is an OS thread). bfloat16 arrays are ``uint16`` bit patterns here.
+:class:`EmuRuntime` compiles a kernel source with g++ after ``cuda_emu.h`` into a shared library and
+launches its kernels by name, with numpy arrays as device memory: it has the methods of
+:class:`hpczeco.gpu.runtime.CupyRuntime` the wrappers use, so :mod:`hpczeco.gpu.gla` and
+:mod:`hpczeco.gpu.daaf` run unchanged on a machine without a GPU once it is put in their runtime slot
+(tiny shapes: every CUDA thread is an OS thread). bfloat16 arrays are ``uint16`` bit patterns here.
 """
 
 from __future__ import annotations
@@ -14,12 +15,16 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 _HERE = Path(__file__).resolve().parent
+HEADER = _HERE / "cuda_emu.h"
+
+__all__ = ["EmuRuntime", "build", "compiler", "HEADER"]
 
 
 def compiler() -> str | None:
@@ -29,14 +34,14 @@ def compiler() -> str | None:
 def build(source: str, names: list[str], cache_dir: str | None = None) -> Path:
     """Compile ``source`` (kernels) plus a registry of ``names`` into a shared library; cached by hash."""
     reg = "\n".join(f'EMU_REGISTER("{n}", {n})' for n in names)
-    full = f'#include "{_HERE / "cuda_emu.h"}"\n{source}\n{reg}\nEMU_DEFINE_ENTRY\n'
-    digest = hashlib.sha256((full + (_HERE / "cuda_emu.h").read_text()).encode()).hexdigest()[:16]
+    full = f'#include "{HEADER}"\n{source}\n{reg}\nEMU_DEFINE_ENTRY\n'
+    digest = hashlib.sha256((full + HEADER.read_text()).encode()).hexdigest()[:16]
     out_dir = Path(cache_dir or os.path.join(tempfile.gettempdir(), "hpczeco-emu"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    lib = out_dir / f"gla_emu_{digest}.so"
+    lib = out_dir / f"kernels_emu_{digest}.so"
     if lib.exists():
         return lib
-    src = out_dir / f"gla_emu_{digest}.cpp"
+    src = out_dir / f"kernels_emu_{digest}.cpp"
     src.write_text(full)
     cxx = compiler()
     if cxx is None:
@@ -50,14 +55,35 @@ def build(source: str, names: list[str], cache_dir: str | None = None) -> Path:
     return lib
 
 
-class EmuRuntime:
-    """Drop-in for the CuPy runtime of :mod:`hpczeco.gpu.gla`: numpy arrays, kernels on the CPU."""
+def _c_arg(name: str, a: Any):
+    if a is None:
+        return ctypes.c_void_p(0)
+    if isinstance(a, np.ndarray):
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{name}: non-contiguous array argument")
+        return ctypes.c_void_p(a.ctypes.data)
+    if isinstance(a, np.int32):
+        return ctypes.c_int32(int(a))
+    if isinstance(a, np.float32):
+        return ctypes.c_float(float(a))
+    if isinstance(a, np.uint64):
+        return ctypes.c_uint64(int(a))
+    raise TypeError(f"{name}: unsupported kernel argument {type(a).__name__}")
 
-    xp = np
+
+class EmuRuntime:
+    """Drop-in for :class:`hpczeco.gpu.runtime.CupyRuntime`: numpy arrays, the kernels of ``source`` on the CPU.
+
+    ``names``: the kernel names (name expressions) to make launchable. ``launched`` records every launch.
+    """
+
+    xp: Any = np
 
     def __init__(self, source: str, names: list[str]):
         self.lib = ctypes.CDLL(str(build(source, names)))
         self.lib.emu_launch_by_name.restype = ctypes.c_int
+        self.names = set(names)
+        self.errors: dict[str, str] = {}
         self.launched: list[str] = []
 
     @staticmethod
@@ -68,27 +94,25 @@ class EmuRuntime:
     def ptr(x: np.ndarray) -> int:
         return int(x.ctypes.data)
 
-    def launch(self, name: str, grid, block, args, shared_mem: int = 0) -> None:
-        keep = []
-        for a in args:
-            if a is None:
-                keep.append(ctypes.c_void_p(0))
-            elif isinstance(a, np.ndarray):
-                if not a.flags.c_contiguous:
-                    raise ValueError(f"{name}: non-contiguous array argument")
-                keep.append(ctypes.c_void_p(a.ctypes.data))
-            elif isinstance(a, np.int32):
-                keep.append(ctypes.c_int32(int(a)))
-            elif isinstance(a, np.float32):
-                keep.append(ctypes.c_float(float(a)))
-            elif isinstance(a, np.uint64):
-                keep.append(ctypes.c_uint64(int(a)))
-            else:
-                raise TypeError(f"{name}: unsupported kernel argument {type(a).__name__}")
+    def available(self, file: str, group: str | None = None) -> bool:
+        """Every kernel of the build is there (one not built raises ``KeyError`` at launch)."""
+        return True
+
+    def bind(self, name: str, grid, block, args, shared_mem: int = 0) -> Callable[[], None]:
+        keep = [_c_arg(name, a) for a in args]
         arr = (ctypes.c_void_p * max(1, len(keep)))(*[ctypes.cast(ctypes.pointer(x), ctypes.c_void_p) for x in keep])
         g = tuple(int(x) for x in grid) + (1,) * (3 - len(grid))
         b = tuple(int(x) for x in block) + (1,) * (3 - len(block))
-        rc = self.lib.emu_launch_by_name(name.encode(), *g, *b, arr)
-        if rc != 0:
-            raise KeyError(f"kernel {name!r} is not in the emulation build")
-        self.launched.append(name)
+        smem = ctypes.c_ulonglong(int(shared_mem))
+        alive = (args, keep, arr)  # the arrays and ctypes values ``arr`` points to
+
+        def run() -> None:
+            rc = self.lib.emu_launch_by_name(name.encode(), *g, *b, smem, alive[2])
+            if rc != 0:
+                raise KeyError(f"kernel {name!r} is not in the emulation build")
+            self.launched.append(name)
+
+        return run
+
+    def launch(self, name: str, grid, block, args, shared_mem: int = 0) -> None:
+        self.bind(name, grid, block, args, shared_mem)()

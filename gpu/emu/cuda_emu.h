@@ -1,22 +1,41 @@
-// A minimal CPU emulation of the CUDA execution model, for testing the kernels in gpu/*.cu on a
-// machine without a GPU (tests/test_cuda_build.py). Every CUDA thread of a block is a std::thread;
-// __syncthreads() is a std::barrier over the block; blocks run one after another, so __shared__
-// arrays become function-local statics. Warp-collective helpers (the mma emulation) use a
-// per-warp barrier. It checks indexing and maths, not performance or races.
+// CPU emulation of the CUDA execution model and of the PTX instructions the kernels in gpu/*.cu use, to test
+// their indexing and arithmetic on a machine without a GPU. gpu/emu/__init__.py compiles a kernel source after
+// this header with g++ -std=c++20 and launches its kernels by name (tests/test_cuda_build.py,
+// tests/test_gpu_daaf.py). Kernel files test CUDA_EMU where they need the emulated form of a PTX helper.
+//
+// Every CUDA thread of a block is a std::thread; blocks run one after another, so __shared__ arrays become
+// function-local statics, and the dynamic shared memory is one buffer per launch (garbage on entry, as on the
+// GPU). __syncthreads() is a std::barrier over the block; warp collectives (__syncwarp, shuffles, ldmatrix,
+// mma.sync) exchange operands through a per-warp buffer between two per-warp barriers. The PTX helpers follow
+// the PTX ISA definitions literally:
+//   * ldmatrix .x4: lanes 8i..8i+7 give the row addresses of matrix i, register i of lane L holds
+//     row L/4, columns 2(L%4), 2(L%4)+1 of matrix i (.trans: rows 2(L%4), 2(L%4)+1 of column L/4);
+//   * mma.m16n8k16 (row.col): A element (r, c) sits in lane (r%8)*4 + (c%8)/2, register
+//     (r >= 8) + 2 (c >= 8), half c%2; B element (k, n) in lane n*4 + (k%8)/2, register k >= 8,
+//     half k%2; C/D element (r, n) in lane (r%8)*4 + n/2, register 2 (r >= 8) + n%2;
+//   * cp.async copies are deferred until the thread's cp.async.wait_group releases their group, so
+//     a read of shared memory before the wait (and barrier) sees stale data, as on the GPU.
+// It checks indexing and arithmetic, not performance; races between warps beyond that are not modelled.
 #pragma once
+#include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <algorithm>
+#include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <thread>
-#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
-#define GLA_EMU 1
+#define CUDA_EMU 1
+#define GLA_EMU 1  // the former name of CUDA_EMU, for kernel files written before the two emulators merged
+
 #define __global__
 #define __device__
 #define __host__
@@ -26,40 +45,218 @@
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 
+using std::max;
+using std::min;
+
+// ---------------------------------------------------------------- threads, blocks, warps
+
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
 };
 inline thread_local dim3 threadIdx, blockIdx;
 inline dim3 blockDim, gridDim;
+
+struct EmuWarp {
+  std::unique_ptr<std::barrier<>> bar;
+  uint32_t u[32][6];  // per lane: mma operands (a[4], b0, b1)
+  const void* p[32];  // per lane: ldmatrix row address
+  float f[32];        // per lane: shuffle value
+};
 inline std::barrier<>* emu_block_barrier = nullptr;
-inline std::vector<std::barrier<>*> emu_warp_barriers;
+inline std::vector<std::unique_ptr<EmuWarp>> emu_warps;  // of the running block
+
+inline unsigned emu_tid() { return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z); }
+inline int emu_lane() { return (int)(emu_tid() % 32); }
+inline EmuWarp& emu_warp() { return *emu_warps[emu_tid() / 32]; }
 
 inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
-inline void __syncwarp(unsigned = 0xffffffffu) {
-  unsigned tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
-  emu_warp_barriers[tid / 32]->arrive_and_wait();
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp().bar->arrive_and_wait(); }
+
+inline float __shfl_xor_sync(unsigned, float x, int lane_mask) {
+  EmuWarp& w = emu_warp();
+  const int l = emu_lane();
+  w.f[l] = x;
+  w.bar->arrive_and_wait();
+  const float y = w.f[l ^ lane_mask];
+  w.bar->arrive_and_wait();
+  return y;
 }
-using std::max;
-using std::min;
+
+inline int atomicMax(int* p, int v) {
+  std::atomic_ref<int> a(*p);
+  int old = a.load();
+  while (old < v && !a.compare_exchange_weak(old, v)) {
+  }
+  return old;
+}
+
+// ---------------------------------------------------------------- bit casts, intrinsics, 16-bit conversions
+
+inline float __uint_as_float(uint32_t x) {
+  float f;
+  std::memcpy(&f, &x, 4);
+  return f;
+}
+inline float __int_as_float(int x) {
+  float f;
+  std::memcpy(&f, &x, 4);
+  return f;
+}
+inline uint32_t __float_as_uint(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  return x;
+}
+inline float __expf(float x) { return expf(x); }
+inline float emu_ex2(float x) { return std::exp2(x); }  // ex2.approx.f32
+
+// cvt.f32.f16, cvt.rn.f16.f32, cvt.rn.bf16.f32 (round to nearest even; NaN stays a quiet NaN)
+inline float emu_f16_to_f32(uint16_t h) {
+  _Float16 x;
+  std::memcpy(&x, &h, 2);
+  return (float)x;
+}
+inline uint16_t emu_f32_to_f16(float f) {
+  const _Float16 x = (_Float16)f;
+  uint16_t h;
+  std::memcpy(&h, &x, 2);
+  return h;
+}
+inline uint16_t emu_f32_to_bf16(float f) {
+  uint32_t x = __float_as_uint(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return (uint16_t)(x >> 16);
+}
+// cvt.rn.{bf16x2,f16x2}.f32: two fp32 -> a packed 16-bit pair (lo in the low half)
+template <bool BF>
+inline uint32_t emu_pack2(float lo, float hi) {
+  const uint16_t a = BF ? emu_f32_to_bf16(lo) : emu_f32_to_f16(lo);
+  const uint16_t b = BF ? emu_f32_to_bf16(hi) : emu_f32_to_f16(hi);
+  return (uint32_t)a | ((uint32_t)b << 16);
+}
+
+// ---------------------------------------------------------------- shared memory and cp.async
+
+inline unsigned char* emu_smem_base = nullptr;  // the launch's dynamic shared memory
+inline unsigned char* emu_dynamic_smem() { return emu_smem_base; }
+// a shared-window address (cvta.to.shared) of a pointer into the dynamic shared memory
+inline uint32_t emu_smem_addr(const void* p) {
+  return (uint32_t)(reinterpret_cast<const unsigned char*>(p) - emu_smem_base);
+}
+
+struct EmuCopy {
+  unsigned char* dst;
+  const void* src;
+  int n;
+};
+inline thread_local std::vector<EmuCopy> emu_cp_open;                 // not yet committed
+inline thread_local std::deque<std::vector<EmuCopy>> emu_cp_groups;  // committed, pending
+// cp.async.cg.shared.global 16 bytes, src_bytes of them from src (the rest zero)
+inline void emu_cp_async16(void* dst, const void* src, int src_bytes) {
+  emu_cp_open.push_back({static_cast<unsigned char*>(dst), src, src_bytes});
+}
+inline void emu_cp_async_commit() {
+  emu_cp_groups.push_back(emu_cp_open);
+  emu_cp_open.clear();
+}
+inline void emu_cp_async_wait(int pending) {
+  while ((int)emu_cp_groups.size() > pending) {
+    for (const EmuCopy& c : emu_cp_groups.front()) {
+      std::memset(c.dst, 0, 16);
+      std::memcpy(c.dst, c.src, (size_t)c.n);
+    }
+    emu_cp_groups.pop_front();
+  }
+}
+
+// ---------------------------------------------------------------- ldmatrix and mma.sync
+
+inline uint16_t emu_ld16(const void* row, int col) {
+  uint16_t h;
+  std::memcpy(&h, static_cast<const unsigned char*>(row) + 2 * col, 2);
+  return h;
+}
+// ldmatrix.sync.aligned.m8n8.x4[.trans].b16: row = this lane's row address (16-bit elements)
+inline void emu_ldmatrix_x4(uint32_t* r, const void* row, bool trans) {
+  EmuWarp& w = emu_warp();
+  const int l = emu_lane();
+  w.p[l] = row;
+  w.bar->arrive_and_wait();
+  uint32_t out[4];
+  for (int i = 0; i < 4; ++i) {
+    uint16_t e0, e1;
+    if (!trans) {  // row l/4 of matrix i, columns 2(l%4), 2(l%4)+1
+      e0 = emu_ld16(w.p[8 * i + l / 4], 2 * (l % 4));
+      e1 = emu_ld16(w.p[8 * i + l / 4], 2 * (l % 4) + 1);
+    } else {  // column l/4 of matrix i, rows 2(l%4), 2(l%4)+1
+      e0 = emu_ld16(w.p[8 * i + 2 * (l % 4)], l / 4);
+      e1 = emu_ld16(w.p[8 * i + 2 * (l % 4) + 1], l / 4);
+    }
+    out[i] = (uint32_t)e0 | ((uint32_t)e1 << 16);
+  }
+  w.bar->arrive_and_wait();
+  for (int i = 0; i < 4; ++i) r[i] = out[i];
+}
+
+template <bool BF>
+inline float emu_half(uint32_t reg, int hi) {
+  const uint16_t h = (uint16_t)(hi ? reg >> 16 : reg & 0xffffu);
+  return BF ? __uint_as_float(((uint32_t)h) << 16) : emu_f16_to_f32(h);
+}
+// mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}: d[16x8] += a[16x16] b[16x8], fp32 accumulation
+template <bool BF>
+inline void emu_mma_m16n8k16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  EmuWarp& w = emu_warp();
+  const int l = emu_lane();
+  for (int i = 0; i < 4; ++i) w.u[l][i] = a[i];
+  w.u[l][4] = b0;
+  w.u[l][5] = b1;
+  w.bar->arrive_and_wait();
+  float A[16][16], B[16][8];
+  for (int r = 0; r < 16; ++r)
+    for (int c = 0; c < 16; ++c) A[r][c] = emu_half<BF>(w.u[(r % 8) * 4 + (c % 8) / 2][(r >= 8) + 2 * (c >= 8)], c % 2);
+  for (int k = 0; k < 16; ++k)
+    for (int n = 0; n < 8; ++n) B[k][n] = emu_half<BF>(w.u[n * 4 + (k % 8) / 2][4 + (k >= 8)], k % 2);
+  w.bar->arrive_and_wait();
+  const int g = l / 4, tig = l % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int r = g + 8 * (i >= 2), n = 2 * tig + (i % 2);
+    float acc = d[i];
+    for (int k = 0; k < 16; ++k) acc += A[r][k] * B[k][n];
+    d[i] = acc;
+  }
+}
+
+// ---------------------------------------------------------------- launch by name
 
 template <typename... A, std::size_t... I>
 void emu_call(void (*k)(A...), void** args, std::index_sequence<I...>) {
   k(*reinterpret_cast<std::remove_reference_t<A>*>(args[I])...);
 }
 
+struct alignas(128) EmuSmemLine {
+  unsigned char b[128];
+};
+
 template <typename... A>
-void emu_launch(void (*k)(A...), dim3 grid, dim3 block, void** args) {
+void emu_launch(void (*k)(A...), dim3 grid, dim3 block, std::size_t smem_bytes, void** args) {
   const unsigned nt = block.x * block.y * block.z;
+  std::vector<EmuSmemLine> smem((smem_bytes + 16 + 127) / 128);
+  std::memset(smem.data(), 0xA5, smem.size() * sizeof(EmuSmemLine));  // garbage, as on the GPU
+  emu_smem_base = smem.data()->b;
   blockDim = block;
   gridDim = grid;
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
         std::barrier<> bar((std::ptrdiff_t)nt);
-        std::vector<std::barrier<>*> wb;
-        for (unsigned w = 0; w < (nt + 31) / 32; ++w) wb.push_back(new std::barrier<>((std::ptrdiff_t)std::min(32u, nt - 32 * w)));
         emu_block_barrier = &bar;
-        emu_warp_barriers = wb;
+        emu_warps.clear();
+        for (unsigned w = 0; w < (nt + 31) / 32; ++w) {
+          emu_warps.push_back(std::make_unique<EmuWarp>());
+          emu_warps.back()->bar = std::make_unique<std::barrier<>>((std::ptrdiff_t)std::min(32u, nt - 32 * w));
+        }
         std::vector<std::thread> th;
         th.reserve(nt);
         for (unsigned t = 0; t < nt; ++t)
@@ -69,40 +266,33 @@ void emu_launch(void (*k)(A...), dim3 grid, dim3 block, void** args) {
             emu_call(k, args, std::index_sequence_for<A...>{});
           });
         for (auto& x : th) x.join();
-        for (auto* p : wb) delete p;
       }
+  emu_warps.clear();
+  emu_smem_base = nullptr;
 }
 
-inline std::map<std::string, std::function<void(dim3, dim3, void**)>>& emu_registry() {
-  static std::map<std::string, std::function<void(dim3, dim3, void**)>> r;
+using EmuKernel = std::function<void(dim3, dim3, std::size_t, void**)>;
+inline std::map<std::string, EmuKernel>& emu_registry() {
+  static std::map<std::string, EmuKernel> r;
   return r;
 }
 struct EmuReg {
   template <typename... A>
   EmuReg(const char* name, void (*k)(A...)) {
-    emu_registry()[name] = [k](dim3 g, dim3 b, void** a) { emu_launch(k, g, b, a); };
+    emu_registry()[name] = [k](dim3 g, dim3 b, std::size_t s, void** a) { emu_launch(k, g, b, s, a); };
   }
 };
 #define EMU_CAT2(a, b) a##b
 #define EMU_CAT(a, b) EMU_CAT2(a, b)
+// EMU_REGISTER("name expression", kernel): launchable by that name through emu_launch_by_name
 #define EMU_REGISTER(name, ...) static EmuReg EMU_CAT(emu_reg_, __COUNTER__)(name, __VA_ARGS__);
 
-extern "C" int emu_launch_by_name(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                                  unsigned bz, void** args);
-#define EMU_DEFINE_ENTRY                                                                                   \
-  extern "C" int emu_launch_by_name(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx, \
-                                    unsigned by, unsigned bz, void** args) {                              \
-    auto it = emu_registry().find(name);                                                                   \
-    if (it == emu_registry().end()) return 1;                                                              \
-    it->second(dim3{gx, gy, gz}, dim3{bx, by, bz}, args);                                                  \
-    return 0;                                                                                              \
+// the library's entry point (one translation unit per build): 0, or 1 for a name that is not registered
+#define EMU_DEFINE_ENTRY                                                                                        \
+  extern "C" int emu_launch_by_name(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx,      \
+                                    unsigned by, unsigned bz, unsigned long long smem_bytes, void** args) {    \
+    auto it = emu_registry().find(name);                                                                        \
+    if (it == emu_registry().end()) return 1;                                                                   \
+    it->second(dim3{gx, gy, gz}, dim3{bx, by, bz}, (std::size_t)smem_bytes, args);                              \
+    return 0;                                                                                                   \
   }
-
-#include <atomic>
-inline int atomicMax(int* p, int v) {
-  std::atomic_ref<int> a(*p);
-  int old = a.load();
-  while (old < v && !a.compare_exchange_weak(old, v)) {
-  }
-  return old;
-}

@@ -1,6 +1,8 @@
-"""A numpy-backed stand-in for CuPy, only for dry runs of drivers/gpu_suite.py on a machine without a GPU
-(see gpu/emu/dryrun.py): arrays are numpy arrays with ``.get()``, ``.data.ptr`` and a host
-``__cuda_array_interface__``; streams and events are no-ops; pinned memory is a bytearray. Not a CuPy."""
+"""A numpy-backed stand-in for CuPy, for dry runs of GPU driver code on a machine without a GPU: put this
+folder first on ``sys.path`` (in a subprocess of its own: it shadows CuPy) and an
+``hpczeco.gpu.emu.EmuRuntime`` with ``xp`` set to this module in the wrappers' runtime slots. Arrays are
+numpy arrays with ``.get()``, ``.data.ptr`` and a host ``__cuda_array_interface__``; streams and events
+are no-ops; pinned memory is a bytearray. Not a CuPy."""
 
 import ctypes
 import time

@@ -1,0 +1,217 @@
+"""What the host side of the GPU GLA (:mod:`hpczeco.gpu.gla`, ``gla_tc``, ``gla_zeco``) shares.
+
+The kernel registry of ``gla_kernels.cu``, ``gla_tc.cu`` and ``gla_zeco.cu`` (name expressions, and the
+input-type group each compiles in) and its runtime slot; the argument checks; the simt launches every
+pass uses: the scan over chunk states (``gla_state_scan``), cumulative sums along T (``seg_*``), and the
+exclusive prefix / suffix decays of chunk totals. Layouts: ``[B, T, H, K]`` inputs, chunk states
+``[B*H, NT, K, V]`` and chunk decay totals ``[B*H, NT, K]`` float32. Nothing here talks MPI.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+
+from .runtime import KernelSet, RuntimeSlot
+from .runtime import kernel_source as _source
+
+NT_SIMT = 256  # threads per block of the simt kernels (GLA_NT in gla_kernels.cu)
+KERNEL_FILES = ("gla_kernels.cu", "gla_tc.cu", "gla_zeco.cu")
+_TYPES = {"float32": "float", "float16": "f16", "bfloat16": "bf16", "uint16": "bf16"}
+
+i32 = np.int32
+f32 = np.float32
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+
+def _file_kernel_names(file: str) -> list[str]:
+    names: dict[str, list[str]] = {"gla_kernels.cu": ["gla_state_scan", "seg_carry"], "gla_tc.cu": []}
+    names["gla_zeco.cu"] = []
+    for t in ("float", "bf16", "f16"):
+        names["gla_kernels.cu"] += [
+            f"gla_chunk_outer<{t}>",
+            f"gla_chunk_output<{t}>",
+            f"gla_bwd_scores<{t}>",
+            f"gla_bwd_dqdk<{t}>",
+            f"gla_bwd_dv<{t}>",
+            f"seg_chunk_sum<{t}>",
+            f"gla_state_correction<{t}>",
+            f"seg_finish<{t}, float>",
+        ]
+        if t != "float":
+            names["gla_kernels.cu"].append(f"seg_finish<float, {t}>")
+    for t in ("bf16", "f16"):
+        names["gla_tc.cu"] += [f"gla_tc_seg_state<{t}, true>", f"gla_tc_seg_state<{t}, false>"]
+        names["gla_tc.cu"].append(f"gla_tc_chunk_outer<{t}>")
+        for lds, pf in (("true", "true"), ("true", "false"), ("false", "false")):
+            names["gla_tc.cu"].append(f"gla_tc_seg_output<{t}, {lds}, {pf}>")
+        names["gla_zeco.cu"] += [f"zeco_tc_correction<{t}>", f"zeco_tc_qT_do<{t}>"]
+    return names[file]
+
+
+def kernel_group(name: str) -> str:
+    """The input type a kernel name expression is instantiated for: "bf16", "f16", "float" or "common"."""
+    lt = name.find("<")
+    if lt < 0:
+        return "common"
+    args = [a.strip() for a in name[lt + 1 : name.rfind(">")].split(",")]
+    for a in args:
+        if a in ("bf16", "f16"):
+            return a
+    return "common" if name.startswith("seg_") else "float"  # small fp32 sums serve every input type
+
+
+#: the GLA kernels: one NVRTC module per file and input type (a bf16 run never compiles the fp32/fp16 ones)
+KERNELS = KernelSet(
+    label="hpczeco.gpu.gla",
+    files=KERNEL_FILES,
+    names=_file_kernel_names,
+    options=("-std=c++17", "--use_fast_math"),
+    group=kernel_group,
+)
+_SLOT = RuntimeSlot(KERNELS)
+
+
+def kernel_names(file: str | None = None) -> list[str]:
+    """Kernel name expressions (template instantiations) of ``file`` (a ``gpu/*.cu`` name), or of all files."""
+    return KERNELS.kernel_names(file)
+
+
+def kernel_source(files: tuple[str, ...] | None = None) -> str:
+    """Kernel sources as one translation unit: local ``#include "..."`` inlined once each (no include paths)."""
+    return _source(files or KERNEL_FILES)
+
+
+def runtime() -> Any:
+    """The runtime the GLA wrappers launch on (CuPy unless a test has set another)."""
+    return _SLOT.get()
+
+
+def set_runtime(rt: Any) -> Any:
+    """Testing hook: run the wrappers on another runtime (e.g. the CPU emulation); returns the old one."""
+    return _SLOT.set(rt)
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def type_of(name: str, x: Any) -> str:
+    """The kernels' element type ("float", "f16", "bf16") of ``x``; ``TypeError`` for any other dtype."""
+    dt = str(x.dtype)
+    if dt not in _TYPES:
+        raise TypeError(
+            f"{name} has dtype {dt}; the GPU GLA takes float32, float16 or bfloat16 "
+            "(or uint16 raw bfloat16 bits); use the CPU path (numpy) for float64"
+        )
+    return _TYPES[dt]
+
+
+def check_inputs(q, k, v, g, do=None, h0=None, dht=None, rt=None):
+    """Check device, rank, shapes and dtypes; ``(B, T, H, K, V, element type)``."""
+    rt = rt or runtime()
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("do", do), ("initial_state", h0), ("dht", dht)):
+        if x is not None and not rt.is_native(x):
+            raise TypeError(f"{name} must be a device (CuPy) array, got {type(x).__name__}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("do", do)):
+        if x is not None and x.ndim != 4:
+            raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(x.shape)}")
+    B, T, H, K = (int(s) for s in q.shape)
+    V = int(v.shape[3])
+    expected = (("k", k, (B, T, H, K)), ("g", g, (B, T, H, K)), ("v", v, (B, T, H, V)), ("do", do, (B, T, H, V)))
+    for name, x, shp in expected:
+        if x is not None and tuple(x.shape) != shp:
+            raise ValueError(f"{name} has shape {list(x.shape)}, expected {list(shp)}")
+    for name, x in (("initial_state", h0), ("dht", dht)):
+        if x is not None and tuple(x.shape) != (B, H, K, V):
+            raise ValueError(f"{name} has shape {list(x.shape)}, expected {[B, H, K, V]}")
+    t = type_of("q", q)
+    for name, x in (("k", k), ("v", v), ("g", g), ("do", do)):
+        if x is not None and str(x.dtype) != str(q.dtype):
+            raise TypeError(f"{name} has dtype {x.dtype}, expected {q.dtype} (the dtype of q)")
+    if K < 1 or V < 1:
+        raise ValueError(f"K and V must be >= 1, got K={K}, V={V}")
+    return B, T, H, K, V, t
+
+
+def contig(x, rt):
+    return None if x is None else rt.xp.ascontiguousarray(x)
+
+
+def state32(x, rt):
+    return None if x is None else rt.xp.ascontiguousarray(x, dtype=rt.xp.float32)
+
+
+def check_chunk(chunk_size: int) -> int:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
+        raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
+    if not 1 <= int(chunk_size) <= 64:
+        raise ValueError(f"chunk_size must be in [1, 64] on the GPU, got {chunk_size}")
+    return int(chunk_size)
+
+
+def default_scale(scale, K: int) -> float:
+    return float(K) ** -0.5 if scale is None else float(scale)
+
+
+def tc_applies(t: str, K: int, V: int, C: int) -> bool:
+    """The tensor-core forward applies: 16-bit inputs, K and V multiples of 16 up to 128, chunk 64."""
+    return t in ("bf16", "f16") and K % 16 == 0 and V % 16 == 0 and K <= 128 and V <= 128 and C == 64
+
+
+# ---------------------------------------------------------------------------------------------- simt passes
+
+
+def state_scan(rt, st, gtot, init, NT, K, V, BH, reverse: bool):
+    """In place over chunks of ``st [BH, NT, K, V]`` (local -> incoming states, or reverse: gradients into the
+    chunk ends); returns the final state ``[BH, K, V]`` fp32."""
+    xp = rt.xp
+    fin = xp.empty((BH, K, V), dtype=xp.float32)
+    rt.launch(
+        "gla_state_scan", (-(-K * V // NT_SIMT), BH), (NT_SIMT,),
+        (st, gtot, init, fin, i32(NT), i32(K), i32(V), i32(1 if reverse else 0)),
+    )  # fmt: skip
+    return fin
+
+
+def cumsum_T(rt, x, tin: str, tout: str, out_dtype, B, T, H, K, C, reverse: bool, base=None):
+    """Inclusive (reverse: suffix) cumulative sum of ``x [B, T, H, K]`` along T, plus ``base [B*H, K]``."""
+    xp = rt.xp
+    NT = -(-T // C)
+    ctot = xp.empty((B * H, NT, K), dtype=xp.float32)
+    rt.launch(
+        f"seg_chunk_sum<{tin}>", (NT, B * H), (NT_SIMT,), (x, ctot, i32(B), i32(T), i32(H), i32(K), i32(C), i32(NT))
+    )
+    rt.launch(
+        "seg_carry", (-(-B * H * K // NT_SIMT),), (NT_SIMT,),
+        (ctot, base, i32(B * H), i32(K), i32(NT), i32(1 if reverse else 0)),
+    )  # fmt: skip
+    out = xp.empty((B, T, H, K), dtype=out_dtype)
+    rt.launch(
+        f"seg_finish<{tin}, {tout}>", (NT, B * H), (NT_SIMT,),
+        (x, ctot, out, i32(B), i32(T), i32(H), i32(K), i32(C), i32(NT), i32(1 if reverse else 0)),
+    )  # fmt: skip
+    return out
+
+
+def prefix_suffix(xp, gtot):
+    """Per chunk (or segment) c of ``gtot [BH, N, K]`` (its total log decay): the log decay before c
+    (exclusive prefix), after c (exclusive suffix) and over everything ``[BH, K]``; all fp32, <= 0."""
+    inc = xp.cumsum(gtot, axis=1)
+    zero = xp.zeros_like(gtot[:, :1])
+    pre = xp.ascontiguousarray(xp.concatenate([zero, inc[:, :-1]], axis=1), dtype=xp.float32)
+    rinc = xp.flip(xp.cumsum(xp.flip(gtot, axis=1), axis=1), axis=1)
+    suf = xp.ascontiguousarray(xp.concatenate([rinc[:, 1:], zero], axis=1), dtype=xp.float32)
+    return pre, suf, xp.ascontiguousarray(inc[:, -1], dtype=xp.float32)
