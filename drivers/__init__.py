@@ -1,1 +1,2 @@
-"""Long-running programs: training and prefill loops, benchmarks, HDF5 checkpointing."""
+"""Long-running programs and the `hpczeco` command line: training and prefill loops, benchmarks, HDF5
+checkpointing."""

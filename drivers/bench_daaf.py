@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .benchkit import Stopwatch, cpu_model
+
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
@@ -71,15 +73,8 @@ def _ints(s: str) -> list[int]:
 
 
 def _machine() -> dict:
-    info = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    info = {"python": platform.python_version(), "platform": platform.platform(), "cpus": os.cpu_count(),
+            "cpu": cpu_model()}
     info["date_utc"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     info["blas_threads_env"] = {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
     try:
@@ -139,12 +134,12 @@ def bench_length(T: int, args, model, log) -> dict:
     _, is_src, text = mixed_tokens(T, args.source_share, args.segment, args.seed)
 
     def ttft(dense: bool):
-        t0, c0 = time.perf_counter(), time.process_time()
-        tok = tokenize(text)
-        p = None if dense else plan(tok, window=args.window, threshold=args.threshold,
-                                    local_window=args.local_window)
-        res = model.prefill(tok, "dense" if dense else "daaf", p, keep_hidden=True)
-        return time.perf_counter() - t0, time.process_time() - c0, res, p, tok
+        with Stopwatch() as sw:
+            tok = tokenize(text)
+            p = None if dense else plan(tok, window=args.window, threshold=args.threshold,
+                                        local_window=args.local_window)
+            res = model.prefill(tok, "dense" if dense else "daaf", p, keep_hidden=True)
+        return sw.wall, sw.cpu, res, p, tok
 
     runs = {"daaf": [], "dense": []}
     last = {}
@@ -231,13 +226,13 @@ def serve_sim(args, model, log) -> dict:
     reqs = make_requests(args, rng)
     for r in reqs:  # measured prefill costs (one run each, after the warm-up): CPU seconds of this process,
         for path in ("daaf", "dense"):  # which other jobs on a shared machine inflate less than wall time
-            t0, c0 = time.perf_counter(), time.process_time()
-            tok = tokenize(r["text"])
-            p = None if path == "dense" else plan(tok, window=args.window, threshold=args.threshold,
-                                                  local_window=args.local_window, policy="budget")
-            model.prefill(tok, path, p)
-            r[f"wall_{path}"] = time.perf_counter() - t0
-            r[f"cost_{path}"] = time.process_time() - c0
+            with Stopwatch() as sw:
+                tok = tokenize(r["text"])
+                p = None if path == "dense" else plan(tok, window=args.window, threshold=args.threshold,
+                                                      local_window=args.local_window, policy="budget")
+                model.prefill(tok, path, p)
+            r[f"wall_{path}"] = sw.wall
+            r[f"cost_{path}"] = sw.cpu
     log(f"  measured {len(reqs)} request costs: DAAF total {sum(r['cost_daaf'] for r in reqs):.2f} s, "
         f"dense total {sum(r['cost_dense'] for r in reqs):.2f} s")
     horizon = sum(r["cost_daaf"] for r in reqs) / args.workers

@@ -31,10 +31,11 @@ import datetime as _dt
 import json
 import os
 import platform
-import time
 from pathlib import Path
 
 import numpy as np
+
+from .benchkit import Stopwatch, cpu_model
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -64,17 +65,6 @@ def flops_forward(B: int, T: int, H: int, K: int, V: int, C: int) -> float:
 def flops_backward(B: int, T: int, H: int, K: int, V: int, C: int) -> float:
     """Nominal backward FLOPs: 2 B H T (3 C K + 2 C V + 5 K V)."""
     return 2.0 * B * H * T * (3 * C * K + 2 * C * V + 5 * K * V)
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _gates(rng, shape, kind: str, dt) -> np.ndarray:
@@ -119,12 +109,11 @@ def run(args) -> dict:
     cpu: dict[str, list[float]] = {n: [] for n in cases}
     for it in range(args.warmup + args.repeats):
         for name, fn in cases.items():
-            c0, t0 = time.process_time(), time.perf_counter()
-            fn()
-            t1, c1 = time.perf_counter(), time.process_time()
+            with Stopwatch() as sw:
+                fn()
             if it >= args.warmup:
-                times[name].append(t1 - t0)
-                cpu[name].append(c1 - c0)
+                times[name].append(sw.wall)
+                cpu[name].append(sw.cpu)
     load_after = os.getloadavg()
 
     ff = flops_forward(B, T, H, K, V, C)
@@ -162,7 +151,7 @@ def run(args) -> dict:
         r["fraction_of_peak_per_cpu_s"] = (r["gflop_per_cpu_s"] / peak_cpu) if peak_cpu else None
     return {
         "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
                     "numpy": np.__version__, "load_before": load_before, "load_after": load_after},  # fmt: skip
         "config": {"B": B, "T": T, "H": H, "K": K, "V": V, "chunk_size": C, "dtype": str(dt), "gates": args.gates,
                    "threads": _num_threads(B * H), "repeats": args.repeats, "warmup": args.warmup},  # fmt: skip

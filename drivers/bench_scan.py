@@ -95,6 +95,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 def machine_info() -> dict[str, Any]:
     from mpi4py import MPI
 
+    from .benchkit import cpu_model
+
     info: dict[str, Any] = {
         "host": socket.gethostname(),
         "python": platform.python_version(),
@@ -102,15 +104,8 @@ def machine_info() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "mpi": MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0],
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu_model(),
     }
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu"] = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     return info
 
 

@@ -124,8 +124,10 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench zeco") -> int
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    from .benchkit import cpu_model
+
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": platform.node(),
-            "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "machine": cpu_model(), "cpus": os.cpu_count(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "args": vars(args)}
     (out / f"zeco_P{P}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     with open(out / f"zeco_P{P}.csv", "w", newline="") as fh:

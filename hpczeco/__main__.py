@@ -1,5 +1,13 @@
+"""``python -m hpczeco``: runs the ``hpczeco`` command line, :mod:`hpczeco.drivers.cli`.
+
+Python starts ``python -m PACKAGE`` from ``PACKAGE/__main__.py``, so this launcher has to sit inside
+the package, while the command line itself is a driver (the top layer). It is a program entry point,
+not a module of the library: nothing imports it, so the import below is no dependency of ``hpczeco``
+on its drivers.
+"""
+
 import sys
 
-from .cli import main
+from hpczeco.drivers.cli import main
 
 sys.exit(main())

@@ -21,6 +21,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from helpers import gla_inputs, rel
 from hpczeco.base import bf16
 from hpczeco.gpu import build as gbuild
 from hpczeco.gpu import emu as gemu
@@ -31,13 +32,6 @@ from hpczeco.gla import recurrent_gla, recurrent_gla_bwd
 
 NVCC = gbuild.nvcc_path()
 CXX = gemu.compiler()
-
-
-def rel(a, b) -> float:
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    assert np.isfinite(a).all(), "non-finite values in the result"
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
 @pytest.fixture(scope="module")
@@ -70,18 +64,9 @@ def test_nvcc_compiles(nvcc_jobs, name):
             assert k.spill_stores <= 64, f"{k.name}: {k.spill_stores} bytes of spill stores"
 
 
-def _inputs(rng, B, T, H, K, V, strong=False):
-    f = lambda *s: rng.standard_normal(s).astype(np.float32)
-    q, k, v, do = f(B, T, H, K), f(B, T, H, K), f(B, T, H, V), f(B, T, H, V)
-    g = -rng.uniform(0.0, 0.4, (B, T, H, K))
-    if strong:  # g down to -8 per token on half the entries
-        g = np.where(rng.uniform(size=g.shape) < 0.5, -rng.uniform(4.0, 8.0, g.shape), g)
-    return q, k, v, g.astype(np.float32), do, f(B, H, K, V), f(B, H, K, V)
-
-
 def test_emulated_simt_forward_backward(emu_rt, rng):
     B, T, H, K, V, C = 1, 70, 2, 40, 24, 32
-    q, k, v, g, do, h0, dht = _inputs(rng, B, T, H, K, V, strong=True)
+    q, k, v, g, do, h0, dht = gla_inputs(rng, B, T, H, K, V, strong=True)
     o, ht = ggla.chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True, chunk_size=C)
     f64 = lambda *xs: [x.astype(np.float64) for x in xs]
     ro, rht = recurrent_gla(*f64(q, k, v, g), initial_state=h0.astype(np.float64), output_final_state=True)
@@ -93,7 +78,7 @@ def test_emulated_simt_forward_backward(emu_rt, rng):
         assert rel(a, b) < 1e-5, f"{name}: rel err {rel(a, b):.2e}"
     # no initial state, no dht, bf16 (uint16 bits), chunk 64 with a partial chunk
     T = 67
-    q, k, v, g, do, _, _ = _inputs(rng, B, T, 1, 36, 20)
+    q, k, v, g, do, _, _ = gla_inputs(rng, B, T, 1, 36, 20)
     Q, Kk, Vv, G, DO = (bf16.to_bits(x) for x in (q, k, v, g, do))
     q, k, v, g, do = (bf16.from_bits(x) for x in (Q, Kk, Vv, G, DO))
     o, _ = ggla.chunk_gla(Q, Kk, Vv, G, impl="simt")
@@ -113,7 +98,7 @@ def test_emulated_simt_forward_backward(emu_rt, rng):
 )
 def test_emulated_tensor_core_forward(emu_rt, rng, variant, strong, monkeypatch):
     B, T, H, K, V = 1, 150, 1, 32, 48
-    q, k, v, g, _, h0, _ = _inputs(rng, B, T, H, K, V, strong=strong)
+    q, k, v, g, _, h0, _ = gla_inputs(rng, B, T, H, K, V, strong=strong)
     Q, Kk, Vv, G = (bf16.to_bits(x) for x in (q, k, v, g))
     q, k, v, g = (bf16.from_bits(x) for x in (Q, Kk, Vv, G))
     monkeypatch.setenv("HPCZECO_TC_NC", "2")  # 3 chunks -> 2 segments: the segment scan is exercised
@@ -130,7 +115,7 @@ def test_emulated_tensor_core_forward(emu_rt, rng, variant, strong, monkeypatch)
 
 def test_emulated_zeco_pieces(emu_rt, rng):
     B, T, H, K, V = 1, 50, 2, 20, 12
-    q, _, _, g, do, S, _ = _inputs(rng, B, T, H, K, V)
+    q, _, _, g, do, S, _ = gla_inputs(rng, B, T, H, K, V)
     G = ggla.decay_cumsum(g, chunk_size=16)
     G64 = np.cumsum(g.astype(np.float64), axis=1)
     assert rel(G, G64) < 1e-6
@@ -148,7 +133,7 @@ def test_emulated_zeco_pieces(emu_rt, rng):
 
 def test_emulated_zeco_tensor_core_pieces(emu_rt, rng, monkeypatch):
     B, T, H, K, V = 1, 200, 2, 32, 48
-    q, _, _, g, do, S, _ = _inputs(rng, B, T, H, K, V)
+    q, _, _, g, do, S, _ = gla_inputs(rng, B, T, H, K, V)
     Q, Gb, DO = (bf16.to_bits(x) for x in (q, g, do))
     q, g, do = (bf16.from_bits(x).astype(np.float64) for x in (Q, Gb, DO))
     G64 = np.cumsum(g, axis=1)
@@ -170,7 +155,7 @@ def test_emulated_zeco_tensor_core_pieces(emu_rt, rng, monkeypatch):
 def test_emulated_prepare_finish_compose_like_zeco(emu_rt, rng):
     """Two slices run as ZeCO ranks would (prepare, pass the pair, finish) equal one pass over the whole."""
     B, T, H, K, V = 1, 100, 2, 24, 16
-    q, k, v, g, do, h0, dht = _inputs(rng, B, T, H, K, V, strong=True)
+    q, k, v, g, do, h0, dht = gla_inputs(rng, B, T, H, K, V, strong=True)
     f64 = [x.astype(np.float64) for x in (q, k, v, g, do, h0, dht)]
     ro, rht = recurrent_gla(*f64[:4], initial_state=f64[5], output_final_state=True)
     ref = recurrent_gla_bwd(*f64[:5], initial_state=f64[5], dht=f64[6])
@@ -274,7 +259,7 @@ def test_kernel_groups_split_compilation_by_input_type():
 
 def test_emulated_tensor_core_state_pass_opt_in(emu_rt, rng, monkeypatch):
     B, T, H, K, V = 1, 150, 2, 32, 48
-    q, k, v, g, do, h0, dht = _inputs(rng, B, T, H, K, V)
+    q, k, v, g, do, h0, dht = gla_inputs(rng, B, T, H, K, V)
     bits = [bf16.to_bits(x) for x in (q, k, v, g, do)]
     xs = [bf16.from_bits(x).astype(np.float64) for x in bits]
     monkeypatch.setenv("HPCZECO_TC_STATES", "1")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import agree_on_error, rel_max
 from hpczeco.collectives.scan import TOPOLOGIES, fold_reference, scan
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -26,20 +27,6 @@ def lockstep(max_examples: int) -> settings:
 
 def _world() -> MPI.Comm:
     return MPI.COMM_WORLD
-
-
-def _agree(comm: MPI.Comm, err: BaseException | None) -> None:
-    """Raise the first rank's error on every rank (keeps hypothesis in step across ranks)."""
-    errs = comm.allgather(None if err is None else f"rank {comm.Get_rank()}: {type(err).__name__}: {err}")
-    bad = [e for e in errs if e]
-    if bad:
-        raise AssertionError("; ".join(bad))
-
-
-def _rel_err(got, ref) -> float:
-    ref = np.asarray(ref, dtype=np.float64)
-    return float(np.max(np.abs(np.asarray(got, dtype=np.float64) - ref), initial=0.0)) / max(
-        float(np.max(np.abs(ref), initial=0.0)), 1e-30)
 
 
 # --------------------------------------------------------------------------------------------- scan
@@ -85,10 +72,10 @@ def test_fuzz_scan_matches_fold_reference(case):
         ref = fold_reference(pairs, None if init is None else init.astype(np.float64))[order.index(rank)]
         assert got.shape == S_all[rank].shape and got.dtype == dt, (got.shape, got.dtype)
         tol = 1e-12 if dt == np.float64 else 2e-5
-        assert _rel_err(got, ref) <= tol * P, f"{case}: error {_rel_err(got, ref):.3g}"
+        assert rel_max(got, ref) <= tol * P, f"{case}: error {rel_max(got, ref):.3g}"
     except Exception as exc:  # noqa: BLE001 - agreed below
         err = exc
-    _agree(comm, err)
+    agree_on_error(comm, err)
 
 
 @pytest.mark.mpi
@@ -134,7 +121,7 @@ def test_fuzz_scan_bad_input_raises_on_every_rank(kind, bad_rank, topology):
             scan(a, S, comm, **kw)
     except BaseException as exc:  # noqa: BLE001 - pytest's Failed is a BaseException
         err = exc
-    _agree(comm, err)
+    agree_on_error(comm, err)
 
 
 # --------------------------------------------------------------------------------------------- GLA kernels
@@ -182,13 +169,13 @@ def test_fuzz_chunk_gla_matches_recurrent_reference(case):
     assert o.shape == (B, T, H, V) and o.dtype == dt and s.shape == (B, H, K, V)
     assert np.all(np.isfinite(o)) and np.all(np.isfinite(s))
     tol = 1e-10 if dt == np.float64 else 3e-4
-    assert _rel_err(o, o_ref) <= tol, f"o: {_rel_err(o, o_ref):.3g}"
-    assert _rel_err(s, s_ref) <= tol, f"final state: {_rel_err(s, s_ref):.3g}"
+    assert rel_max(o, o_ref) <= tol, f"o: {rel_max(o, o_ref):.3g}"
+    assert rel_max(s, s_ref) <= tol, f"final state: {rel_max(s, s_ref):.3g}"
     ref = recurrent_gla_bwd(f64(q), f64(k), f64(v), f64(g), f64(do), initial_state=f64(h0), dht=f64(dht))
     got = chunk_gla_bwd(q, k, v, g, do, initial_state=h0, dht=dht, chunk_size=case["chunk"])
     for name, x, r in zip(("dq", "dk", "dv", "dg", "dh0"), got, ref):
         assert x.shape == r.shape and np.all(np.isfinite(x)), name
-        assert _rel_err(x, r) <= 10 * tol, f"{name}: {_rel_err(x, r):.3g}"
+        assert rel_max(x, r) <= 10 * tol, f"{name}: {rel_max(x, r):.3g}"
 
 
 @settings(max_examples=15, deadline=None, database=None)
@@ -262,14 +249,14 @@ def test_fuzz_zeco_random_slices_match_one_process(case):
         for name, x, r in zip(("o", "dq", "dk", "dv", "dg"), (o, dq, dk, dv, dg), (o_ref, *grads_ref[:4])):
             full = np.concatenate(comm.allgather(np.asarray(x)), axis=1)  # the slices assembled over ranks
             assert full.shape == r.shape, (name, full.shape, r.shape)
-            assert _rel_err(full, r) <= 1e-9, f"{name}: {_rel_err(full, r):.3g} (bounds {bounds.tolist()})"
+            assert rel_max(full, r) <= 1e-9, f"{name}: {rel_max(full, r):.3g} (bounds {bounds.tolist()})"
         if rank == P - 1:
-            assert _rel_err(layer.final_state, s_ref) <= 1e-9, "final state"
+            assert rel_max(layer.final_state, s_ref) <= 1e-9, "final state"
         if rank == 0:
-            assert _rel_err(dh0, grads_ref[4]) <= 1e-9, "dh0"
+            assert rel_max(dh0, grads_ref[4]) <= 1e-9, "dh0"
     except Exception as exc:  # noqa: BLE001 - agreed below
         err = exc
-    _agree(comm, err)
+    agree_on_error(comm, err)
 
 
 # --------------------------------------------------------------------------------------------- DAAF
@@ -336,9 +323,9 @@ def test_fuzz_daaf_plan_invariants_and_attention(case):
         v = rng.standard_normal((1, T, H, Dv))
         o = attention(q, k, v, p)
         ref = attention_reference(q, k, v, p)
-        assert o.shape == ref.shape and _rel_err(o, ref) <= 1e-10, _rel_err(o, ref)
+        assert o.shape == ref.shape and rel_max(o, ref) <= 1e-10, rel_max(o, ref)
         o32 = attention(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), p)
-        assert o32.dtype == np.float32 and _rel_err(o32, ref) <= 1e-4
+        assert o32.dtype == np.float32 and rel_max(o32, ref) <= 1e-4
 
 
 @settings(max_examples=12, deadline=None, database=None)

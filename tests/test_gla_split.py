@@ -8,6 +8,7 @@ import threading
 
 import numpy as np
 import pytest
+from helpers import log_gates, rel
 
 import hpczeco.gla.chunk as chunk_mod
 import hpczeco.gla.split as split_mod
@@ -19,32 +20,13 @@ pytestmark = pytest.mark.filterwarnings("error")  # no overflow/invalid RuntimeW
 TOL = {np.float64: 1e-10, np.float32: 1e-4}
 
 
-def rel(x, ref) -> float:
-    """Relative norm error ``||x - ref|| / ||ref||`` (absolute when ``ref`` is zero)."""
-    ref = np.asarray(ref, dtype=np.float64)
-    den = np.linalg.norm(ref)
-    err = np.linalg.norm(np.asarray(x, dtype=np.float64) - ref)
-    return float(err / den) if den > 0 else float(err)
-
-
-def gates(rng, shape, kind: str) -> np.ndarray:
-    """Log forget gates (<= 0): strong (~ -8 per token), weak (~ -1e-3), mixed per token, or logsigmoid."""
-    if kind == "strong":
-        return -8.0 * (0.5 + 0.5 * rng.random(shape))
-    if kind == "weak":
-        return -1e-3 * rng.random(shape)
-    if kind == "mixed":
-        return np.where(rng.random(shape) < 0.3, -8.0 * rng.random(shape), -1e-2 * rng.random(shape))
-    return -np.logaddexp(0.0, -rng.standard_normal(shape))
-
-
 def make(rng, B, T, H, K, V, kind, dt):
     """Inputs in dtype ``dt``: q, k, v, g, do and two states (S_in / initial_state, dht)."""
     d = dict(
         q=rng.standard_normal((B, T, H, K)),
         k=rng.standard_normal((B, T, H, K)),
         v=rng.standard_normal((B, T, H, V)),
-        g=gates(rng, (B, T, H, K), kind),
+        g=log_gates(rng, (B, T, H, K), kind),
         do=rng.standard_normal((B, T, H, V)),
         s0=rng.standard_normal((B, H, K, V)),
         dht=rng.standard_normal((B, H, K, V)),

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import daaf_inputs, rel_max
 from hpczeco.base import bf16
 from hpczeco.gpu import daaf as gd
 from hpczeco.gpu import emu as gemu
@@ -42,17 +43,6 @@ def _nvcc() -> str | None:
         if c and Path(c).exists():
             return c
     return None
-
-
-def _rel(out, ref) -> float:
-    return float(np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max())
-
-
-def _inputs(rng, B, T, H, D, Dv=None):
-    q = rng.standard_normal((B, T, H, D)).astype(np.float32) * 1.5
-    k = rng.standard_normal((B, T, H, D)).astype(np.float32)
-    v = rng.standard_normal((B, T, H, Dv or D)).astype(np.float32)
-    return q, k, v
 
 
 def _mask(T: int, spans=(), p: float = 0.0, rng=None) -> np.ndarray:
@@ -183,29 +173,29 @@ def test_emulated_tc_kernel_matches_reference(emu, rng, mt):
     masked key tiles), gathered key-region tiles (full and partial), the local range, padding rows."""
     T, W = 300, 16
     g = _mask(T, [(10, 140), (200, 210)])
-    q, k, v = _inputs(rng, 2 if mt == 1 else 1, T, 1 if mt == 1 else 2, 64)  # batch and head offsets
+    q, k, v = daaf_inputs(rng, 2 if mt == 1 else 1, T, 1 if mt == 1 else 2, 64)  # batch and head offsets
     out, ref = _emu_tc(emu, q, k, v, g, W, "bf16", mt)
-    assert _rel(out, ref) <= TOL["bf16"]
+    assert rel_max(out, ref) <= TOL["bf16"]
 
 
 @pytest.mark.parametrize("mt", [1, 2])
 def test_emulated_tc_kernel_d128_fp16_scattered(emu, rng, mt):
     T = 130
     g = _mask(T, p=0.1, rng=rng)
-    q, k, v = _inputs(rng, 1, T, 1, 128)
+    q, k, v = daaf_inputs(rng, 1, T, 1, 128)
     out, ref = _emu_tc(emu, q, k, v, g, 0, "f16", mt, reverse=False)
-    assert _rel(out, ref) <= TOL["f16"]
+    assert rel_max(out, ref) <= TOL["f16"]
 
 
 def test_emulated_simple_kernel_matches_reference(emu, rng):
     B, T, H, D, Dv, W = 1, 20, 1, 40, 24, 3
     g = _mask(T, [(5, 9)])
-    q, k, v = _inputs(rng, B, T, H, D, Dv)
+    q, k, v = daaf_inputs(rng, B, T, H, D, Dv)
     gidx = np.flatnonzero(g).astype(np.int32)
     emu.launched.clear()
     o = gd.attention(q, k, v, gidx, W, D**-0.5, g, impl="simple")
     assert emu.launched == ["daaf_simple_f32"]
-    assert _rel(o, reference_attention(q, k, v, g, W)) <= TOL["f32"]
+    assert rel_max(o, reference_attention(q, k, v, g, W)) <= TOL["f32"]
 
 
 # --------------------------------------------------------------------------- Numba kernels under the CUDA simulator
@@ -293,7 +283,7 @@ def test_gpu_kernels_match_reference(rng, impl, elem, D):
     cp = _gpu_or_skip()
     for T, W, spans, p in GPU_CASES:
         g = _mask(T, spans, p, rng)
-        q, k, v = _inputs(rng, 2, T, 2, D)
+        q, k, v = daaf_inputs(rng, 2, T, 2, D)
         if elem == "bf16":
             hq, hk, hv = bf16.to_bits(q), bf16.to_bits(k), bf16.to_bits(v)
             fq, fk, fv = (bf16.from_bits(x) for x in (hq, hk, hv))
@@ -308,7 +298,7 @@ def test_gpu_kernels_match_reference(rng, impl, elem, D):
         o = gd.attention(cp.asarray(hq), cp.asarray(hk), cp.asarray(hv), np.flatnonzero(g), W, None,
                          cp.asarray(g), impl=impl, storage=storage).get()
         of = bf16.from_bits(o) if elem == "bf16" else o.astype(np.float32)
-        err = _rel(of, reference_attention(fq, fk, fv, g, W))
+        err = rel_max(of, reference_attention(fq, fk, fv, g, W))
         assert err <= TOL[elem], f"T={T} W={W} spans={spans} p={p}: rel err {err:.3g} > {TOL[elem]}"
 
 

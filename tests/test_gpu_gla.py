@@ -1,13 +1,14 @@
 """GPU GLA kernels (CuPy) against the float64 references; skipped with a reason without CuPy and a GPU.
 
-The same kernels run without a GPU in tests/test_cuda_build.py (CPU emulation); drivers/gpu_suite.py
-covers larger shapes and the timings.
+The same kernels run without a GPU in tests/test_cuda_build.py (CPU emulation); tests/test_gpu_gla_checks.py
+covers the GPU machine's shapes, `hpczeco bench gpu-gla` the timings.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import gla_inputs, rel
 from hpczeco.base.backend import cupy_available
 
 from hpczeco.gla import recurrent_gla, recurrent_gla_bwd
@@ -15,27 +16,12 @@ from hpczeco.gla import recurrent_gla, recurrent_gla_bwd
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cupy_available(), reason="needs CuPy and a CUDA GPU")]
 
 
-def rel(a, b) -> float:
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    assert np.isfinite(a).all()
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
-
-
-def _inputs(rng, B, T, H, K, V, strong=False):
-    f = lambda *s: rng.standard_normal(s).astype(np.float32)
-    g = -rng.uniform(0.0, 0.5, (B, T, H, K))
-    if strong:
-        g = np.where(rng.uniform(size=g.shape) < 0.5, -rng.uniform(4.0, 8.0, g.shape), g)
-    return f(B, T, H, K), f(B, T, H, K), f(B, T, H, V), g.astype(np.float32), f(B, T, H, V), f(B, H, K, V)
-
-
 @pytest.mark.parametrize("strong", [False, True])
 def test_fp32_forward_backward(rng, strong):
     import cupy as cp
     from hpczeco.gpu import gla as G
 
-    q, k, v, g, do, h0 = _inputs(rng, 2, 150, 2, 48, 40, strong)
+    q, k, v, g, do, h0, _ = gla_inputs(rng, 2, 150, 2, 48, 40, strong, g_max=0.5)
     dht = rng.standard_normal(h0.shape).astype(np.float32)
     o, ht = G.chunk_gla(*(cp.asarray(x) for x in (q, k, v, g)), initial_state=cp.asarray(h0), output_final_state=True)
     f64 = [x.astype(np.float64) for x in (q, k, v, g, do, h0, dht)]
@@ -54,7 +40,7 @@ def test_bf16_tensor_core_forward(rng, strong):
     from hpczeco.base.bf16 import to_bits as f32_to_bf16_bits
     from hpczeco.gpu import gla as G
 
-    q, k, v, g, _, h0 = _inputs(rng, 1, 333, 2, 128, 64, strong)
+    q, k, v, g, _, h0, _ = gla_inputs(rng, 1, 333, 2, 128, 64, strong, g_max=0.5)
     bits = [f32_to_bf16_bits(x) for x in (q, k, v, g)]
     o, ht = G.chunk_gla(
         *(cp.asarray(b) for b in bits), initial_state=cp.asarray(h0), output_final_state=True, impl="tc"
@@ -70,7 +56,7 @@ def test_numba_kernels_on_cupy(rng):
     from hpczeco.gpu import numba_kernels as nk
 
     B, T, H, K, V = 1, 100, 2, 32, 16
-    q, _, _, g, _, S = _inputs(rng, B, T, H, K, V)
+    q, _, _, g, _, S, _ = gla_inputs(rng, B, T, H, K, V, g_max=0.5)
     Gc = nk.decay_cumsum(cp.asarray(g))
     G64 = np.cumsum(g.astype(np.float64), axis=1)
     assert rel(Gc.get(), G64) < 1e-5
@@ -108,7 +94,7 @@ def test_validate_gla_inputs_device_errors(rng):
 
     from hpczeco.gla import validate_gla_inputs
 
-    q, k, v, g, do, _ = _inputs(rng, 1, 70, 2, 16, 8)
+    q, k, v, g, do, _, _ = gla_inputs(rng, 1, 70, 2, 16, 8, g_max=0.5)
     arrs = {n: cp.asarray(a) for n, a in dict(q=q, k=k, v=v, g=g, do=do).items()}
     validate_gla_inputs(arrs["q"], arrs["k"], arrs["v"], arrs["g"], do=arrs["do"])
     for name, val, msg in (("k", np.nan, "k contains NaN"), ("g", 0.25, "g is a log forget gate"),

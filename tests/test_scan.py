@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hpczeco.collectives import CollectiveInputError, relay_recv, relay_send, scan, scan_start
+from helpers import agreed_error
+from hpczeco.collectives import relay_recv, relay_send, scan, scan_start
 from hpczeco.collectives.scan import TOPOLOGIES, combine, fold_reference
 
 pytestmark = pytest.mark.mpi
@@ -179,19 +180,6 @@ def test_relay_chain(comm, rng):
 # --------------------------------------------------------------------------- validation
 
 
-def _agreed_error(comm, fn):
-    """Run ``fn`` on every rank; return the error message (asserting it is the same everywhere)."""
-    try:
-        fn()
-    except CollectiveInputError as exc:
-        msg = str(exc)
-    else:
-        msg = None
-    everyone = comm.allgather(msg)
-    assert all(m == everyone[0] for m in everyone), everyone
-    return everyone[0]
-
-
 def test_mismatches_raise_everywhere(comm, rng):
     P, rank = comm.Get_size(), comm.Get_rank()
     last = P - 1
@@ -235,7 +223,7 @@ def test_mismatches_raise_everywhere(comm, rng):
                 continue
             kw = dict(a=a, S=s, topology=topo)
             kw.update(build())
-            msg = _agreed_error(comm, lambda kw=kw: scan(kw.pop("a"), kw.pop("S"), comm, **kw))
+            msg = agreed_error(comm, lambda kw=kw: scan(kw.pop("a"), kw.pop("S"), comm, **kw))
             assert msg is not None, f"{name}: no error"
             assert msg.startswith("scan: ") and frag in msg, f"{name}: {msg}"
         # nothing was half-sent: a valid scan on the same communicator is still right
@@ -254,9 +242,9 @@ def test_transport_argument(comm, rng):
         for topo in ("ring", "tree", "allgather"):
             out = scan(A[rank], S[rank], comm, topology=topo, blocks=2, transport=tr)
             np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12, err_msg=f"{topo} {tr}")
-    msg = _agreed_error(comm, lambda: scan(A[rank], S[rank], comm, transport="nccl"))
+    msg = agreed_error(comm, lambda: scan(A[rank], S[rank], comm, transport="nccl"))
     assert msg is not None and "needs device (CuPy) arrays" in msg
-    msg = _agreed_error(comm, lambda: scan(A[rank], S[rank], comm, transport="pigeon" if rank == P - 1 else None))
+    msg = agreed_error(comm, lambda: scan(A[rank], S[rank], comm, transport="pigeon" if rank == P - 1 else None))
     assert msg is not None and "transport must be one of" in msg
     buf = np.empty_like(S[rank])
     got = relay_recv(buf, comm, transport="host")

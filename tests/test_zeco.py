@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import rel
 from hpczeco.collectives import CollectiveInputError
 
 from hpczeco import ZeCOGLA, zeco_gla
@@ -12,13 +13,6 @@ from hpczeco.gla import chunk_gla, chunk_gla_bwd
 pytestmark = pytest.mark.mpi
 
 TOPOLOGIES = ["ring", "tree", "allgather", "serial", "exscan", "auto"]
-
-
-def rel(x, ref) -> float:
-    x = np.asarray(x, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    den = np.linalg.norm(ref)
-    return float(np.linalg.norm(x - ref) / (den if den > 0 else 1.0))
 
 
 def slice_bounds(rng, T: int, P: int, force_empty: bool) -> np.ndarray:

@@ -1,7 +1,8 @@
-"""The ``hpczeco`` command line (also ``python -m hpczeco``).
+"""The ``hpczeco`` command line (also ``python -m hpczeco``): one subcommand per driver.
 
-Each subcommand lives in a module of ``hpczeco.drivers`` that exposes ``main(argv) -> int`` with
-its own ``argparse`` parser, so ``hpczeco SUB --help`` is that driver's help.
+Each subcommand lives in a module of ``hpczeco.drivers`` that exposes ``main(argv, prog) -> int`` with
+its own ``argparse`` parser, so ``hpczeco SUB --help`` is that driver's help. The modules are imported
+only when their subcommand runs, so ``hpczeco --help`` stays fast and never imports CuPy or PyTorch.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ BENCHES: dict[str, tuple[str, str]] = {
     "scan": ("hpczeco.drivers.bench_scan", "All-Scan ring vs tree vs allgather/serial/exscan (under mpiexec)"),
     "zeco": ("hpczeco.drivers.bench_zeco", "ZeCO layer weak scaling against the ideal (under mpiexec)"),
     "daaf": ("hpczeco.drivers.bench_daaf", "DAAF time to first token, work saved, quality, scheduling"),
+    "gpu-gla": ("hpczeco.drivers.bench_gpu_gla", "GLA GPU kernels vs flash-linear-attention (one GPU)"),
+    "gpu-daaf": ("hpczeco.drivers.bench_gpu_daaf", "DAAF GPU kernels vs FlexAttention, time to first token"),
+    "gpu-multi": ("hpczeco.drivers.bench_gpu_multi", "device transports, scans and ZeCO on GPUs (under mpirun)"),
 }
 
 
@@ -58,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         print("\nbenchmarks (hpczeco bench NAME --help):")
+        width = max(len(name) for name in BENCHES)
         for name, (_, help_) in BENCHES.items():
-            print(f"  {name:8s} {help_}")
+            print(f"  {name:{width}s} {help_}")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
