@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
     __syncthreads();
     const i64 cKV = ((i64)bh * NT + c) * K * V, sKV = ((i64)bh * NS + seg) * K * V;
     const int es = F32S ? 4 : 2;
-    gt_state_operands<T, F32S, P>(Hs, reinterpret_cast<const unsigned char*>(Hc) + cKV * es,
+    gt_state_operands<T, F32S, KM, KM == 64 ? 2 : 4>(Hs, reinterpret_cast<const unsigned char*>(Hc) + cKV * es,
                                   Sf != nullptr ? Sf + sKV : nullptr, pcf + ((i64)bh * NT + c) * K, Ds,
                                   reinterpret_cast<const unsigned char*>(Dc) + cKV * es,
                                   Df != nullptr ? Df + sKV : nullptr, pcr + ((i64)bh * NT + c) * K, rs, K, V);

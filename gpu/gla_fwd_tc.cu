@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
     const i64 cKV = ((i64)bh * NT + c) * K * V;
     const void* Hcc = reinterpret_cast<const unsigned char*>(Hc) + cKV * (F32S ? 4 : 2);
     const float* Sfs = Sf != nullptr ? Sf + ((i64)bh * NS + seg) * K * V : nullptr;
-    gt_state_operands<T, F32S, L::P>(Hs, Hcc, Sfs, pc + ((i64)bh * NT + c) * K, nullptr, nullptr, nullptr, nullptr,
+    gt_state_operands<T, F32S, KM, KM * KM / 2048>(Hs, Hcc, Sfs, pc + ((i64)bh * NT + c) * K, nullptr, nullptr, nullptr, nullptr,
                                      nullptr, K, V);
     float x[4][8];
 #pragma unroll

@@ -208,36 +208,69 @@ GLA_DEVICE void gt_load8_state(float* f, const void* Hc, i64 off) {
     gt_unpack<T>(f, ld16(reinterpret_cast<const u16*>(Hc) + off));
   }
 }
-template <typename T, bool F32S, int P>
+template <typename T, bool F32S>
+GLA_DEVICE void gt_load8_state_or0(float* f, const void* Hc, i64 off, bool ok) {
+  if (ok) {
+    gt_load8_state<T, F32S>(f, Hc, off);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) f[j] = 0.f;
+  }
+}
+GLA_DEVICE void gt_ld8f_or0(float* f, const float* p, bool ok) {
+  if (ok) {
+    gt_ld8f(f, p);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) f[j] = 0.f;
+  }
+}
+// NB pieces per batch: a batch's loads are issued together, then converted and stored
+template <typename T, bool F32S, int KM, int NB>
 GLA_DEVICE void gt_state_operands(u16* dstH, const void* Hc, const float* Sf, const float* p, u16* dstD,
                                   const void* Dc, const float* Df, const float* pd, float* rs, int K, int V) {
+  constexpr int P = GtLayout<KM>::P, NIT = KM * KM / 8 / 256;
+  static_assert(NIT % NB == 0, "batches must divide the pieces");
   const int v8 = V / 8, n = K * v8;
-  for (int e = threadIdx.x; e < n; e += 256) {
-    const int kk = e / v8, c = (e % v8) * 8;
-    const i64 off = (i64)kk * V + c;
-    float hv[8], sv[8];
-    gt_load8_state<T, F32S>(hv, Hc, off);
-    if (Sf != nullptr) {
-      gt_ld8f(sv, Sf + off);
-      const float f = dexp(p[kk]);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) hv[j] += f * sv[j];
-    }
-    gt_st16(dstH + kk * P + c, gt_pack<T>(hv));
-    if (dstD != nullptr) {
-      float dv[8];
-      gt_load8_state<T, F32S>(dv, Dc, off);
-      if (Df != nullptr) {
-        gt_ld8f(sv, Df + off);
-        const float f = dexp(pd[kk]);
+  for (int i0 = 0; i0 < NIT; i0 += NB) {
+    float hv[NB][8], sv[NB][8], ph[NB], dv[NB][8], dsv[NB][8], pdv[NB];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) dv[j] += f * sv[j];
+    for (int i = 0; i < NB; ++i) {  // loads
+      const int e = threadIdx.x + 256 * (i0 + i);
+      const bool ok = e < n;
+      const int kk = ok ? e / v8 : 0;
+      const i64 off = ok ? (i64)kk * V + (e % v8) * 8 : 0;
+      gt_load8_state_or0<T, F32S>(hv[i], Hc, off, ok);
+      gt_ld8f_or0(sv[i], Sf + off, ok && Sf != nullptr);
+      ph[i] = (ok && Sf != nullptr) ? p[kk] : 0.f;
+      if (dstD != nullptr) {
+        gt_load8_state_or0<T, F32S>(dv[i], Dc, off, ok);
+        gt_ld8f_or0(dsv[i], Df + off, ok && Df != nullptr);
+        pdv[i] = (ok && Df != nullptr) ? pd[kk] : 0.f;
       }
-      gt_st16(dstD + kk * P + c, gt_pack<T>(dv));
-      float acc = 0.f;
+    }
 #pragma unroll
-      for (int j = 0; j < 8; ++j) acc += hv[j] * dv[j];
-      gt_atomic_add(rs + kk, acc);
+    for (int i = 0; i < NB; ++i) {  // h = Hc + exp(p) S (and the same for dS), 16-bit to shared memory
+      const int e = threadIdx.x + 256 * (i0 + i);
+      if (e < n) {
+        const int kk = e / v8, c = (e % v8) * 8;
+        const float f = dexp(ph[i]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) hv[i][j] += f * sv[i][j];
+        gt_st16(dstH + kk * P + c, gt_pack<T>(hv[i]));
+        if (dstD != nullptr) {
+          const float fd = dexp(pdv[i]);
+          float acc = 0.f;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            dv[i][j] += fd * dsv[i][j];
+            acc += hv[i][j] * dv[i][j];
+          }
+          gt_st16(dstD + kk * P + c, gt_pack<T>(dv[i]));
+          gt_atomic_add(rs + kk, acc);
+        }
+      }
     }
   }
 }

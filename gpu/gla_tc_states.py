@@ -92,9 +92,9 @@ def _layout(km: int) -> dict[str, int]:
     """Mirror of ``GtLayout<KM>`` in gla_tc_chunk.cuh (bytes)."""
     P, BP, AP = km + 8, km + 4, 72
     T64, TK, F64, A64 = 64 * P * 2, km * P * 2, 64 * BP * 4, 64 * AP * 2
-    small = (10 * km + 4) * 4
-    bwd = F64 + T64 + T64 + TK + T64 + TK + A64 + A64 + 160 * P * 2 + small
-    fwd = F64 + T64 + TK + A64 + 288 * P * 2 + (8 * km + 4) * 4
+    zone = max(2 * TK + T64, 224 * P * 2, F64)  # h, dS, Kd | Qh, Kh, Ko | dG
+    bwd = F64 + 4 * T64 + zone + 2 * A64 + (10 * km + 4) * 4
+    fwd = F64 + T64 + TK + 2 * A64 + 352 * P * 2 + (8 * km + 4) * 4
     return {"bwd": bwd, "fwd": fwd}
 
 
