@@ -130,7 +130,8 @@ def test_agrees_with_the_simt_kernels_in_the_same_emulation(rt, rng):
     from hpczeco.gpu import gla as ggla  # noqa: PLC0415
 
     names = ["gla_chunk_outer<bf16>", "gla_state_scan", "gla_chunk_output<bf16>", "gla_bwd_scores<bf16>",
-             "gla_bwd_dqdk<bf16>", "gla_bwd_dv<bf16>", "seg_chunk_sum<float>", "seg_carry", "seg_finish<float, bf16>"]  # fmt: skip
+             "gla_bwd_dqdk<bf16>", "gla_bwd_dv<bf16>", "seg_chunk_sum<float>", "seg_carry",
+             "seg_finish<float, bf16>"]  # fmt: skip
     simt = gemu.EmuRuntime(ggla.kernel_source(("gla_kernels.cu",)), names)
     old = ggla._set_runtime(simt)
     try:
@@ -167,7 +168,7 @@ def test_shared_memory_layouts_match_python(tmp_path):
     src = tmp_path / "layout.cpp"
     src.write_text(
         f'#include "{gemu._HERE / "cuda_emu.h"}"\n#include "{st.HERE / "gla_tc_chunk.cuh"}"\n#include <cstdio>\n'
-        "int main() { std::printf(\"%d %d %d %d\\n\", GtLayout<64>::B_TOTAL, GtLayout<128>::B_TOTAL, "
+        'int main() { std::printf("%d %d %d %d\\n", GtLayout<64>::B_TOTAL, GtLayout<128>::B_TOTAL, '
         "GtLayout<64>::F_TOTAL, GtLayout<128>::F_TOTAL); }\n"
     )
     exe = tmp_path / "layout"
