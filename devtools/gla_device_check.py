@@ -6,6 +6,10 @@ on one GPU: NVRTC build (CuPy RawModule, the same sources), correctness, timings
     python3 devtools/gla_device_check.py --out $OUT --variants all   # + build options, the fastest correct one wins
     python3 devtools/gla_device_check.py --out $OUT --grid [--fla]   # + accuracy on fla's test grid
 
+fla autotunes its backward once per (K, V) (~150-200 s the first time): with a tight budget run
+``--fla --shapes 0,1`` and ``--fla --shapes 2`` as separate calls. ``--no-existing`` skips the old hpczeco path
+(its NVRTC build and timings), ``--no-fp16`` the fp16 build and checks.
+
 Steps (each in try/except: a failure is recorded and the run goes on):
 1. build the bf16 (and fp16) kernels; a CuPy float64 recurrence is checked against hpczeco.gla's CPU one;
 2. small shapes against the float64 CPU recurrences (hpczeco.gla.recurrent_gla / recurrent_gla_bwd): RMS error
@@ -285,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="0,1,2", help="indices into the bench shapes to run")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--no-fp16", action="store_true")
+    p.add_argument("--no-existing", action="store_true", help="skip hpczeco.gpu.gla (the old tc/simt path)")
     p.add_argument("--seed", type=int, default=None)
     a = p.parse_args(argv)
     R = Report(Path(a.out))
@@ -309,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- 1. builds, copy bandwidth, the GPU float64 reference -------------------------------------------------
     for nm in ("glatc_scan", st.bwd_name("bf16", 128, False), st.bwd_name("f16", 128, True)):
-        if "f16" in nm and a.no_fp16:
+        if rt.group(nm).startswith("f16") and a.no_fp16:
             continue
         R.check(f"NVRTC build of the {rt.group(nm)} kernels", lambda nm=nm: (rt.fn(nm), {})[1])
     R.data["info"]["compile_s"] = dict(rt.compile_s)
@@ -395,11 +400,12 @@ def main(argv: list[str] | None = None) -> int:
     R.check("prepare/finish over two slices (ZeCO composition), bf16, strong gates", two_slices)
 
     # ---- 3./4. bench shapes: checks against the existing path, timings -----------------------------------------
-    try:
-        from hpczeco.gpu import gla as G  # noqa: PLC0415
-    except Exception as exc:  # noqa: BLE001
-        G = None
-        R.say("existing hpczeco.gpu.gla not importable:", exc)
+    G = None
+    if not a.no_existing:
+        try:
+            from hpczeco.gpu import gla as G  # noqa: PLC0415
+        except Exception as exc:  # noqa: BLE001
+            R.say("existing hpczeco.gpu.gla not importable:", exc)
     fla = torch = None
     if a.fla:
         try:
