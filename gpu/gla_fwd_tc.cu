@@ -1,0 +1,162 @@
+// Chunk-parallel tensor-core GLA forward output, 16-bit inputs (bf16 / fp16), K and V multiples of 16 up to KM.
+// One CTA (256 threads) per chunk of 64 tokens and bh; the chunk's incoming state comes from the state walk
+// (gla_tc_states.cu): h = Hc[c] + exp(pc[c]) * Sf[c / NC], so no CTA waits on another.
+//   o = scale * (A V + (q exp(b)) h),  A_ts = sum_k q_tk k_sk exp(b_tk - b_sk) for s <= t (gla_tc_chunk.cuh).
+// Precision: the diagonal sub-chunk blocks of A (its largest entries) use split operands (hi + lo bf16, three
+// products) and A enters A V as hi + lo (two products), so o's error is close to its own bf16 rounding.
+#include "gla_tc_chunk.cuh"
+
+template <typename T, int KM, bool F32S>
+__global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
+    glatc_fwd_out(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ g,
+                  const void* __restrict__ Hc, const float* __restrict__ Sf, const float* __restrict__ pc,
+                  T* __restrict__ o, float scale, int B, int Tlen, int H, int K, int V, int NC, int NT,
+                  float span_limit) {
+  using L = GtLayout<KM>;
+  constexpr int NPW = KM / 32;  // 16-column groups of V per warp
+  GT_DYN_SMEM(smem, L::F_TOTAL);
+  float* bs = reinterpret_cast<float*>(smem + L::F_BS);
+  u16* Vs = reinterpret_cast<u16*>(smem + L::F_V);
+  u16* Hs = reinterpret_cast<u16*>(smem + L::F_H);
+  u16* As = reinterpret_cast<u16*>(smem + L::F_AS);
+  u16* Asl = As + 64 * L::AP;
+  u16* Qh = reinterpret_cast<u16*>(smem + L::F_Q);
+  u16* Qe = Qh;  // after the scores
+  u16* Kh = Qh + 64 * L::P;
+  u16* Qhl = Kh + 64 * L::P;
+  u16* Khl = Qhl + 64 * L::P;
+  u16* Ko = Khl + 64 * L::P;
+  float* R = reinterpret_cast<float*>(smem + L::F_SMALL);
+  float* E = R + 4 * KM;
+  float* sp = E + 4 * KM;
+  const int c = blockIdx.x, bh = blockIdx.y, b = bh / H, h = bh % H;
+  const int t0 = 64 * c, len = min(64, Tlen - t0), NS = (NT + NC - 1) / NC, seg = c / NC;
+  const int tid = threadIdx.x, w = tid / 32, lane = tid % 32, gid = lane >> 2, tig = lane & 3;
+  const int cg = tid >> 4, qr = tid & 15, c0 = 8 * cg;
+  const bool actK = c0 < K, actV = c0 < V;
+
+  // (0) loads, incoming state, cumulative gate; after a barrier the stage-A operands and the sub-chunk spans
+  V16 qraw[4], kraw[4];
+  {
+    V16 gr[4], vr[4];
+    gt_load_rows<T>(vr, v, b, h, t0, len, Tlen, H, V, c0, actV, qr);
+    gt_load_rows<T>(qraw, q, b, h, t0, len, Tlen, H, K, c0, actK, qr);
+    gt_load_rows<T>(kraw, k, b, h, t0, len, Tlen, H, K, c0, actK, qr);
+    gt_load_rows<T>(gr, g, b, h, t0, len, Tlen, H, K, c0, actK, qr);
+    if (actV) {
+#pragma unroll
+      for (int I = 0; I < 4; ++I) gt_st16(Vs + (qr + 16 * I) * L::P + c0, vr[I]);
+    }
+    const i64 cKV = ((i64)bh * NT + c) * K * V;
+    const void* Hcc = reinterpret_cast<const unsigned char*>(Hc) + cKV * (F32S ? 4 : 2);
+    const float* Sfs = Sf != nullptr ? Sf + ((i64)bh * NS + seg) * K * V : nullptr;
+    gt_state_operands<T, F32S, KM, KM * KM / 2048>(Hs, Hcc, Sfs, pc + ((i64)bh * NT + c) * K, nullptr, nullptr, nullptr, nullptr,
+                                     nullptr, K, V);
+    float x[4][8];
+#pragma unroll
+    for (int I = 0; I < 4; ++I) gt_unpack<T>(x[I], gr[I]);
+    gt_chunk_cumsum(x, qr);
+    gt_store_decays<KM>(bs, R, E, x, c0, actK, qr);
+  }
+  __syncthreads();
+  gt_spans<KM>(sp, R, E, K, w, lane);
+  if (actK) gt_score_operands<T, KM>(Qh, Kh, Qhl, Khl, Ko, qraw, kraw, bs, R, span_limit, c0, qr);
+  __syncthreads();
+  float spn[4];
+#pragma unroll
+  for (int I = 0; I < 4; ++I) spn[I] = sp[I];
+  // (1) intra-chunk scores: 10 blocks (I >= J) over 8 warps
+  {
+    const i64 row0 = ((i64)(b * Tlen + t0) * H + h) * K;
+    for (int blk = w; blk < 10; blk += 8) {
+      int I, J;
+      gt_block_ij(blk, I, J);
+      gt_score_block<T, KM>(As, Asl, Qh, Kh, Qhl, Khl, Ko, bs, spn, 1.f, span_limit, q + row0, k + row0,
+                            (i64)H * K, K, len, I, J, lane);
+    }
+  }
+  __syncthreads();
+  if (actK) {  // Qe = q exp(b) over Qh
+#pragma unroll
+    for (int I = 0; I < 4; ++I) {
+      const int t = qr + 16 * I;
+      float qv[8], bt[8];
+      gt_unpack<T>(qv, qraw[I]);
+      gt_ld8f(bt, bs + t * L::BP + c0);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) qv[j] *= dexp(bt[j]);
+      gt_st16(Qe + t * L::P + c0, gt_pack<T>(qv));
+    }
+  }
+  __syncthreads();
+  // (2) o = scale * (A V + Qe h): warp w -> rows 16 (w % 4), half (w / 4) of the 16-column groups of V
+  {
+    const int I = w & 3, half = w >> 2, np = V / 16, pw = (np + 1) / 2, p0 = half * pw, p1 = min(np, p0 + pw);
+    if (p0 < np && 16 * I < len) {
+      float acc[2 * NPW][4];
+#pragma unroll
+      for (int n = 0; n < 2 * NPW; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+      for (int J = 0; J <= I; ++J) {
+        u32 a[4], al[4];
+        frag_a(a, As, L::AP, 16 * I, 16 * J, gid, tig);
+        frag_a(al, Asl, L::AP, 16 * I, 16 * J, gid, tig);
+#pragma unroll
+        for (int pp = 0; pp < NPW; ++pp) {
+          if (p0 + pp < p1) {
+            u32 b0[2], b1[2];
+            frag_b2_rowmajor(b0, b1, Vs, L::P, 16 * J, 16 * (p0 + pp), lane);
+            Mma<T>::mma(acc[2 * pp], a, b0);
+            Mma<T>::mma(acc[2 * pp + 1], a, b1);
+            Mma<T>::mma(acc[2 * pp], al, b0);
+            Mma<T>::mma(acc[2 * pp + 1], al, b1);
+          }
+        }
+      }
+      for (int ks = 0; ks < K / 16; ++ks) {
+        u32 a[4];
+        frag_a(a, Qe, L::P, 16 * I, 16 * ks, gid, tig);
+#pragma unroll
+        for (int pp = 0; pp < NPW; ++pp) {
+          if (p0 + pp < p1) {
+            u32 b0[2], b1[2];
+            frag_b2_rowmajor(b0, b1, Hs, L::P, 16 * ks, 16 * (p0 + pp), lane);
+            Mma<T>::mma(acc[2 * pp], a, b0);
+            Mma<T>::mma(acc[2 * pp + 1], a, b1);
+          }
+        }
+      }
+#pragma unroll
+      for (int pp = 0; pp < NPW; ++pp) {
+        if (p0 + pp < p1) {
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int col = 16 * (p0 + pp) + 8 * hh + 2 * tig;
+#pragma unroll
+            for (int r2 = 0; r2 < 2; ++r2) {
+              const int t = 16 * I + gid + 8 * r2;
+              if (t < len) {
+                const u32 lo = Mma<T>::cvt(scale * acc[2 * pp + hh][2 * r2]);
+                const u32 hi = Mma<T>::cvt(scale * acc[2 * pp + hh][2 * r2 + 1]);
+                *reinterpret_cast<u32*>(o + ((i64)(b * Tlen + t0 + t) * H + h) * V + col) = lo | (hi << 16);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+#ifdef GLA_INSTANTIATE
+#define GLATC_INST_FWD(T, KM, F)                                                                                      \
+  template __global__ void glatc_fwd_out<T, KM, F>(const T*, const T*, const T*, const T*, const void*, const float*, \
+                                                   const float*, T*, float, int, int, int, int, int, int, int, float);
+GLATC_INST_FWD(bf16, 128, false)
+GLATC_INST_FWD(bf16, 64, false)
+#ifndef GLA_INSTANTIATE_FAST
+GLATC_INST_FWD(bf16, 128, true)
+GLATC_INST_FWD(bf16, 64, true)
+GLATC_INST_FWD(f16, 128, true)
+GLATC_INST_FWD(f16, 64, true)
+#endif
+#endif

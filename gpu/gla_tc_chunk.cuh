@@ -1,0 +1,449 @@
+// Shared pieces of the chunk-parallel tensor-core GLA kernels (gla_tc_states.cu, gla_fwd_tc.cu, gla_bwd_tc.cu):
+// 16-bit inputs (bf16 / fp16), chunk 64 = 4 sub-chunks of 16, K and V multiples of 16 up to KM (64 or 128).
+//
+// Element mapping of a chunk tile (64 rows x W columns) in the elementwise phases: thread tid holds columns
+// 8 cg .. 8 cg + 7 (cg = tid / 16) of rows qr + 16 I (qr = tid % 16, I = 0..3); the 16 lanes of a column group
+// are one half-warp, so cumulative sums down the rows are half-warp shuffles (plus sub-chunk offsets).
+// Decay factors are exp of non-positive numbers (taken relative to a sub-chunk boundary), except the diagonal
+// sub-chunk operands whose factors are bounded by exp(span) with span <= span_limit (else those blocks are
+// computed elementwise, exactly).
+//
+// Also here: warp shuffles and float atomics with their CPU emulation (cuda_emu.h has neither).
+#pragma once
+#include "gla_mma.cuh"
+
+#define GT_FULL 0xffffffffu
+
+#ifndef GLA_EMU
+#define GT_DYN_SMEM(name, bytes) extern __shared__ __align__(16) unsigned char name[]
+#else
+#define GT_DYN_SMEM(name, bytes) static unsigned char name[bytes] __attribute__((aligned(16)))
+#endif
+
+// ---- warp shuffles on N floats (MODE 0: from lane src of the width-group, 1: up, 2: down, 3: xor) ----------
+#ifndef GLA_EMU
+template <int MODE, int N>
+GLA_DEVICE void gt_shfl(float* dst, const float* src, int arg, int width) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float v = src[i];
+    if constexpr (MODE == 0)
+      dst[i] = __shfl_sync(GT_FULL, v, arg, width);
+    else if constexpr (MODE == 1)
+      dst[i] = __shfl_up_sync(GT_FULL, v, arg, width);
+    else if constexpr (MODE == 2)
+      dst[i] = __shfl_down_sync(GT_FULL, v, arg, width);
+    else
+      dst[i] = __shfl_xor_sync(GT_FULL, v, arg, width);
+  }
+}
+GLA_DEVICE void gt_atomic_add(float* p, float v) { atomicAdd(p, v); }
+#else
+inline float emu_gt_shfl_buf[32][32][32];
+template <int MODE, int N>
+inline void gt_shfl(float* dst, const float* src, int arg, int width) {
+  static_assert(N <= 32, "emulated shuffle of at most 32 floats");
+  const unsigned tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const int w = (int)(tid / 32), lane = (int)(tid % 32);
+  for (int i = 0; i < N; ++i) emu_gt_shfl_buf[w][lane][i] = src[i];
+  __syncwarp();
+  const int li = lane % width, base = lane - li;
+  int s = lane;
+  if constexpr (MODE == 0)
+    s = base + arg % width;
+  else if constexpr (MODE == 1)
+    s = li >= arg ? lane - arg : lane;
+  else if constexpr (MODE == 2)
+    s = li + arg < width ? lane + arg : lane;
+  else
+    s = base + ((li ^ arg) % width);
+  float tmp[32];
+  for (int i = 0; i < N; ++i) tmp[i] = emu_gt_shfl_buf[w][s][i];
+  __syncwarp();
+  for (int i = 0; i < N; ++i) dst[i] = tmp[i];
+}
+inline void gt_atomic_add(float* p, float v) { std::atomic_ref<float>(*p).fetch_add(v); }
+#endif
+
+// ---- 16-byte vectors of 8 16-bit values <-> 8 floats --------------------------------------------------------
+template <typename T>
+GLA_DEVICE void gt_unpack(float* f, const V16& x) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) f[j] = bits_to_f<T>(half_of(x, j));
+}
+template <typename T>
+GLA_DEVICE V16 gt_pack(const float* f) {
+  V16 r;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) r.w[j] = (u32)Mma<T>::cvt(f[2 * j]) | ((u32)Mma<T>::cvt(f[2 * j + 1]) << 16);
+  return r;
+}
+GLA_DEVICE void gt_st16(void* p, const V16& x) { *reinterpret_cast<V16*>(p) = x; }
+struct __align__(16) F4 {
+  float x, y, z, w;
+};
+struct __align__(8) F2 {
+  float x, y;
+};
+GLA_DEVICE void gt_ld8f(float* f, const float* p) {  // 8 floats, 16-byte aligned
+  const F4 a = *reinterpret_cast<const F4*>(p), b = *reinterpret_cast<const F4*>(p + 4);
+  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+GLA_DEVICE void gt_st8f(float* p, const float* f) {
+  *reinterpret_cast<F4*>(p) = F4{f[0], f[1], f[2], f[3]};
+  *reinterpret_cast<F4*>(p + 4) = F4{f[4], f[5], f[6], f[7]};
+}
+
+// rows qr + 16 I (I = 0..3), columns c0 .. c0 + 7 of a [B, T, H, W] array from token t0 on; zero where t >= len or
+// !act (all loads issued before any use)
+template <typename T>
+GLA_DEVICE void gt_load_rows(V16* r, const T* __restrict__ x, int b, int h, int t0, int len, int Tlen, int H, int W,
+                             int c0, bool act, int qr) {
+  const V16 zero = {{0u, 0u, 0u, 0u}};
+#pragma unroll
+  for (int I = 0; I < 4; ++I) {
+    const int t = qr + 16 * I;
+    const bool ok = act && t < len;
+    r[I] = ok ? ld16(x + ((i64)(b * Tlen + t0 + t) * H + h) * W + c0) : zero;
+  }
+}
+
+// In: x[I][j] = g at row qr + 16 I (zero for rows >= len). Out: x = b, the inclusive cumulative sum down the
+// chunk. Half-warp collective (every lane of the warp must call it).
+GLA_DEVICE void gt_chunk_cumsum(float (*x)[8], int qr) {
+  float y[4][8];
+#pragma unroll
+  for (int d = 1; d < 16; d *= 2) {
+    gt_shfl<1, 32>(&y[0][0], &x[0][0], d, 16);
+    if (qr >= d) {
+#pragma unroll
+      for (int I = 0; I < 4; ++I)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) x[I][j] += y[I][j];
+    }
+  }
+  gt_shfl<0, 32>(&y[0][0], &x[0][0], 15, 16);  // sub-chunk sums
+  float off[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) off[j] = 0.f;
+#pragma unroll
+  for (int I = 0; I < 4; ++I)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      x[I][j] += off[j];
+      off[j] += y[I][j];
+    }
+}
+
+// Reverse (suffix) cumulative sum down the chunk of x[I][j] (row qr + 16 I), in place. Half-warp collective.
+GLA_DEVICE void gt_chunk_revcumsum(float (*x)[8], int qr) {
+  float y[4][8];
+#pragma unroll
+  for (int d = 1; d < 16; d *= 2) {
+    gt_shfl<2, 32>(&y[0][0], &x[0][0], d, 16);
+    if (qr + d < 16) {
+#pragma unroll
+      for (int I = 0; I < 4; ++I)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) x[I][j] += y[I][j];
+    }
+  }
+  gt_shfl<0, 32>(&y[0][0], &x[0][0], 0, 16);  // sub-chunk sums
+  float off[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) off[j] = 0.f;
+#pragma unroll
+  for (int I = 3; I >= 0; --I)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      x[I][j] += off[j];
+      off[j] += y[I][j];
+    }
+}
+
+// ---- shared-memory layouts of the chunk kernels (bytes), per KM (largest K, V: 64 or 128) -------------------
+// gpu/gla_tc_states.py mirrors gt_bwd_smem / gt_fwd_smem.
+template <int KM>
+struct GtLayout {
+  static constexpr int P = KM + 8;   // padded row (16-bit elements) of [.][KM] tiles
+  static constexpr int BP = KM + 4;  // padded row (floats) of [64][KM] fp32 tiles
+  static constexpr int AP = 72;      // padded row of [64][64] 16-bit score tiles
+  static constexpr int T64 = 64 * P * 2;
+  static constexpr int TK = KM * P * 2;
+  static constexpr int F64 = 64 * BP * 4;
+  static constexpr int A64 = 64 * AP * 2;
+  static constexpr int SMALL = (10 * KM + 4) * 4;  // R[4][KM], E[4][KM], rs[KM], X2[KM], sp[4]
+  // backward: regions (their later tenants in brackets)
+  static constexpr int B_BS = 0;
+  static constexpr int B_V = B_BS + F64;
+  static constexpr int B_DO = B_V + T64;
+  static constexpr int B_QR = B_DO + T64;  // raw q
+  static constexpr int B_KR = B_QR + T64;  // raw k
+  static constexpr int B_Z1 = 2 * TK + T64, B_Z2 = 224 * P * 2;
+  static constexpr int B_ZSIZE = B_Z1 > B_Z2 ? (B_Z1 > F64 ? B_Z1 : F64) : (B_Z2 > F64 ? B_Z2 : F64);
+  static constexpr int B_Z = B_KR + T64;  // h, dS, Kd  [Qh, Kh, Ko]  [dG fp32]
+  static constexpr int B_AS = B_Z + B_ZSIZE;
+  static constexpr int B_DAS = B_AS + A64;
+  static constexpr int B_SMALL = B_DAS + A64;
+  static constexpr int B_TOTAL = B_SMALL + SMALL;
+  // forward output kernel
+  static constexpr int F_BS = 0;
+  static constexpr int F_V = F_BS + F64;
+  static constexpr int F_H = F_V + T64;
+  static constexpr int F_AS = F_H + TK;  // A (hi), A (lo)
+  static constexpr int F_Q = F_AS + 2 * A64;  // Qh [Qe after the scores], Kh, Qh lo, Kh lo (64 rows each), Ko (96)
+  static constexpr int F_SMALL = F_Q + 352 * P * 2;
+  static constexpr int F_TOTAL = F_SMALL + (8 * KM + 4) * 4;  // R[4][KM], E[4][KM], sp[4]
+};
+
+// ---- chunk state operand: dst[k][v] (16-bit, row stride P) = Hc[k][v] + exp(p[k]) * Sf[k][v] ------------------
+// Hc: the chunk's state inside its segment (16-bit bits of T, or fp32 if F32S), Sf: the segment's state (fp32,
+// may be null), p: log decay from the segment boundary to the chunk (fp32 [K]). With D* given, the same for a
+// second state and rs[k] += sum_v h[k][v] * d[k][v] (fp32 values before rounding). 256 threads.
+template <typename T, bool F32S>
+GLA_DEVICE void gt_load8_state(float* f, const void* Hc, i64 off) {
+  if constexpr (F32S) {
+    gt_ld8f(f, reinterpret_cast<const float*>(Hc) + off);
+  } else {
+    gt_unpack<T>(f, ld16(reinterpret_cast<const u16*>(Hc) + off));
+  }
+}
+template <typename T, bool F32S>
+GLA_DEVICE void gt_load8_state_or0(float* f, const void* Hc, i64 off, bool ok) {
+  if (ok) {
+    gt_load8_state<T, F32S>(f, Hc, off);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) f[j] = 0.f;
+  }
+}
+GLA_DEVICE void gt_ld8f_or0(float* f, const float* p, bool ok) {
+  if (ok) {
+    gt_ld8f(f, p);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) f[j] = 0.f;
+  }
+}
+// NB pieces per batch: a batch's loads are issued together, then converted and stored
+template <typename T, bool F32S, int KM, int NB>
+GLA_DEVICE void gt_state_operands(u16* dstH, const void* Hc, const float* Sf, const float* p, u16* dstD,
+                                  const void* Dc, const float* Df, const float* pd, float* rs, int K, int V) {
+  constexpr int P = GtLayout<KM>::P, NIT = KM * KM / 8 / 256;
+  static_assert(NIT % NB == 0, "batches must divide the pieces");
+  const int v8 = V / 8, n = K * v8;
+#pragma unroll
+  for (int i0 = 0; i0 < NIT; i0 += NB) {
+    float hv[NB][8], sv[NB][8], ph[NB], dv[NB][8], dsv[NB][8], pdv[NB];
+#pragma unroll
+    for (int i = 0; i < NB; ++i) {  // loads
+      const int e = threadIdx.x + 256 * (i0 + i);
+      const bool ok = e < n;
+      const int kk = ok ? e / v8 : 0;
+      const i64 off = ok ? (i64)kk * V + (e % v8) * 8 : 0;
+      gt_load8_state_or0<T, F32S>(hv[i], Hc, off, ok);
+      gt_ld8f_or0(sv[i], Sf + off, ok && Sf != nullptr);
+      ph[i] = (ok && Sf != nullptr) ? p[kk] : 0.f;
+      if (dstD != nullptr) {
+        gt_load8_state_or0<T, F32S>(dv[i], Dc, off, ok);
+        gt_ld8f_or0(dsv[i], Df + off, ok && Df != nullptr);
+        pdv[i] = (ok && Df != nullptr) ? pd[kk] : 0.f;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < NB; ++i) {  // h = Hc + exp(p) S (and the same for dS), 16-bit to shared memory
+      const int e = threadIdx.x + 256 * (i0 + i);
+      if (e < n) {
+        const int kk = e / v8, c = (e % v8) * 8;
+        const float f = dexp(ph[i]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) hv[i][j] += f * sv[i][j];
+        gt_st16(dstH + kk * P + c, gt_pack<T>(hv[i]));
+        if (dstD != nullptr) {
+          const float fd = dexp(pdv[i]);
+          float acc = 0.f;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            dv[i][j] += fd * dsv[i][j];
+            acc += hv[i][j] * dv[i][j];
+          }
+          gt_st16(dstD + kk * P + c, gt_pack<T>(dv[i]));
+          gt_atomic_add(rs + kk, acc);
+        }
+      }
+    }
+  }
+}
+
+// ---- intra-chunk scores: one 16 x 16 block (I >= J) of alpha * A, A_ts = sum_k q_tk k_sk exp(b_tk - b_sk) --------
+// for s <= t < len (zero elsewhere), into As[t][s] (16-bit, row stride AP; with Asl also the rounding remainder).
+// Operands (gt_score_operands): Qh, Kh (diagonal; with Qhl, Khl the split diagonal Qh Kh^T + Qh Khl^T + Qhl Kh^T),
+// Ko[pair] (pair = I(I-1)/2 + J). Diagonal blocks whose span exceeds span_limit are computed elementwise from the
+// raw inputs (qg, kg: the chunk's first row in global memory, row stride rstride) and bs. Warp collective.
+template <typename T, int KM>
+GLA_DEVICE void gt_score_block(u16* As, u16* Asl, const u16* Qh, const u16* Kh, const u16* Qhl, const u16* Khl,
+                               const u16* Ko, const float* bs, const float* span, float alpha, float span_limit,
+                               const T* qg, const T* kg, i64 rstride, int K, int len, int I, int J, int lane) {
+  using L = GtLayout<KM>;
+  const int gid = lane >> 2, tig = lane & 3;
+  if (I == J && span[I] > span_limit) {
+    for (int pp = lane; pp < 256; pp += 32) {
+      const int tl = pp / 16, sl = pp % 16, t = 16 * I + tl, s = 16 * I + sl;
+      float a = 0.f;
+      if (sl <= tl && t < len) {
+        const T* qt = qg + t * rstride;
+        const T* ks = kg + s * rstride;
+        for (int kk = 0; kk < K; ++kk)
+          a += to_f(qt[kk]) * to_f(ks[kk]) * dexp(bs[t * L::BP + kk] - bs[s * L::BP + kk]);
+      }
+      const u16 hi = Mma<T>::cvt(alpha * a);
+      As[t * L::AP + s] = hi;
+      if (Asl != nullptr) Asl[t * L::AP + s] = Mma<T>::cvt(alpha * a - bits_to_f<T>(hi));
+    }
+    return;
+  }
+  const bool split = I == J && Qhl != nullptr;
+  const u16* Bop = (I == J) ? (Kh + 16 * I * L::P) : (Ko + (I * (I - 1) / 2 + J) * 16 * L::P);
+  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  for (int ks = 0; ks < K / 16; ++ks) {
+    u32 a[4], al[4];
+    frag_a(a, Qh, L::P, 16 * I, 16 * ks, gid, tig);
+    if (split) frag_a(al, Qhl, L::P, 16 * I, 16 * ks, gid, tig);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      u32 bb[2];
+      frag_b(bb, Bop, L::P, 8 * nt, 16 * ks, gid, tig);
+      Mma<T>::mma(acc[nt], a, bb);
+      if (split) {
+        Mma<T>::mma(acc[nt], al, bb);
+        frag_b(bb, Khl + 16 * I * L::P, L::P, 8 * nt, 16 * ks, gid, tig);
+        Mma<T>::mma(acc[nt], a, bb);
+      }
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int tl = gid + (i >= 2 ? 8 : 0), sl = 8 * nt + 2 * tig + (i & 1);
+      const float val = (I == J && sl > tl) ? 0.f : alpha * acc[nt][i];
+      const u16 hi = Mma<T>::cvt(val);
+      As[(16 * I + tl) * L::AP + 16 * J + sl] = hi;
+      if (Asl != nullptr) Asl[(16 * I + tl) * L::AP + 16 * J + sl] = Mma<T>::cvt(val - bits_to_f<T>(hi));
+    }
+}
+
+// block (I, J) of blocks in order (0,0) (1,0) (1,1) (2,0) (2,1) (2,2) (3,0) ...
+GLA_DEVICE void gt_block_ij(int n, int& I, int& J) {
+  I = 0;
+  while (n > I) {
+    n -= I + 1;
+    ++I;
+  }
+  J = n;
+}
+
+// Stage-A operands of the thread's rows from raw q, k (16-bit) and bs, R (shared memory): Qh = q exp(b - r_I),
+// Kh = k exp(min(r_I - b, span_limit)) (diagonal), Ko pairs k_J exp(r_I - b). With Qhl, Khl: the remainders of
+// Qh, Kh after rounding (hi + lo carries ~16 bits), for the split diagonal blocks.
+template <typename T, int KM>
+GLA_DEVICE void gt_score_operands(u16* Qh, u16* Kh, u16* Qhl, u16* Khl, u16* Ko, const V16* qraw, const V16* kraw,
+                                  const float* bs, const float* R, float span_limit, int c0, int qr) {
+  using L = GtLayout<KM>;
+#pragma unroll
+  for (int I = 0; I < 4; ++I) {
+    const int t = qr + 16 * I;
+    float qv[8], kv[8], bt[8], r[8], o1[8], o2[8];
+    gt_unpack<T>(qv, qraw[I]);
+    gt_unpack<T>(kv, kraw[I]);
+    gt_ld8f(bt, bs + t * L::BP + c0);
+    gt_ld8f(r, R + I * KM + c0);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      o1[j] = qv[j] * dexp(bt[j] - r[j]);
+      o2[j] = kv[j] * expf(fminf(r[j] - bt[j], span_limit));
+    }
+    const V16 qh = gt_pack<T>(o1), kh = gt_pack<T>(o2);
+    gt_st16(Qh + t * L::P + c0, qh);
+    gt_st16(Kh + t * L::P + c0, kh);
+    if (Qhl != nullptr) {
+      float a1[8], a2[8];
+      gt_unpack<T>(a1, qh);
+      gt_unpack<T>(a2, kh);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        a1[j] = o1[j] - a1[j];
+        a2[j] = o2[j] - a2[j];
+      }
+      gt_st16(Qhl + t * L::P + c0, gt_pack<T>(a1));
+      gt_st16(Khl + t * L::P + c0, gt_pack<T>(a2));
+    }
+#pragma unroll
+    for (int I2 = I + 1; I2 < 4; ++I2) {
+      const int pair = I2 * (I2 - 1) / 2 + I;
+      gt_ld8f(r, R + I2 * KM + c0);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) o1[j] = kv[j] * dexp(r[j] - bt[j]);
+      gt_st16(Ko + (pair * 16 + qr) * L::P + c0, gt_pack<T>(o1));
+    }
+  }
+}
+
+// the chunk's cumulative gate to shared memory: bs[t][k] (row stride BP), R[I][k] = b at row 16 I and
+// E[I][k] = b at row 16 I + 15 (E[3]: the chunk's total, rows >= len holding g = 0)
+template <int KM>
+GLA_DEVICE void gt_store_decays(float* bs, float* R, float* E, const float (*x)[8], int c0, bool act, int qr) {
+  using L = GtLayout<KM>;
+  if (!act) return;
+#pragma unroll
+  for (int I = 0; I < 4; ++I) gt_st8f(bs + (qr + 16 * I) * L::BP + c0, x[I]);
+  if (qr == 0) {
+#pragma unroll
+    for (int I = 0; I < 4; ++I) gt_st8f(R + I * KM + c0, x[I]);
+  }
+  if (qr == 15) {
+#pragma unroll
+    for (int I = 0; I < 4; ++I) gt_st8f(E + I * KM + c0, x[I]);
+  }
+}
+// sp[I] = span of sub-chunk I = max over k of R[I][k] - E[I][k] (>= 0): warps 0..3, one sub-chunk each, after a
+// barrier that follows gt_store_decays. Warp collective.
+template <int KM>
+GLA_DEVICE void gt_spans(float* sp, const float* R, const float* E, int K, int w, int lane) {
+  if (w >= 4) return;
+  float m = 0.f;
+  for (int kk = lane; kk < K; kk += 32) m = fmaxf(m, R[w * KM + kk] - E[w * KM + kk]);
+#pragma unroll
+  for (int d = 16; d >= 1; d /= 2) {
+    float y;
+    gt_shfl<3, 1>(&y, &m, d, 32);
+    m = fmaxf(m, y);
+  }
+  if (lane == 0) sp[w] = m;
+}
+
+// one 16 x 16 block (I >= J) of alpha * do v^T (masked s <= t) into dAs[t][s] (16-bit, row stride AP). Warp collective.
+template <typename T, int KM>
+GLA_DEVICE void gt_dA_block(u16* dAs, const u16* DOs, const u16* Vs, float alpha, int V, int I, int J, int lane) {
+  using L = GtLayout<KM>;
+  const int gid = lane >> 2, tig = lane & 3;
+  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+  for (int ks = 0; ks < V / 16; ++ks) {
+    u32 a[4];
+    frag_a(a, DOs, L::P, 16 * I, 16 * ks, gid, tig);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      u32 bb[2];
+      frag_b(bb, Vs, L::P, 16 * J + 8 * nt, 16 * ks, gid, tig);
+      Mma<T>::mma(acc[nt], a, bb);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int tl = gid + (i >= 2 ? 8 : 0), sl = 8 * nt + 2 * tig + (i & 1);
+      const float val = (I == J && sl > tl) ? 0.f : alpha * acc[nt][i];
+      dAs[(16 * I + tl) * L::AP + 16 * J + sl] = Mma<T>::cvt(val);
+    }
+}

@@ -1,0 +1,287 @@
+"""Host side shared by the chunk-parallel tensor-core GLA forward and backward (``gla_fwd_tc``, ``gla_bwd_tc``).
+
+Kernels: ``gla_tc_states.cu`` (state walks, segment scan, combine), ``gla_fwd_tc.cu`` (output),
+``gla_bwd_tc.cu`` (fused backward), all on ``gla_tc_chunk.cuh``. Inputs are 16-bit (bf16 as ``uint16`` bit
+patterns or a ``bfloat16`` dtype, or float16), ``q, k, g: [B, T, H, K]``, ``v, do: [B, T, H, V]``, C-contiguous
+and 16-byte aligned, K and V multiples of 16 up to 128; T >= 1.
+
+A state walk runs every segment of ``nc`` chunks of 64 tokens from a zero state and writes each chunk's state
+inside its segment (``[B*H, NT, K, V]``, 16-bit or fp32), the segment's local state and log decay, and each
+chunk's log decay from the segment boundary; the segment scan turns the local states into the states entering
+(reverse: leaving) every segment. A consumer's state of chunk ``c`` is ``Hc[c] + exp(pc[c]) * Sf[c // nc]``, with
+``Sf`` the segment states plus the initial state (reverse: dht) carried to them (``combine``). So the work that
+needs no initial state / dht (walks, scan) is done before ZeCO's scan over ranks, the rest after it.
+
+Every function takes the kernel runtime ``rt``: ``rt.xp`` (cupy or numpy), ``rt.launch(name, grid, block, args,
+shared_mem)``, ``rt.ptr(x)``; the CPU emulation (:func:`emu_runtime`) and a CuPy ``RawModule`` runtime both fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+KERNEL_FILES = ("gla_tc_states.cu", "gla_fwd_tc.cu", "gla_bwd_tc.cu")
+TYPES = {"uint16": "bf16", "bfloat16": "bf16", "float16": "f16"}
+#: largest diagonal sub-chunk decay span (log units) done on tensor cores; beyond it: exact elementwise
+SPAN_LIMIT = {"bf16": 40.0, "f16": 8.0}
+WALK_THREADS = 128
+CHUNK_THREADS = 256
+i32, f32 = np.int32, np.float32
+
+
+def _b(x: bool) -> str:
+    return "true" if x else "false"
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+
+def kernel_source(files: tuple[str, ...] = KERNEL_FILES) -> str:
+    """The kernel sources as one translation unit, local ``#include "..."`` inlined once each (no include path)."""
+    seen: set[str] = set()
+
+    def inline(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        out = []
+        for line in (HERE / name).read_text().splitlines():
+            stripped = line.strip()
+            if stripped.startswith('#include "') and stripped.endswith('"'):
+                out.append(inline(stripped[len('#include "') : -1]))
+            elif stripped != "#pragma once":
+                out.append(line)
+        return "\n".join(out)
+
+    return "\n".join(inline(f) for f in files)
+
+
+def walk_name(t: str, reverse: bool, f32_states: bool) -> str:
+    return f"glatc_walk<{t}, {_b(reverse)}, {_b(f32_states)}>"
+
+
+def fwd_name(t: str, km: int, f32_states: bool) -> str:
+    return f"glatc_fwd_out<{t}, {km}, {_b(f32_states)}>"
+
+
+def bwd_name(t: str, km: int, f32_states: bool) -> str:
+    return f"glatc_bwd<{t}, {km}, {_b(f32_states)}>"
+
+
+def kernel_names(types: tuple[str, ...] = ("bf16", "f16"), kms: tuple[int, ...] = (64, 128),
+                 f32_states: tuple[bool, ...] = (False, True)) -> list[str]:  # fmt: skip
+    """Name expressions (template instantiations) of every kernel for the given types / KM / state storage."""
+    names = ["glatc_scan", "glatc_combine"]
+    for t in types:
+        for f in f32_states:
+            names += [walk_name(t, False, f), walk_name(t, True, f)]
+            for km in kms:
+                names += [fwd_name(t, km, f), bwd_name(t, km, f)]
+    return names
+
+
+# ---------------------------------------------------------------------------------------------- layouts
+
+
+def _layout(km: int) -> dict[str, int]:
+    """Mirror of ``GtLayout<KM>`` in gla_tc_chunk.cuh (bytes)."""
+    P, BP, AP = km + 8, km + 4, 72
+    T64, TK, F64, A64 = 64 * P * 2, km * P * 2, 64 * BP * 4, 64 * AP * 2
+    zone = max(2 * TK + T64, 224 * P * 2, F64)  # h, dS, Kd | Qh, Kh, Ko | dG
+    bwd = F64 + 4 * T64 + zone + 2 * A64 + (10 * km + 4) * 4
+    fwd = F64 + T64 + TK + 2 * A64 + 352 * P * 2 + (8 * km + 4) * 4
+    return {"bwd": bwd, "fwd": fwd}
+
+
+def smem_bwd(km: int) -> int:
+    """Dynamic shared memory of ``glatc_bwd<T, km, *>`` (bytes)."""
+    return _layout(km)["bwd"]
+
+
+def smem_fwd(km: int) -> int:
+    """Dynamic shared memory of ``glatc_fwd_out<T, km, *>`` (bytes)."""
+    return _layout(km)["fwd"]
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def type_of(x: Any) -> str:
+    """Kernel type of an input array: "bf16" (uint16 bits or bfloat16) or "f16"; TypeError otherwise."""
+    dt = str(x.dtype)
+    if dt not in TYPES:
+        raise TypeError(f"the tensor-core GLA kernels take bf16 (uint16 bits or bfloat16) or float16, got {dt}")
+    return TYPES[dt]
+
+
+def applies(t: str, K: int, V: int) -> bool:
+    """The tensor-core kernels handle this type and head size."""
+    return t in ("bf16", "f16") and 16 <= K <= 128 and 16 <= V <= 128 and K % 16 == 0 and V % 16 == 0
+
+
+def km_of(K: int, V: int) -> int:
+    return 64 if max(K, V) <= 64 else 128
+
+
+def check_inputs(rt: Any, q: Any, k: Any, v: Any, g: Any, do: Any = None) -> tuple[int, int, int, int, int, str]:
+    """``(B, T, H, K, V, t)`` after checking shapes, dtypes, contiguity, alignment and head sizes."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("do", do)):
+        if x is None:
+            continue
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(x.shape)}")
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{name} must be C-contiguous")
+        if rt.ptr(x) % 16:
+            raise ValueError(f"{name} must be 16-byte aligned")
+    B, T, H, K = (int(s) for s in q.shape)
+    V = int(v.shape[3])
+    for name, x, shp in (("k", k, (B, T, H, K)), ("g", g, (B, T, H, K)), ("v", v, (B, T, H, V)),
+                         ("do", do, (B, T, H, V))):  # fmt: skip
+        if x is not None and tuple(x.shape) != shp:
+            raise ValueError(f"{name} has shape {list(x.shape)}, expected {list(shp)}")
+        if x is not None and str(x.dtype) != str(q.dtype):
+            raise TypeError(f"{name} has dtype {x.dtype}, expected {q.dtype} (the dtype of q)")
+    t = type_of(q)
+    if not applies(t, K, V):
+        raise ValueError(f"the tensor-core GLA kernels need K and V multiples of 16 up to 128, got K={K}, V={V}")
+    if T < 1 or B * H < 1:
+        raise ValueError(f"need T >= 1 and B*H >= 1, got q of shape {list(q.shape)}")
+    return B, T, H, K, V, t
+
+
+def state32(rt: Any, x: Any, B: int, H: int, K: int, V: int, name: str) -> Any:
+    if x is None:
+        return None
+    if tuple(x.shape) != (B, H, K, V):
+        raise ValueError(f"{name} has shape {list(x.shape)}, expected {[B, H, K, V]}")
+    return rt.xp.ascontiguousarray(x, dtype=rt.xp.float32)
+
+
+# ---------------------------------------------------------------------------------------------- plan
+
+
+def num_sms(rt: Any) -> int:
+    try:
+        return int(rt.xp.cuda.Device().attributes["MultiProcessorCount"])
+    except Exception:  # noqa: BLE001 - numpy (emulation) or an old CuPy
+        return 132
+
+
+def chunks_per_segment(rt: Any, BH: int, NT: int, K: int, V: int) -> int:
+    """Chunks per segment: enough segments that the walks fill the device (~24 CTAs per SM)."""
+    tiles = -(-K // 64) * -(-V // 64)
+    ns = max(1, -(-24 * num_sms(rt) // (tiles * BH)))
+    return max(1, -(-NT // ns))
+
+
+@dataclass
+class Geometry:
+    """Sizes of one call: ``[B, T, H, K]`` / ``V``, chunks ``NT``, chunks per segment ``NC``, segments ``NS``."""
+
+    B: int
+    T: int
+    H: int
+    K: int
+    V: int
+    t: str
+    NC: int
+    f32_states: bool
+
+    @property
+    def BH(self) -> int:
+        return self.B * self.H
+
+    @property
+    def NT(self) -> int:
+        return -(-self.T // 64)
+
+    @property
+    def NS(self) -> int:
+        return -(-self.NT // self.NC)
+
+    @property
+    def km(self) -> int:
+        return km_of(self.K, self.V)
+
+    def dims(self) -> tuple:
+        return (i32(self.B), i32(self.T), i32(self.H), i32(self.K), i32(self.V))
+
+
+def geometry(rt: Any, B: int, T: int, H: int, K: int, V: int, t: str, nc: int | None, f32_states: bool | None):
+    NT = -(-T // 64)
+    NC = int(nc) if nc else chunks_per_segment(rt, B * H, NT, K, V)
+    if NC < 1:
+        raise ValueError(f"nc (chunks per segment) must be >= 1, got {nc}")
+    f32s = (t == "f16") if f32_states is None else bool(f32_states)  # fp16 states could overflow 16 bits
+    return Geometry(B, T, H, K, V, t, NC, f32s)
+
+
+@dataclass
+class StatePass:
+    """One walk + scan: per-chunk states inside segments ``Hc [BH, NT, K, V]``, the states entering (reverse: the
+    gradients leaving) the segments from a zero start ``Sin [BH, NS, K, V]`` fp32, segment log decays ``gseg``,
+    chunk log decays from the segment boundary ``pc [BH, NT, K]``, and ``fin [BH, K, V]`` (forward: the final
+    state; reverse: the gradient into the initial state) from a zero start."""
+
+    Hc: Any
+    Sin: Any
+    gseg: Any
+    pc: Any
+    fin: Any
+
+
+def state_pass(rt: Any, geo: Geometry, left: Any, right: Any, g: Any, reverse: bool, scale: float = 1.0,
+               gseg: Any = None) -> StatePass:  # fmt: skip
+    """Forward (``left, right = k, v``) or reverse (``q, do`` with ``scale``) walk and segment scan. The reverse
+    pass takes the forward pass's ``gseg`` for its scan (same decays, one rounding)."""
+    xp = rt.xp
+    BH, NT, NS, K, V = geo.BH, geo.NT, geo.NS, geo.K, geo.V
+    Hc = xp.empty((BH, NT, K, V), dtype=xp.float32 if geo.f32_states else xp.uint16)
+    Sin = xp.empty((BH, NS, K, V), dtype=xp.float32)
+    own = xp.empty((BH, NS, K), dtype=xp.float32) if gseg is None else None
+    pc = xp.empty((BH, NT, K), dtype=xp.float32)
+    tiles = -(-K // 64) * -(-V // 64)
+    rt.launch(
+        walk_name(geo.t, reverse, geo.f32_states), (tiles, NS, BH), (WALK_THREADS,),
+        (left, right, g, Hc, Sin, own, pc, f32(scale)) + geo.dims() + (i32(geo.NC), i32(NS), i32(NT)),
+    )  # fmt: skip
+    gs = own if gseg is None else gseg
+    fin = xp.empty((BH, K, V), dtype=xp.float32)
+    rt.launch("glatc_scan", (-(-K * V // 256), BH), (256,), (Sin, gs, fin, i32(NS), i32(K), i32(V), i32(reverse)))
+    return StatePass(Hc, Sin, gs, pc, fin)
+
+
+def carried(rt: Any, geo: Geometry, sp: StatePass, S0: Any, reverse: bool) -> Any:
+    """Segment states with ``S0`` (initial state; reverse: dht ``[B, H, K, V]`` fp32 or None) carried in:
+    ``Sin[s] + exp(log decay between the sequence boundary and s) * S0``; None if that is all zero."""
+    if S0 is None:
+        return sp.Sin if geo.NS > 1 else None
+    out = rt.xp.empty_like(sp.Sin)
+    rt.launch(
+        "glatc_combine", (-(-geo.K * geo.V // 256), geo.BH), (256,),
+        (out, sp.Sin, S0, sp.gseg, i32(geo.NS), i32(geo.K), i32(geo.V), i32(reverse)),
+    )  # fmt: skip
+    return out
+
+
+def decay_total(rt: Any, geo: Geometry, gseg: Any) -> Any:
+    """``exp`` of the gate summed over T: ``[B, H, K]`` fp32."""
+    xp = rt.xp
+    return xp.exp(gseg.sum(axis=1)).astype(xp.float32).reshape(geo.B, geo.H, geo.K)
+
+
+# ---------------------------------------------------------------------------------------------- emulation
+
+
+def emu_runtime(types: tuple[str, ...] = ("bf16",), kms: tuple[int, ...] = (64, 128),
+                f32_states: tuple[bool, ...] = (False, True)):  # fmt: skip
+    """A CPU-emulation runtime (``hpczeco.gpu.emu.EmuRuntime``) of these kernels (tests; tiny shapes only)."""
+    from .emu import EmuRuntime  # noqa: PLC0415
+
+    return EmuRuntime(kernel_source(), kernel_names(types, kms, f32_states))
