@@ -138,6 +138,22 @@ class ZeCOGLA:
         return {"topology": self.scan, "blocks": self.blocks, "transport": self.transport, "check_values": False,
                 "agreed": True}
 
+    def _scan_overlapped(self, split, a, element, init, reverse: bool, tm: dict[str, float]):
+        """Start the scan of ``(a, element)`` (reverse: the backward's), run ``split.overlap`` while it is in
+        flight (polling it), and return its result; records ``scan_start``, ``overlap`` and ``wait`` in ``tm``."""
+        from .collectives import scan_start
+
+        t1 = self._now()
+        handle = scan_start(a, element, self.comm, reverse=reverse, initial=init, **self._scan_kwargs())
+        t2 = self._now()
+        tm["scan_start"] = t2 - t1
+        split.overlap(poll=handle.test)
+        t3 = self._now()
+        tm["overlap"] = t3 - t2
+        result = handle.wait()
+        tm["wait"] = self._now() - t3
+        return result
+
     @property
     def final_state(self):
         """State after this rank's slice ``[B, H, K, V]`` (on the last rank: the global final state)."""
@@ -151,7 +167,7 @@ class ZeCOGLA:
 
         ``initial_state [B, H, K, V]`` is the global initial state: given on rank 0 only.
         """
-        from .collectives import relay_recv, relay_send, scan_start
+        from .collectives import relay_recv, relay_send
 
         shapes: dict[str, Any] = {}
         self._device = get_array_module(q) is not np
@@ -224,16 +240,8 @@ class ZeCOGLA:
         fs = prepared[0] if prepared else split_forward(q, k, v, g, scale=scale, chunk_size=self.chunk_size,
                                                          check_values=False)
         tm["states"] = self._now() - t0
-        t1 = self._now()
-        handle = scan_start(fs.a, fs.S_local, self.comm, initial=init, **self._scan_kwargs())
-        t2 = self._now()
-        tm["scan_start"] = t2 - t1
-        fs.overlap(poll=handle.test)
-        t3 = self._now()
-        tm["overlap"] = t3 - t2
-        s_in = handle.wait()
+        s_in = self._scan_overlapped(fs, fs.a, fs.S_local, init, False, tm)
         t4 = self._now()
-        tm["wait"] = t4 - t3
         o, final = fs.finish(s_in)
         tm["correction"] = self._now() - t4
         self._finish_forward(q, k, v, g, fs.a, s_in, final, scale, tm, t0)
@@ -254,7 +262,7 @@ class ZeCOGLA:
         given on the last rank only. ``dh0`` (gradient into the global initial state) is returned
         on rank 0 and ``None`` elsewhere.
         """
-        from .collectives import relay_recv, relay_send, scan_start
+        from .collectives import relay_recv, relay_send
 
         if self._saved is None:
             raise RuntimeError("backward() needs a forward() first")
@@ -325,16 +333,8 @@ class ZeCOGLA:
                                                          chunk_size=self.chunk_size, states=sv.get("states"),
                                                          check_values=False)
         tm["states"] = self._now() - t0
-        t1 = self._now()
-        handle = scan_start(a, bs.U, self.comm, reverse=True, initial=init, **self._scan_kwargs())
-        t2 = self._now()
-        tm["scan_start"] = t2 - t1
-        bs.overlap(poll=handle.test)
-        t3 = self._now()
-        tm["overlap"] = t3 - t2
-        D = handle.wait()
+        D = self._scan_overlapped(bs, a, bs.U, init, True, tm)
         t4 = self._now()
-        tm["wait"] = t4 - t3
         dq, dk, dv, dg, dh0 = bs.finish(None if (self.rank == last and not has_dht) else D)
         tm["correction"] = self._now() - t4
         tm["total"] = self._now() - t_in

@@ -30,7 +30,6 @@ __all__ = [
     "chunk_exponents",
     "prep_operands",
     "scaled_rows",
-    "kd_rows",
     "gather_rows",
     "write_rows",
     "add_rows",
@@ -276,8 +275,10 @@ def prep_operands(q, k, b, h, n0, G, T, C, ns, c, scale, X, bad, Qp, KX, Qe, qe_
 
 
 @nb.njit(cache=True, nogil=True)
-def scaled_rows(x, ub, uh, n0, G, T, C, Cp, s, X, out):
-    """``out[u, gi, pos] = s x[b, t, h] X[u, gi, pos]`` (``X`` exponentiated), zero rows for no-op tokens."""
+def scaled_rows(x, ub, uh, n0, G, T, C, Cp, s, X, E, out):
+    """``out[u, gi, pos] = s x[b, t, h] f`` for the sequences ``(ub[u], uh[u])``, zero rows for no-op tokens,
+    with the factor ``f = X[u, gi, pos]`` (exponentiated light exponents) or, when ``X`` is None,
+    ``f = E[b, h, n0 + gi, pos]`` (stored per chunk, ``[B, H, N, Cp, D]``)."""
     D = x.shape[3]
     nu = ub.size
     for gi in range(G):
@@ -287,31 +288,13 @@ def scaled_rows(x, ub, uh, n0, G, T, C, Cp, s, X, out):
             t = n * C + pos
             for u in range(nu):
                 xr = x[ub[u], t, uh[u]]
-                er = X[u, gi, pos]
+                if X is not None:  # one of X, E is None: its branch is pruned at compile time
+                    er = X[u, gi, pos]
+                if E is not None:
+                    er = E[ub[u], uh[u], n, pos]
                 o = out[u, gi, pos]
                 for d in range(D):
                     o[d] = s * xr[d] * er[d]
-        for u in range(nu):
-            for pos in range(nv, Cp):
-                out[u, gi, pos] = 0
-
-
-@nb.njit(cache=True, nogil=True)
-def kd_rows(k, ub, uh, n0, G, T, C, Cp, E, out):
-    """``out[u, gi, pos] = k[b, t, h] E[b, h, n0 + gi, pos]``, zero rows for no-op tokens."""
-    K = k.shape[3]
-    nu = ub.size
-    for gi in range(G):
-        n = n0 + gi
-        nv = min(C, T - n * C)
-        for pos in range(nv):
-            t = n * C + pos
-            for u in range(nu):
-                kr = k[ub[u], t, uh[u]]
-                er = E[ub[u], uh[u], n, pos]
-                o = out[u, gi, pos]
-                for d in range(K):
-                    o[d] = kr[d] * er[d]
         for u in range(nu):
             for pos in range(nv, Cp):
                 out[u, gi, pos] = 0

@@ -47,6 +47,7 @@ only stream token rows walk tokens in the outer loop and a block of sequences in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -81,6 +82,35 @@ def _check_state(name: str, x: Any, B: int, H: int, K: int, V: int, in_dtype: np
         raise TypeError(f"{name} has dtype {dtype_name(x)}, expected {want} (the dtype of q)")
     if check_values:
         check_finite_values(name, x)
+
+
+def _light_pass(geo: Geom, dt: np.dtype, units, g, x, s, y, tot, reverse: bool,
+                step: Callable[[int, int, int, int, np.ndarray, np.ndarray], None]) -> None:
+    """The light pass of the split constructors (one ``exp`` per token and key) over the sequences ``units``:
+    per chunk ``n`` the product ``M_n = (s x exp(E))^T y_n [K, V]``, with ``E`` the gate summed over the chunk's
+    tokens after each token (forward) or up to it (``reverse``: the backward); groups of chunks in time order,
+    reversed with ``reverse``. ``step(b, h, n0, gc, M, Xj)`` runs the recurrence on the group's
+    ``M [gc, K, V]``; ``Xj [G, Cp + 1, K]`` (exponentiated) holds ``exp(E)`` and, in row ``Cp``, ``exp(b_C)``.
+    ``tot [B, H, N, K]`` (float64) receives the chunks' gate totals."""
+    K, V, C, T, N, Cp = geo.K, geo.V, geo.C, geo.T, geo.N, geo.Cp
+    G = geo.group_light()
+    blocks = unit_blocks(units)
+    nb_ = max(len(p) for p, _, _ in blocks)
+    X = np.empty((nb_, G, Cp + 1, K), dt)
+    Xs = np.empty((nb_, G, Cp, K), dt)
+    Yb = np.empty((G, Cp, V), dt)
+    M = np.empty((G, K, V), dt)
+    for n0 in range(((N - 1) // G) * G, -1, -G) if reverse else range(0, N, G):
+        gc = min(G, N - n0)
+        for part, ub, uh in blocks:
+            m = len(part)
+            _kn.chunk_exponents(g, ub, uh, n0, gc, T, C, Cp, X, tot, not reverse)
+            np.exp(X[:m, :gc], out=X[:m, :gc])
+            _kn.scaled_rows(x, ub, uh, n0, gc, T, C, Cp, s, X, None, Xs)
+            for j, (b, h) in enumerate(part):
+                yr = rows(y, b, h, n0, gc, geo, Yb)
+                np.matmul(Xs[j, :gc].transpose(0, 2, 1), yr, out=M[:gc])
+                step(b, h, n0, gc, M, X[j])
 
 
 # --------------------------------------------------------------------------------------------- forward
@@ -141,29 +171,14 @@ class ForwardSplit:
         self.S_local = np.ascontiguousarray(self._Sst[:, :, N])
 
     def _states(self, units, tot) -> None:
-        geo = self._geo
-        K, V, C, T, N, Cp = geo.K, geo.V, geo.C, geo.T, geo.N, geo.Cp
-        G = geo.group_light()
-        dt = self.dtype
-        blocks = unit_blocks(units)
-        nb_ = max(len(p) for p, _, _ in blocks)
-        X = np.empty((nb_, G, Cp + 1, K), dt)
-        Kd = np.empty((nb_, G, Cp, K), dt)
-        Vb = np.empty((G, Cp, V), dt)
-        U = np.empty((G, K, V), dt)
+        """Chunk states from a zero state: ``S_{n+1} = exp(b_C) S_n + (k exp(b_C - b))^T V`` (light pass)."""
         for b, h in units:
             self._Sst[b, h, 0] = 0
-        for n0 in range(0, N, G):
-            gc = min(G, N - n0)
-            for part, ub, uh in blocks:
-                m = len(part)
-                _kn.chunk_exponents(self._g, ub, uh, n0, gc, T, C, Cp, X, tot, True)
-                np.exp(X[:m, :gc], out=X[:m, :gc])
-                _kn.scaled_rows(self._k, ub, uh, n0, gc, T, C, Cp, dt.type(1), X, Kd)
-                for j, (b, h) in enumerate(part):
-                    vr = rows(self._v, b, h, n0, gc, geo, Vb)
-                    np.matmul(Kd[j, :gc].transpose(0, 2, 1), vr, out=U[:gc])
-                    _kn.state_chain(U, X[j], Cp, gc, self._Sst[b, h], n0)
+
+        def step(b: int, h: int, n0: int, gc: int, M: np.ndarray, Xj: np.ndarray) -> None:
+            _kn.state_chain(M, Xj, self._geo.Cp, gc, self._Sst[b, h], n0)
+
+        _light_pass(self._geo, self.dtype, units, self._g, self._k, self.dtype.type(1), self._v, tot, False, step)
 
     def overlap(self, poll: Poll = None) -> None:
         """The split protocol's state-independent phase: :meth:`intra`."""
@@ -335,29 +350,14 @@ class BackwardSplit:
     def _ctor_units(self, units, tot) -> None:
         """Per chunk ``W_n = scale (q exp(b))^T dO``, reverse time order with the recurrence
         ``dH <- exp(b_C) dH + W_n`` from dH = 0: ``_dHl[n]`` = dH entering from the right, ``U`` = the end."""
-        geo = self._geo
-        K, V, C, T, N, Cp = geo.K, geo.V, geo.C, geo.T, geo.N, geo.Cp
-        G = geo.group_light()
-        dt = self.dtype
-        blocks = unit_blocks(units)
-        nb_ = max(len(p) for p, _, _ in blocks)
-        X = np.empty((nb_, G, Cp + 1, K), dt)
-        Qe = np.empty((nb_, G, Cp, K), dt)
-        dOb = np.empty((G, Cp, V), dt)
-        W = np.empty((G, K, V), dt)
-        dH = {u: np.zeros((K, V), dt) for u in units}
-        for n0 in range(((N - 1) // G) * G, -1, -G):
-            gc = min(G, N - n0)
-            for part, ub, uh in blocks:
-                m = len(part)
-                _kn.chunk_exponents(self._g, ub, uh, n0, gc, T, C, Cp, X, tot, False)
-                np.exp(X[:m, :gc], out=X[:m, :gc])
-                _kn.scaled_rows(self._q, ub, uh, n0, gc, T, C, Cp, self.scale, X, Qe)
-                for j, (b, h) in enumerate(part):
-                    self._ac[b, h, n0 : n0 + gc] = X[j, :gc, Cp]
-                    dor = rows(self._do, b, h, n0, gc, geo, dOb)
-                    np.matmul(Qe[j, :gc].transpose(0, 2, 1), dor, out=W[:gc])
-                    _kn.state_bwd(W, X[j], Cp, gc, dH[(b, h)], self._dHl[b, h, n0 : n0 + gc])
+        K, V, Cp = self._geo.K, self._geo.V, self._geo.Cp
+        dH = {u: np.zeros((K, V), self.dtype) for u in units}
+
+        def step(b: int, h: int, n0: int, gc: int, M: np.ndarray, Xj: np.ndarray) -> None:
+            self._ac[b, h, n0 : n0 + gc] = Xj[:gc, Cp]
+            _kn.state_bwd(M, Xj, Cp, gc, dH[(b, h)], self._dHl[b, h, n0 : n0 + gc])
+
+        _light_pass(self._geo, self.dtype, units, self._g, self._q, self.scale, self._do, tot, True, step)
         for b, h in units:
             self.U[b, h] = dH[(b, h)]
 
@@ -466,7 +466,7 @@ class BackwardSplit:
             gc = min(G, N - n0)
             for part, ub, uh in blocks:
                 _kn.corrected_states(self._dHl, self._e, D0, ub, uh, n0, gc, dHt)
-                _kn.kd_rows(self._k, ub, uh, n0, gc, T, C, Cp, self._E, Kd)
+                _kn.scaled_rows(self._k, ub, uh, n0, gc, T, C, Cp, dt.type(1), None, self._E, Kd)
                 for j, (b, h) in enumerate(part):
                     dH = dHt[j, :gc]
                     np.matmul(Kd[j, :gc], dH, out=DV2[j, :gc])
