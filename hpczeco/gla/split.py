@@ -84,6 +84,32 @@ def _check_state(name: str, x: Any, B: int, H: int, K: int, V: int, in_dtype: np
         check_finite_values(name, x)
 
 
+class _Split:
+    """What both split classes share: the checked call's sizes and dtypes, and the once-only ``finish``."""
+
+    def _setup(self, q: Any, call: tuple, check_values: bool) -> None:
+        B, T, H, K, V, s, chunk_size, cdt = call
+        self.shape = (B, T, H, K, V)
+        self.chunk_size, self.dtype, self.in_dtype = chunk_size, cdt, q.dtype
+        self.scale = cdt.type(s)
+        self._check_values = bool(check_values)  # also for the state handed to finish()
+        self._finished = False
+
+    def _begin_finish(self, name: str, x: Any, overlap: Callable[[], None]) -> np.ndarray | None:
+        """Checks of ``finish(x)`` (once per object; ``x`` a ``[B, H, K, V]`` state or None), then the overlap
+        phase if it has not run; returns ``x`` contiguous in the compute dtype."""
+        if self._finished:
+            cls = type(self).__name__
+            raise RuntimeError(f"{cls}.finish() was already called (it works in place): make a new {cls}")
+        B, T, H, K, V = self.shape
+        if x is not None:
+            _check_state(name, x, B, H, K, V, self.in_dtype, self._check_values)
+        x0 = None if x is None else np.ascontiguousarray(x, dtype=self.dtype)
+        overlap()
+        self._finished = True
+        return x0
+
+
 def _light_pass(geo: Geom, dt: np.dtype, units, g, x, s, y, tot, reverse: bool,
                 step: Callable[[int, int, int, int, np.ndarray, np.ndarray], None]) -> None:
     """The light pass of the split constructors (one ``exp`` per token and key) over the sequences ``units``:
@@ -116,7 +142,7 @@ def _light_pass(geo: Geom, dt: np.dtype, units, g, x, s, y, tot, reverse: bool,
 # --------------------------------------------------------------------------------------------- forward
 
 
-class ForwardSplit:
+class ForwardSplit(_Split):
     """Chunked GLA forward in three phases (numpy): :meth:`finish` returns what ``chunk_gla(q, k, v, g,
     scale, initial_state=S_in, output_final_state=True, chunk_size)`` returns.
 
@@ -145,13 +171,10 @@ class ForwardSplit:
         check_values: bool = True,
     ):
         _check_numpy(q=q, k=k, v=v, g=g)
-        B, T, H, K, V, s, chunk_size, cdt = check_gla_call(q, k, v, g, scale, None, chunk_size,
-                                                           check_values=check_values)
-        self.shape = (B, T, H, K, V)
-        self.chunk_size, self.dtype, self.in_dtype = chunk_size, cdt, q.dtype
-        self.scale = cdt.type(s)
-        self._check_values = bool(check_values)  # also for the state handed to finish()
-        self._intra_done = self._finished = False
+        call = check_gla_call(q, k, v, g, scale, None, chunk_size, check_values=check_values)
+        self._setup(q, call, check_values)
+        B, T, H, K, V, _, chunk_size, cdt = call
+        self._intra_done = False
         self._states_out: np.ndarray | None = None
         if T == 0 or B * H == 0:
             self._geo = None
@@ -234,14 +257,8 @@ class ForwardSplit:
         ``S_in [B, H, K, V]`` (None: zeros): the chunk states are corrected in place,
         ``S_n = S_n^loc + diag(exp(G_n)) S_in``, their inter-chunk product added to the intra part in place, and
         ``final = diag(a) S_in + S_local``. Runs :meth:`intra` first if it has not run. Once per object."""
-        if self._finished:
-            raise RuntimeError("ForwardSplit.finish() was already called (it works in place): make a new ForwardSplit")
+        S0 = self._begin_finish("S_in", S_in, self.intra)
         B, T, H, K, V = self.shape
-        if S_in is not None:
-            _check_state("S_in", S_in, B, H, K, V, self.in_dtype, self._check_values)
-        S0 = None if S_in is None else np.ascontiguousarray(S_in, dtype=self.dtype)
-        self.intra()
-        self._finished = True
         if self._geo is None:
             o = np.zeros((B, T, H, V), self.in_dtype)
             final = np.zeros((B, H, K, V), self.dtype) if S0 is None else S0.copy()
@@ -275,7 +292,7 @@ class ForwardSplit:
 # --------------------------------------------------------------------------------------------- backward
 
 
-class BackwardSplit:
+class BackwardSplit(_Split):
     """Chunked GLA backward in three phases (numpy): :meth:`finish` returns ``(dq, dk, dv, dg, dh0)`` equal
     (to rounding) to ``chunk_gla_bwd(q, k, v, g, do, scale, initial_state, dht, chunk_size)``.
 
@@ -306,15 +323,12 @@ class BackwardSplit:
         check_values: bool = True,
     ):
         _check_numpy(q=q, k=k, v=v, g=g, do=do, initial_state=initial_state, states=states)
-        B, T, H, K, V, s, chunk_size, cdt = check_gla_call(q, k, v, g, scale, initial_state, chunk_size, do=do,
-                                                           check_values=check_values)
-        self.shape = (B, T, H, K, V)
-        self.chunk_size, self.dtype, self.in_dtype = chunk_size, cdt, q.dtype
-        self.scale = cdt.type(s)
-        self._check_values = bool(check_values)  # also for the state handed to finish()
+        call = check_gla_call(q, k, v, g, scale, initial_state, chunk_size, do=do, check_values=check_values)
+        self._setup(q, call, check_values)
+        B, T, H, K, V, _, chunk_size, cdt = call
         self._dh0_dtype = cdt if initial_state is None else initial_state.dtype
         self._h0 = None if initial_state is None else np.asarray(initial_state, dtype=cdt)
-        self._local_done = self._finished = False
+        self._local_done = False
         self._given_states = None
         if states is not None:
             check_array("states", states, ndim=5)
@@ -429,14 +443,8 @@ class BackwardSplit:
         state (None: zeros): the dH terms with ``dH_n = dH_n^loc + diag(exp(G_T - G_{n+1})) dht`` added in
         place, and ``dh0 = U + diag(a) dht``. Gradients in the input dtype, dh0 in ``initial_state``'s dtype
         (compute dtype without one). Runs :meth:`local` first if it has not run. Once per object."""
-        if self._finished:
-            raise RuntimeError("BackwardSplit.finish() was already called (it works in place): make a new one")
+        D0 = self._begin_finish("dht", dht, self.local)
         B, T, H, K, V = self.shape
-        if dht is not None:
-            _check_state("dht", dht, B, H, K, V, self.in_dtype, self._check_values)
-        D0 = None if dht is None else np.ascontiguousarray(dht, dtype=self.dtype)
-        self.local()
-        self._finished = True
         if self._geo is None:
             dq = np.zeros((B, T, H, K), self.in_dtype)
             dh0 = np.zeros((B, H, K, V), self._dh0_dtype) if D0 is None else D0.astype(self._dh0_dtype)
