@@ -274,6 +274,12 @@ def prep_operands(q, k, b, h, n0, G, T, C, ns, c, scale, X, bad, Qp, KX, Qe, qe_
                                 QX[gi, row, kk] = Qp[gi, pos, kk] * X[gi, fr, kk]
 
 
+@nb.njit(cache=True, nogil=True, inline="always")
+def _scale_row(o, s, xr, er, D):
+    for d in range(D):
+        o[d] = s * xr[d] * er[d]
+
+
 @nb.njit(cache=True, nogil=True)
 def scaled_rows(x, ub, uh, n0, G, T, C, Cp, s, X, E, out):
     """``out[u, gi, pos] = s x[b, t, h] f`` for the sequences ``(ub[u], uh[u])``, zero rows for no-op tokens,
@@ -288,13 +294,11 @@ def scaled_rows(x, ub, uh, n0, G, T, C, Cp, s, X, E, out):
             t = n * C + pos
             for u in range(nu):
                 xr = x[ub[u], t, uh[u]]
-                if X is not None:  # one of X, E is None: its branch is pruned at compile time
-                    er = X[u, gi, pos]
-                if E is not None:
-                    er = E[ub[u], uh[u], n, pos]
                 o = out[u, gi, pos]
-                for d in range(D):
-                    o[d] = s * xr[d] * er[d]
+                if X is not None:  # one of X, E is None: its branch is pruned at compile time
+                    _scale_row(o, s, xr, X[u, gi, pos], D)
+                if E is not None:
+                    _scale_row(o, s, xr, E[ub[u], uh[u], n, pos], D)
         for u in range(nu):
             for pos in range(nv, Cp):
                 out[u, gi, pos] = 0
