@@ -17,8 +17,11 @@ Backward uses the same operator in the reverse direction: with
 ``U_p = scale sum_t (q_t exp(G_t))^T do_t`` the gradient reaching rank p's final state is
 ``D_p`` = reverse exclusive scan of ``(a_p, U_p)`` seeded with ``dht`` on the last rank. The
 local backward (with ``initial_state = S_in``) overlaps that scan; the contribution of ``D_p`` is
-added once it lands. ``scan="serial"`` is LASP-1: it serialises the compute too (receive the
-state, compute the slice with it, send the final state on), so it is the baseline it claims to be.
+added once it lands. Both directions talk to the split protocol of :mod:`hpczeco.gla.protocol` (``a``,
+the local state, ``overlap(poll)``, ``finish``), implemented on numpy (:mod:`hpczeco.gla.split`) and CuPy
+(:mod:`hpczeco.gla.device_split`), so each has one code path. ``scan="serial"`` is LASP-1: it serialises
+the compute too (receive the state, compute the slice with it, send the final state on), so it is the
+baseline it claims to be.
 """
 
 from __future__ import annotations
@@ -33,11 +36,21 @@ from .base.backend import get_array_module
 from .collectives import local_error
 from .collectives.scan import agree_fast
 from .gla import chunk_gla, chunk_gla_bwd, validate_gla_inputs
-from .gla.validate import raise_for_flags
+from .gla.protocol import split_backward, split_forward
+from .gla.validate import check_chunk_size, raise_for_flags
 
 __all__ = ["ZeCOGLA", "zeco_gla", "SCANS"]
 
 SCANS = ("ring", "tree", "allgather", "serial", "exscan", "auto")
+
+
+def _check_scan_options(scan: Any, blocks: Any) -> None:
+    """The scan topology and the ring's ``blocks`` (positive integer or None), checked where they enter."""
+    # TODO(coll names): switch to collectives/names.py check_topology(scan) and check_blocks(blocks, K) when it lands
+    if scan not in SCANS:
+        raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
+    if blocks is not None and (not isinstance(blocks, int | np.integer) or blocks < 1):
+        raise ValueError(f"blocks must be a positive integer or None, got {blocks!r}")
 
 
 def _state_dtype(x) -> Any:
@@ -49,8 +62,10 @@ def _state_dtype(x) -> Any:
 class ZeCOTimings:
     """Seconds spent in the phases of the last forward/backward on this rank.
 
-    ``overlap`` is compute done while the scan was in flight; ``wait`` is the time blocked in
-    ``wait()`` afterwards (the part of the scan that was not hidden).
+    Keys: ``checks`` (the collective validation), ``states`` (the local pass before the scan),
+    ``scan_start``, ``overlap`` (compute done while the scan was in flight: the split's ``overlap``),
+    ``wait`` (the time blocked in ``wait()`` afterwards, the part of the scan that was not hidden),
+    ``correction`` (the split's ``finish``) and ``total``; ``scan="serial"`` has ``wait``, ``compute``.
     """
 
     fwd: dict[str, float] = field(default_factory=dict)
@@ -79,16 +94,11 @@ class ZeCOGLA:
     def __init__(self, comm, scan: str = "ring", blocks: int | None = None, chunk_size: int = 64,
                  scale: float | None = None, transport: Any = None, profile: bool = False,
                  check_values: bool = True):
-        if scan not in SCANS:
-            raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
-        if blocks is not None and (not isinstance(blocks, int | np.integer) or blocks < 1):
-            raise ValueError(f"blocks must be a positive integer or None, got {blocks!r}")
-        if not isinstance(chunk_size, int | np.integer) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+        _check_scan_options(scan, blocks)
         self.comm = comm
         self.scan = scan
         self.blocks = blocks
-        self.chunk_size = int(chunk_size)
+        self.chunk_size = check_chunk_size(chunk_size)  # the GPU limit is checked when the arrays are known
         self.scale = scale
         self.transport = transport
         self.rank = comm.Get_rank()
@@ -128,6 +138,22 @@ class ZeCOGLA:
         return {"topology": self.scan, "blocks": self.blocks, "transport": self.transport, "check_values": False,
                 "agreed": True}
 
+    def _scan_overlapped(self, split, a, element, init, reverse: bool, tm: dict[str, float]):
+        """Start the scan of ``(a, element)`` (reverse: the backward's), run ``split.overlap`` while it is in
+        flight (polling it), and return its result; records ``scan_start``, ``overlap`` and ``wait`` in ``tm``."""
+        from .collectives import scan_start
+
+        t1 = self._now()
+        handle = scan_start(a, element, self.comm, reverse=reverse, initial=init, **self._scan_kwargs())
+        t2 = self._now()
+        tm["scan_start"] = t2 - t1
+        split.overlap(poll=handle.test)
+        t3 = self._now()
+        tm["overlap"] = t3 - t2
+        result = handle.wait()
+        tm["wait"] = self._now() - t3
+        return result
+
     @property
     def final_state(self):
         """State after this rank's slice ``[B, H, K, V]`` (on the last rank: the global final state)."""
@@ -141,7 +167,7 @@ class ZeCOGLA:
 
         ``initial_state [B, H, K, V]`` is the global initial state: given on rank 0 only.
         """
-        from .collectives import relay_recv, relay_send, scan_start
+        from .collectives import relay_recv, relay_send
 
         shapes: dict[str, Any] = {}
         self._device = get_array_module(q) is not np
@@ -156,17 +182,16 @@ class ZeCOGLA:
                                                 check_values=self.check_values and not self._device)
             shapes.update(B=B, H=H, K=K, V=V)
             if self._device:
+                check_chunk_size(self.chunk_size, device=True)
                 # CuPy: the value checks reduce on a side stream while the local pass (which needs no
                 # communication) runs; a bad value still stops every rank before the first message
                 arrays = {"q": q, "k": k, "v": v, "g": g}
                 if initial_state is not None:
                     arrays["initial_state"] = initial_state
                 flags = self._start_value_flags(arrays, gate="g") if self.check_values else None
-                if self.scan != "serial" and T and B * H:
-                    from .gpu.gla import chunk_gla_prepare
-
+                if self.scan != "serial":
                     sc = float(self.scale) if self.scale is not None else K ** -0.5
-                    prepared.append(chunk_gla_prepare(q, k, v, g, scale=sc, chunk_size=self.chunk_size))
+                    prepared.append(split_forward(q, k, v, g, scale=sc, chunk_size=self.chunk_size))
                 if flags is not None:
                     raise_for_flags(arrays, flags.result())
 
@@ -209,50 +234,19 @@ class ZeCOGLA:
             return o
 
         init = initial_state.astype(sdt) if (self.rank == 0 and initial_state is not None) else None
-        if xp is np:
-            # numpy: the phase-split chunked GLA does every product once (the inter-chunk product waits
-            # for S_in with corrected chunk states), and polls the scan while it computes.
-            from .gla.split import ForwardSplit
-
-            fs = ForwardSplit(q, k, v, g, scale=scale, chunk_size=self.chunk_size, check_values=False)
-            tm["states"] = self._now() - t0
-            handle = scan_start(fs.a, fs.S_local, self.comm, initial=init, **self._scan_kwargs())
-            t1 = self._now()
-            fs.intra(poll=handle.test)
-            tm["overlap"] = self._now() - t1
-            t2 = self._now()
-            s_in = handle.wait()
-            tm["wait"] = self._now() - t2
-            t3 = self._now()
-            o, final = fs.finish(s_in)
-            tm["correction"] = self._now() - t3
-            self._finish_forward(q, k, v, g, fs.a, s_in, final, scale, tm, t0)
-            self._saved["states"] = fs.states  # chunk states: the backward need not recompute them
-            return o
-
-        if xp is not np and q.shape[1] and B * H:
-            # CuPy: the device kernels' own split (hpczeco.gpu.gla): local states from a zero start, then
-            # the outputs with the incoming state folded into the chunk states (no correction pass)
-            fw = prepared[0]  # queued during the checks
-            tm["states"] = self._now() - t0
-            t1 = self._now()
-            handle = scan_start(fw.decay, fw.local_final_state, self.comm, initial=init, **self._scan_kwargs())
-            t2 = self._now()
-            tm["scan_start"] = t2 - t1
-            s_in = handle.wait()
-            tm["wait"] = self._now() - t2
-            t3 = self._now()
-            o, final = fw.finish(initial_state=s_in, output_final_state=True)
-            tm["correction"] = self._now() - t3
-            self._finish_forward(q, k, v, g, fw.decay, s_in, final, scale, tm, t0)
-            return o
-
-        # a CuPy slice with no tokens (or no heads): nothing to compute, only to pass the state on
-        a = xp.ones((B, H, K), dtype=sdt)
-        handle = scan_start(a, xp.zeros((B, H, K, V), dtype=sdt), self.comm, initial=init, **self._scan_kwargs())
-        s_in = handle.wait()
-        self._finish_forward(q, k, v, g, a, s_in, xp.ascontiguousarray(s_in.astype(sdt)), scale, tm, t0)
-        return xp.zeros(v.shape, dtype=q.dtype)
+        # one path for both backends (hpczeco.gla.protocol): the local pass (queued during the checks on the
+        # device), the scan of (a, S_local), the state-independent work while it is in flight (on numpy every
+        # product once, polling the scan), then the outputs with the incoming state
+        fs = prepared[0] if prepared else split_forward(q, k, v, g, scale=scale, chunk_size=self.chunk_size,
+                                                         check_values=False)
+        tm["states"] = self._now() - t0
+        s_in = self._scan_overlapped(fs, fs.a, fs.S_local, init, False, tm)
+        t4 = self._now()
+        o, final = fs.finish(s_in)
+        tm["correction"] = self._now() - t4
+        self._finish_forward(q, k, v, g, fs.a, s_in, final, scale, tm, t0)
+        self._saved["states"] = fs.states  # chunk states (numpy): the backward need not recompute them
+        return o
 
     def _finish_forward(self, q, k, v, g, a, s_in, final, scale, tm, t0) -> None:
         tm["total"] = self._now() - t0 + tm.get("checks", 0.0)
@@ -268,7 +262,7 @@ class ZeCOGLA:
         given on the last rank only. ``dh0`` (gradient into the global initial state) is returned
         on rank 0 and ``None`` elsewhere.
         """
-        from .collectives import relay_recv, relay_send, scan_start
+        from .collectives import relay_recv, relay_send
 
         if self._saved is None:
             raise RuntimeError("backward() needs a forward() first")
@@ -301,10 +295,9 @@ class ZeCOGLA:
                 return
             # CuPy: the value checks reduce on a side stream while the backward's state passes run
             flags = self._start_value_flags(values) if self.check_values else None
-            if self.scan != "serial" and L and B * H:
-                from .gpu.gla import chunk_gla_bwd_prepare
-
-                prepared.append(chunk_gla_bwd_prepare(q, k, v, g, do, scale=scale, chunk_size=self.chunk_size))
+            if self.scan != "serial":
+                prepared.append(split_backward(q, k, v, g, do, scale=scale, initial_state=s_in,
+                                               chunk_size=self.chunk_size))
             if flags is not None:
                 raise_for_flags(values, flags.result())
 
@@ -334,52 +327,19 @@ class ZeCOGLA:
             return dq, dk, dv, dg, (dh0 if self.rank == 0 else None)
 
         init = dht.astype(sdt) if (self.rank == last and dht is not None) else None
-        if xp is np:
-            from .gla.split import BackwardSplit
-
-            bs = BackwardSplit(q, k, v, g, do, scale=scale, initial_state=s_in, chunk_size=self.chunk_size,
-                               states=sv.get("states"), check_values=False)
-            tm["states"] = self._now() - t0
-            handle = scan_start(a, bs.U, self.comm, reverse=True, initial=init, **self._scan_kwargs())
-            t1 = self._now()
-            bs.local(poll=handle.test)
-            tm["overlap"] = self._now() - t1
-            t2 = self._now()
-            D = handle.wait()
-            tm["wait"] = self._now() - t2
-            t3 = self._now()
-            dq, dk, dv, dg, dh0 = bs.finish(None if (self.rank == last and not has_dht) else D)
-            tm["correction"] = self._now() - t3
-            tm["total"] = self._now() - t_in
-            self.timings.bwd = tm
-            return dq, dk, dv, dg, (dh0 if self.rank == 0 else None)
-
-        if xp is not np and L and B * H:
-            bw = prepared[0]  # queued during the checks
-            tm["states"] = self._now() - t0
-            t1 = self._now()
-            handle = scan_start(a, bw.dh0_local, self.comm, reverse=True, initial=init, **self._scan_kwargs())
-            t2 = self._now()
-            tm["scan_start"] = t2 - t1
-            D = handle.wait()
-            tm["wait"] = self._now() - t2
-            t3 = self._now()
-            dq, dk, dv, dg, dh0 = bw.finish(initial_state=s_in,
-                                            dht=None if (self.rank == last and not has_dht) else D)
-            tm["correction"] = self._now() - t3
-            tm["total"] = self._now() - t_in
-            self.timings.bwd = tm
-            return dq, dk, dv, dg, (dh0 if self.rank == 0 else None)
-
-        # a CuPy slice with no tokens (or no heads): U = 0 and a = 1, so D passes straight through
-        handle = scan_start(a, xp.zeros((B, H, K, V), dtype=sdt), self.comm, reverse=True, initial=init,
-                            **self._scan_kwargs())
-        D = handle.wait()
-        dh0 = xp.zeros((B, H, K, V), dtype=sdt) if (self.rank == last and not has_dht) else D.astype(sdt)
+        # one path for both backends, as the forward: the reverse scan of (a, U), the dht-independent work
+        # while it is in flight, then the gradients with the incoming state gradient
+        bs = prepared[0] if prepared else split_backward(q, k, v, g, do, scale=scale, initial_state=s_in,
+                                                         chunk_size=self.chunk_size, states=sv.get("states"),
+                                                         check_values=False)
+        tm["states"] = self._now() - t0
+        D = self._scan_overlapped(bs, a, bs.U, init, True, tm)
+        t4 = self._now()
+        dq, dk, dv, dg, dh0 = bs.finish(None if (self.rank == last and not has_dht) else D)
+        tm["correction"] = self._now() - t4
         tm["total"] = self._now() - t_in
         self.timings.bwd = tm
-        zeros = [xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v, g)]
-        return (*zeros, (dh0 if self.rank == 0 else None))
+        return dq, dk, dv, dg, (dh0 if self.rank == 0 else None)
 
 
 def zeco_gla(q, k, v, g, comm, *, initial_state=None, scan: str = "ring", blocks: int | None = None,

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from helpers import log_gates, rel
 
-import hpczeco.gla.chunk as chunk_mod
-import hpczeco.gla.split as split_mod
+import hpczeco.gla._geometry as geometry_mod
 from hpczeco.gla import chunk_gla, chunk_gla_bwd
 from hpczeco.gla.split import BackwardSplit, ForwardSplit
 
@@ -119,9 +118,8 @@ def test_phases_optional_and_finish_once(rng):
 def test_groups_threads_and_poll_thread(rng, monkeypatch, group_tokens):
     """Groups of 1 chunk, a few, or all; 1 or 3 worker threads: equal to chunk_gla(_bwd), bit-for-bit across
     thread counts, and poll runs in the calling thread."""
-    monkeypatch.setattr(chunk_mod, "_GROUP_TOKENS", group_tokens)
-    monkeypatch.setattr(split_mod, "_GROUP_TOKENS_BWD", group_tokens)
-    monkeypatch.setattr(split_mod, "_GROUP_TOKENS_LIGHT", group_tokens)
+    monkeypatch.setattr(geometry_mod, "GROUP_TOKENS", group_tokens)
+    monkeypatch.setattr(geometry_mod, "GROUP_TOKENS_LIGHT", group_tokens)
     d = make(rng, 2, 203, 3, 8, 6, "mixed", np.float64)
     args = (d["q"], d["k"], d["v"], d["g"])
     o_ref, f_ref = chunk_gla(*args, initial_state=d["s0"], output_final_state=True, chunk_size=16)
@@ -161,8 +159,8 @@ def test_poll_called_during_work(rng, monkeypatch, threads):
 
 def test_all_pairwise_and_very_strong_decays(rng, monkeypatch):
     """Every diagonal block in the exact pairwise form (span limit 0), and gates down to -1000 per token."""
-    monkeypatch.setitem(chunk_mod._SPAN_LIMIT, np.dtype(np.float64), 0.0)
-    monkeypatch.setitem(chunk_mod._SPAN_LIMIT, np.dtype(np.float32), 0.0)
+    monkeypatch.setitem(geometry_mod.SPAN_LIMIT, np.dtype(np.float64), 0.0)
+    monkeypatch.setitem(geometry_mod.SPAN_LIMIT, np.dtype(np.float32), 0.0)
     for dt in (np.float64, np.float32):
         for scale_g in (1.0, 125.0):
             d = make(rng, 1, 150, 2, 16, 8, "strong", dt)

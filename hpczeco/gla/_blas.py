@@ -2,7 +2,7 @@
 
 The chunked GLA runs many small matrix products from its own worker threads. If OpenBLAS also
 splits one of them over its thread pool (it does above a size threshold, e.g. 128 x 192 x 64),
-the pools fight the workers for the cores, and on a busy machine a product can take 20x longer.
+the pools fight the workers for the cores (measured in docs/benchmarks/gla.md).
 OpenBLAS >= 0.3.27 has a per-thread setting, ``openblas_set_num_threads_local``, that changes only the
 calling thread; it is found in the loaded libraries with ctypes. Without it this is a no-op.
 """

@@ -14,18 +14,20 @@ first token of sub-chunk ``I`` and ``e_J = b`` at its last token::
     S_next = diag(exp(b_C)) S_prev + (K' * exp(b_C - e_J))^T V
 
 Every exponent is <= 0 except the diagonal-block factor ``exp(span_I)`` (``span_I`` = minus the gate
-summed over a sub-chunk after its first token). Where ``span_I`` exceeds ``_SPAN_LIMIT`` (40 in
-float32, 300 in float64: strong decays such as g = -8 per token), that diagonal block is computed in
-the exact pairwise form ``sum_k q_ik k_jk exp(b_ik - b_jk)`` (masked exponents <= 0) instead, so no
-factor ever overflows. Partial chunks and sub-chunks are padded with no-op tokens (q = k = v = g = 0).
-Gate sums are taken inside sub-chunks (short sums) and across sub-chunks from their totals.
+summed over a sub-chunk after its first token). Where ``span_I`` exceeds the span limit
+(:mod:`hpczeco.gla._geometry`: 40 in float32, 300 in float64; strong decays such as g = -8 per token),
+that diagonal block is computed in the exact pairwise form ``sum_k q_ik k_jk exp(b_ik - b_jk)`` (masked
+exponents <= 0; :mod:`hpczeco.gla._pairwise`) instead, so no factor ever overflows. Partial chunks and
+sub-chunks are padded with no-op tokens (q = k = v = g = 0). Gate sums are taken inside sub-chunks (short
+sums) and across sub-chunks from their totals.
 
-Execution (streaming). Time runs in the outer loop, in groups of chunks (about ``_GROUP_TOKENS``
-tokens, so the scratch stays in cache), the (batch, head) sequences in the inner loop; sequences are
-split over threads (``HPCZECO_GLA_THREADS`` / ``OMP_NUM_THREADS`` / cores). Per group, numba kernels
-(:mod:`hpczeco.gla._kernels`, GIL released) build the exponents and the matmul operands, ``np.exp``
-exponentiates, BLAS does every product (``A`` row blocks, ``K^T V``, the fused ``[A | Qe] [V; S]``),
-and the ``[K, V]`` state is carried from group to group.
+Execution (streaming). Time runs in the outer loop, in groups of chunks (about 512 padded tokens, so
+the scratch stays in cache), the (batch, head) sequences in the inner loop; sequences are split over
+threads by :mod:`hpczeco.gla._runner` (``HPCZECO_GLA_THREADS`` / ``OMP_NUM_THREADS`` / cores). Per group,
+numba kernels (:mod:`hpczeco.gla._kernels`, GIL released) build the exponents and the matmul operands,
+``np.exp`` exponentiates, BLAS does every product (``A`` row blocks, ``K^T V``, the fused
+``[A | Qe] [V; S]``), and the ``[K, V]`` state is carried from group to group. The group steps shared with
+the phase-split form (:mod:`hpczeco.gla.split`) are in :mod:`hpczeco.gla._steps`.
 
 Backward. Pass 1 (time forward) stores the state entering every chunk (``[N + 1, K, V]`` per
 sequence, never per token); pass 2 (time backward) carries ``dH``, the gradient into the current
@@ -44,27 +46,22 @@ keeps its relative accuracy in float32 when the decays are strong and dg is tiny
 
 from __future__ import annotations
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from ..base.backend import is_device_array
 from . import _kernels as _kn
-from ._blas import single_threaded_blas
-from .validate import check_chunk_size, check_scale, compute_dtype_name, validate_gla_inputs
+from . import _kernels_grad as _kg
+from ._geometry import Geom
+from ._runner import num_threads, run_units
+from ._steps import OperandBuffers, a_matrix, exponents, intra_grads, matmul_rows
+from .validate import check_gla_call
 
 __all__ = ["chunk_gla", "chunk_gla_bwd"]
 
-# NOTE: hpczeco.gla.split (the ZeCO phase split) imports _SPAN_LIMIT, _check_common, _Geom, _group_size,
-# _num_threads, _pairwise_A, _pairwise_dqdk and _run_units from here, and several kernels of _kernels:
-# keep their signatures and meaning, or change split.py with them.
-
-_SUB = 16  # sub-chunk size (tokens)
-_SPAN_LIMIT = {np.dtype(np.float32): 40.0, np.dtype(np.float64): 300.0}
-_GROUP_TOKENS = 512  # padded tokens per streaming group of chunks (keeps the scratch in cache)
-_GROUP_TOKENS_BWD = 512
+# TODO(drv): drivers/bench_gla.py imports this name; switch it to hpczeco.gla._runner.num_threads, then drop it
+_num_threads = num_threads
 
 
 def _gpu_module():
@@ -80,33 +77,6 @@ def _gpu_module():
 
 def _any_device(*arrays: Any) -> bool:
     return any(a is not None and is_device_array(a) for a in arrays)
-
-
-# --------------------------------------------------------------------------------------------- layout
-
-
-class _Geom:
-    """Chunk geometry: ``N`` chunks of ``C`` tokens, each padded to ``Cp = ns * c`` (``ns`` sub-chunks)."""
-
-    def __init__(self, B: int, T: int, H: int, K: int, V: int, chunk_size: int):
-        self.B, self.T, self.H, self.K, self.V = B, T, H, K, V
-        self.C = C = max(1, min(chunk_size, T))
-        self.N = -(-T // C)
-        self.ns = -(-C // _SUB)
-        self.c = -(-C // self.ns)
-        self.Cp = self.ns * self.c
-        self.Z = B * H * self.N
-
-
-# --------------------------------------------------------------------------------------------- checks
-
-
-def _check_common(q, k, v, g, scale, initial_state, chunk_size, do=None, dht=None):
-    chunk_size = check_chunk_size(chunk_size)
-    B, T, H, K, V = validate_gla_inputs(q, k, v, g, initial_state=initial_state, do=do, dht=dht)
-    s = check_scale(scale, K)
-    cdt = np.dtype(compute_dtype_name(str(q.dtype)))
-    return B, T, H, K, V, s, chunk_size, cdt
 
 
 # --------------------------------------------------------------------------------------------- forward
@@ -130,8 +100,8 @@ def chunk_gla(
     the final state the compute dtype (float32 for half inputs). CuPy inputs run on the device
     (:func:`hpczeco.gpu.gla.chunk_gla`). Local: no communication.
     """
+    B, T, H, K, V, s, chunk_size, cdt = check_gla_call(q, k, v, g, scale, initial_state, chunk_size)
     if _any_device(q, k, v, g, initial_state):
-        _check_common(q, k, v, g, scale, initial_state, chunk_size)
         return _gpu_module().chunk_gla(
             q,
             k,
@@ -142,72 +112,32 @@ def chunk_gla(
             output_final_state=output_final_state,
             chunk_size=chunk_size,
         )
-    B, T, H, K, V, s, chunk_size, cdt = _check_common(q, k, v, g, scale, initial_state, chunk_size)
     h0 = None if initial_state is None else np.asarray(initial_state, dtype=cdt)
     in_dtype = q.dtype
     if T == 0 or B * H == 0:
         o = np.zeros((B, T, H, V), dtype=q.dtype)
         final = np.zeros((B, H, K, V), dtype=cdt) if h0 is None else h0.copy()
         return o, (final if output_final_state else None)
-    geo = _Geom(B, T, H, K, V, chunk_size)
+    geo = Geom(B, T, H, K, V, chunk_size)
     q, k, v, g = (np.ascontiguousarray(x, dtype=cdt) for x in (q, k, v, g))
     out = np.empty((B, T, H, V), dtype=cdt)
     final = np.empty((B, H, K, V), dtype=cdt)
-    _run_units(B, H, lambda units: _fwd_units(units, q, k, v, g, s, h0, geo, out, final))
+    run_units(B, H, lambda units, tick: _fwd_units(units, q, k, v, g, s, h0, geo, out, final))
     if out.dtype != in_dtype:
         out = out.astype(in_dtype)
     return out, (final if output_final_state else None)
 
 
-def _num_threads(units: int) -> int:
-    """Worker threads: ``HPCZECO_GLA_THREADS``, else ``OMP_NUM_THREADS``, else the usable cores; at most
-    one per (batch, head) sequence. Under MPI with several ranks per node set one of them (e.g. 1)."""
-    for var in ("HPCZECO_GLA_THREADS", "OMP_NUM_THREADS"):
-        env = os.environ.get(var, "").strip()
-        if env.isdigit() and int(env) > 0:
-            return max(1, min(int(env), units))
-    return max(1, min(len(os.sched_getaffinity(0)), units))
-
-
-def _run_units(B: int, H: int, fn) -> None:
-    """Run ``fn(list of (b, h))`` over all sequences, split into contiguous blocks over threads (the kernels
-    release the GIL). Each ``fn`` walks time in its outer loop and its sequences inside, so the rows of
-    ``[B, T, H, D]`` inputs are read from memory once, not once per head."""
-    units = [(b, h) for b in range(B) for h in range(H)]
-    nt = _num_threads(len(units))
-
-    def work(part):
-        with single_threaded_blas():  # we parallelise; BLAS thread pools would fight the workers
-            fn(part)
-
-    if nt == 1:
-        work(units)
-        return
-    bounds = [len(units) * i // nt for i in range(nt + 1)]
-    with ThreadPoolExecutor(nt) as ex:
-        for f in [ex.submit(work, units[bounds[i] : bounds[i + 1]]) for i in range(nt)]:
-            f.result()
-
-
-def _group_size(geo: _Geom) -> int:
-    """Chunks per streaming group: about _GROUP_TOKENS padded tokens, so the scratch stays in cache."""
-    return max(1, min(geo.N, _GROUP_TOKENS // geo.Cp))
-
-
-def _fwd_units(units, q, k, v, g, s, h0, geo: _Geom, out, final) -> None:
+def _fwd_units(units, q, k, v, g, s, h0, geo: Geom, out, final) -> None:
     """Streaming forward of the sequences ``units``: groups of chunks in time order, state carried along."""
     K, V, C, T, ns, c, Cp = geo.K, geo.V, geo.C, geo.T, geo.ns, geo.c, geo.Cp
-    G = _group_size(geo)
+    G = geo.group()
     dt = q.dtype
-    limit = _SPAN_LIMIT[dt]
-    oF, oR, oB, oA, LX = _kn.layout(ns, c)
-    X = np.empty((G, LX, K), dt)
-    bad = np.empty((G, ns), np.bool_)
-    Qp = np.empty((G, Cp, K), dt)
-    KX = np.empty((G, c * ns * (ns + 1) // 2, K), dt)
-    L = np.zeros((G, Cp, Cp + K), dt)  # blocks above the diagonal stay zero
+    oA = _kn.layout(ns, c)[3]
+    ob = OperandBuffers(geo, G, dt)
+    L = np.zeros((G, Cp, Cp + K), dt)  # [A | scale q exp(b)]; blocks above the diagonal stay zero
     Kd = np.empty((G, Cp, K), dt)
-    R = np.empty((G, Cp + K, V), dt)
+    R = np.empty((G, Cp + K, V), dt)  # [V ; S_prev]
     U = np.empty((G, K, V), dt)
     Ot = np.empty((G, Cp, V), dt)
     S = np.empty((len(units), K, V), dt)
@@ -216,27 +146,13 @@ def _fwd_units(units, q, k, v, g, s, h0, geo: _Geom, out, final) -> None:
     for n0 in range(0, geo.N, G):
         gc = min(G, geo.N - n0)
         for u, (b, h) in enumerate(units):
-            _kn.prep_exponents(g, b, h, n0, gc, T, C, ns, c, limit, X, bad)
-            np.exp(X[:gc], out=X[:gc])
-            _kn.prep_fwd_operands(q, k, v, b, h, n0, gc, T, C, ns, c, s, X, bad, Qp, KX, L, Kd, R)
-            for i in range(ns):
-                off = c * i * (i + 1) // 2
-                np.matmul(
-                    Qp[:gc, i * c : (i + 1) * c],
-                    KX[:gc, off : off + (i + 1) * c].transpose(0, 2, 1),
-                    out=L[:gc, i * c : (i + 1) * c, : (i + 1) * c],
-                )
-            _kn.mask_diag(L, gc, ns, c)
-            if bad[:gc].any():
-                _pairwise_A(q, k, g, b, h, n0, bad[:gc], geo, s, L)
+            exponents(g, b, h, n0, gc, geo, ob.X, ob.bad)
+            _kn.prep_operands(q, k, b, h, n0, gc, T, C, ns, c, s, ob.X, ob.bad, ob.Qp, ob.KX, L, Cp, None, Kd, None,
+                              v, R, None, None)  # fmt: skip
+            a_matrix(q, k, g, b, h, n0, gc, geo, s, ob.bad, ob.Qp, ob.KX, L)
             np.matmul(Kd[:gc].transpose(0, 2, 1), R[:gc, :Cp], out=U[:gc])
-            _kn.state_fwd(U, X, oA, gc, S[u], R, Cp)
-            t0, t1 = n0 * C, (n0 + gc) * C
-            if Cp == C and t1 <= T:  # whole chunks: BLAS writes the strided rows of out[b, :, h] directly
-                np.matmul(L[:gc], R[:gc], out=np.reshape(out[b, t0:t1, h], (gc, C, V), copy=False))
-            else:
-                np.matmul(L[:gc], R[:gc], out=Ot[:gc])
-                _kn.write_rows(Ot, out, b, h, n0, gc, T, C)
+            _kn.state_fwd(U, ob.X, oA, gc, S[u], R, Cp)
+            matmul_rows(L[:gc], R[:gc], out, b, h, n0, gc, geo, Ot)
     for u, (b, h) in enumerate(units):
         final[b, h] = S[u]
 
@@ -264,12 +180,11 @@ def chunk_gla_bwd(
     else the compute dtype. The chunk states are recomputed (``[N, K, V]`` per head, never per token).
     CuPy inputs run on the device (:func:`hpczeco.gpu.gla.chunk_gla_bwd`). Local: no communication.
     """
+    B, T, H, K, V, s, chunk_size, cdt = check_gla_call(q, k, v, g, scale, initial_state, chunk_size, do=do, dht=dht)
     if _any_device(q, k, v, g, do, initial_state, dht):
-        _check_common(q, k, v, g, scale, initial_state, chunk_size, do=do, dht=dht)
         return _gpu_module().chunk_gla_bwd(
             q, k, v, g, do, scale=scale, initial_state=initial_state, dht=dht, chunk_size=chunk_size
         )
-    B, T, H, K, V, s, chunk_size, cdt = _check_common(q, k, v, g, scale, initial_state, chunk_size, do=do, dht=dht)
     h0 = None if initial_state is None else np.asarray(initial_state, dtype=cdt)
     dh0_dtype = cdt if initial_state is None else initial_state.dtype
     in_dtype = q.dtype
@@ -277,12 +192,13 @@ def chunk_gla_bwd(
     if T == 0 or B * H == 0:
         dq = np.zeros((B, T, H, K), dtype=q.dtype)
         return dq, dq.copy(), np.zeros((B, T, H, V), dtype=q.dtype), dq.copy(), dH_last.astype(dh0_dtype)
-    geo = _Geom(B, T, H, K, V, chunk_size)
+    geo = Geom(B, T, H, K, V, chunk_size)
     q, k, v, g, do = (np.ascontiguousarray(x, dtype=cdt) for x in (q, k, v, g, do))
     dq, dk, dg = (np.empty((B, T, H, K), dtype=cdt) for _ in range(3))
     dv = np.empty((B, T, H, V), dtype=cdt)
     dh0 = np.empty((B, H, K, V), dtype=cdt)
-    _run_units(B, H, lambda units: _bwd_units(units, q, k, v, g, do, s, h0, dH_last, geo, dq, dk, dv, dg, dh0))
+    grads = (dq, dk, dv, dg)
+    run_units(B, H, lambda units, tick: _bwd_units(units, q, k, v, g, do, s, h0, dH_last, geo, grads, dh0))
     return (
         dq.astype(in_dtype, copy=False),
         dk.astype(in_dtype, copy=False),
@@ -292,19 +208,16 @@ def chunk_gla_bwd(
     )
 
 
-def _bwd_units(units, q, k, v, g, do, s, h0, dH_last, geo: _Geom, dq, dk, dv, dg, dh0) -> None:
+def _bwd_units(units, q, k, v, g, do, s, h0, dH_last, geo: Geom, grads, dh0) -> None:
     """Streaming backward of the sequences ``units``: chunk-start states forward in time (stored per chunk,
     ``[N + 1, K, V]``), then the gradients group by group in reverse time order with ``dH`` carried along."""
     K, V, C, T, N, ns, c, Cp = geo.K, geo.V, geo.C, geo.T, geo.N, geo.ns, geo.c, geo.Cp
-    G = max(1, min(N, _GROUP_TOKENS_BWD // Cp))
+    G = geo.group()
     dt = q.dtype
-    limit = _SPAN_LIMIT[dt]
-    oF, oR, oB, oA, LX = _kn.layout(ns, c)
-    nx = c * ns * (ns + 1) // 2
-    X = np.empty((G, LX, K), dt)
-    bad = np.empty((G, ns), np.bool_)
-    Qp, Qe, Kd, M1, DQ, DK, VdH = (np.empty((G, Cp, K), dt) for _ in range(7))
-    KX, QX = np.empty((G, nx, K), dt), np.empty((G, nx, K), dt)
+    oA = _kn.layout(ns, c)[3]
+    ob = OperandBuffers(geo, G, dt, qx=True)
+    X, bad = ob.X, ob.bad
+    Qe, Kd, M1, DQ, DK, VdH = (np.empty((G, Cp, K), dt) for _ in range(6))
     R = np.empty((G, Cp + K, V), dt)
     Vb, dOb, DV, DV2 = (np.empty((G, Cp, V), dt) for _ in range(4))
     LA, dA = np.zeros((G, Cp, Cp), dt), np.empty((G, Cp, Cp), dt)  # LA: blocks above the diagonal stay zero
@@ -319,9 +232,9 @@ def _bwd_units(units, q, k, v, g, do, s, h0, dH_last, geo: _Geom, dq, dk, dv, dg
     for n0 in range(0, N, G):
         gc = min(G, N - n0)
         for u, (b, h) in enumerate(units):
-            _kn.prep_exponents(g, b, h, n0, gc, T, C, ns, c, limit, X, bad)
-            np.exp(X[:gc], out=X[:gc])
-            _kn.prep_state_operands(k, v, b, h, n0, gc, T, C, ns, c, X, Kd, R)
+            exponents(g, b, h, n0, gc, geo, X, bad)
+            _kn.prep_operands(q, k, b, h, n0, gc, T, C, ns, c, s, X, bad, None, None, None, 0, None, Kd, None,
+                              v, R, None, None)  # fmt: skip
             np.matmul(Kd[:gc].transpose(0, 2, 1), R[:gc, :Cp], out=U[:gc])
             _kn.state_chain(U, X, oA, gc, Sst[u], n0)
     # pass 2: reverse time, group by group
@@ -330,62 +243,15 @@ def _bwd_units(units, q, k, v, g, do, s, h0, dH_last, geo: _Geom, dq, dk, dv, dg
     for n0 in range(((N - 1) // G) * G, -1, -G):
         gc = min(G, N - n0)
         for u, (b, h) in enumerate(units):
-            _kn.prep_exponents(g, b, h, n0, gc, T, C, ns, c, limit, X, bad)
-            np.exp(X[:gc], out=X[:gc])
-            _kn.prep_bwd_operands(q, k, v, do, b, h, n0, gc, T, C, ns, c, s, X, bad, Qp, Qe, KX, QX, Kd, Vb, dOb)
+            exponents(g, b, h, n0, gc, geo, X, bad)
+            _kn.prep_operands(q, k, b, h, n0, gc, T, C, ns, c, s, X, bad, ob.Qp, ob.KX, Qe, 0, ob.QX, Kd, None,
+                              v, Vb, do, dOb)  # fmt: skip
             np.matmul(Qe[:gc].transpose(0, 2, 1), dOb[:gc], out=W[:gc])
             _kn.state_bwd(W, X, oA, gc, dH[u], dHe)
-            for i in range(ns):  # A (scaled, lower triangular) as in the forward
-                off = c * i * (i + 1) // 2
-                np.matmul(
-                    Qp[:gc, i * c : (i + 1) * c],
-                    KX[:gc, off : off + (i + 1) * c].transpose(0, 2, 1),
-                    out=LA[:gc, i * c : (i + 1) * c, : (i + 1) * c],
-                )
-            _kn.mask_diag(LA, gc, ns, c)
-            pw = _pairwise_A(q, k, g, b, h, n0, bad[:gc], geo, s, LA) if bad[:gc].any() else None
-            np.matmul(dOb[:gc], Vb[:gc].transpose(0, 2, 1), out=dA[:gc])  # dO V^T (unscaled)
-            _kn.mask_dA(dA, dd, gc, ns, c)
-            np.matmul(LA[:gc].transpose(0, 2, 1), dOb[:gc], out=DV[:gc])
             np.matmul(Kd[:gc], dHe[:gc], out=DV2[:gc])
-            np.matmul(dOb[:gc], Sst[u, n0 : n0 + gc].transpose(0, 2, 1), out=M1[:gc])
-            for i in range(ns):
-                off = c * i * (i + 1) // 2
-                np.matmul(
-                    dA[:gc, i * c : (i + 1) * c, : (i + 1) * c],
-                    KX[:gc, off : off + (i + 1) * c],
-                    out=DQ[:gc, i * c : (i + 1) * c],
-                )
-                oq = _kn.qx_offset(i, ns, c)
-                np.matmul(
-                    dA[:gc, i * c :, i * c : (i + 1) * c].transpose(0, 2, 1),
-                    QX[:gc, oq : oq + (ns - i) * c],
-                    out=DK[:gc, i * c : (i + 1) * c],
-                )
             np.matmul(Vb[:gc], dHe[:gc].transpose(0, 2, 1), out=VdH[:gc])
-            _kn.bwd_combine(X, gc, ns, c, s, M1, DQ, DK, VdH)
-            if pw is not None:
-                _pairwise_dqdk(pw, c, s, dA, DQ, DK)
-            _kn.bwd_finish(q, k, b, h, n0, gc, T, C, s, X, oA, DQ, DK, VdH, dd, DV, DV2, Sst[u], dHe, dq, dk, dv, dg)
+            intra_grads(q, k, g, b, h, n0, gc, geo, s, ob, Vb[:gc], dOb[:gc], Sst[u, n0 : n0 + gc], LA, dA, dd, DV,
+                        M1, DQ, DK, VdH)  # fmt: skip
+            _kg.bwd_finish(q, k, b, h, n0, gc, T, C, s, X, oA, DQ, DK, VdH, dd, DV, DV2, Sst[u], dHe, *grads)
     for u, (b, h) in enumerate(units):
         dh0[b, h] = dH[u]
-
-
-def _pairwise_A(q, k, g, b, h, n0, bad, geo: _Geom, s, L):
-    """Exact pairwise diagonal blocks of ``A`` where the span is too large to factor (written into ``L``;
-    ``exp`` of the packed exponents by numpy, the rest in numba). Returns what :func:`_pairwise_dqdk` needs."""
-    c, K = geo.c, geo.K
-    gb, ib = (x.astype(np.int64) for x in np.nonzero(bad))
-    dt = L.dtype
-    Qb, Kb = np.empty((gb.size, c, K), dt), np.empty((gb.size, c, K), dt)
-    E = np.empty((gb.size, c * (c + 1) // 2, K), dt)
-    _kn.pw_prepare(q, k, g, b, h, n0, gb, ib, geo.T, geo.C, c, Qb, Kb, E)
-    np.exp(E, out=E)
-    _kn.pw_A(Qb, Kb, E, gb, ib, c, s, L)
-    return gb, ib, Qb, Kb, E
-
-
-def _pairwise_dqdk(pw, c: int, s: float, dA, DQ, DK) -> None:
-    """Add the exact diagonal-block parts of dq, dk (strictly lower ``dA``, unscaled) for the flagged blocks."""
-    gb, ib, Qb, Kb, E = pw
-    _kn.pw_dqdk(Qb, Kb, E, dA, gb, ib, c, s, DQ, DK)

@@ -19,6 +19,7 @@ from ..base.checks import check_array, check_finite, check_log_gate, check_same_
 __all__ = [
     "validate_gla_inputs",
     "check_chunk_size",
+    "check_gla_call",
     "check_scale",
     "check_finite_values",
     "check_device_values",
@@ -29,6 +30,7 @@ __all__ = [
 ]
 
 _HALF = ("float16", "bfloat16")
+GPU_MAX_CHUNK = 64  # the largest chunk the GPU kernels take (hpczeco.gpu.gla)
 
 
 def compute_dtype_name(dtype_name_: str) -> str:
@@ -69,12 +71,15 @@ def check_gate_values(name: str, g: Any) -> None:
     check_log_gate(name, g)
 
 
-def check_chunk_size(chunk_size: Any) -> int:
-    """``chunk_size`` must be an int >= 1."""
+def check_chunk_size(chunk_size: Any, device: bool = False) -> int:
+    """``chunk_size`` must be an int >= 1; for device (CuPy) arrays also <= 64 (the GPU kernels' limit,
+    :mod:`hpczeco.gpu.gla`). The one rule, applied where the chunk size enters."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
         raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
     if int(chunk_size) < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if device and int(chunk_size) > GPU_MAX_CHUNK:
+        raise ValueError(f"chunk_size must be in [1, {GPU_MAX_CHUNK}] on the GPU, got {chunk_size}")
     return int(chunk_size)
 
 
@@ -147,6 +152,29 @@ def validate_gla_inputs(
                 if name != "g":
                     check_finite_values(name, x)
     return B, T, H, K, V
+
+
+def check_gla_call(
+    q: Any,
+    k: Any,
+    v: Any,
+    g: Any,
+    scale: Any,
+    initial_state: Any,
+    chunk_size: Any,
+    do: Any = None,
+    dht: Any = None,
+    check_values: bool = True,
+) -> tuple[int, int, int, int, int, float, int, np.dtype]:
+    """The checks of a chunked GLA call (:func:`hpczeco.gla.chunk_gla`, :func:`~hpczeco.gla.chunk_gla_bwd`,
+    the split classes): the arrays (:func:`validate_gla_inputs`), ``chunk_size`` (:func:`check_chunk_size`,
+    with the GPU limit for device arrays) and ``scale``. Returns ``(B, T, H, K, V, scale, chunk_size,
+    compute dtype)``."""
+    chunk_size = check_chunk_size(chunk_size, device=is_device_array(q))
+    B, T, H, K, V = validate_gla_inputs(q, k, v, g, initial_state=initial_state, do=do, dht=dht,
+                                        check_values=check_values)
+    s = check_scale(scale, K)
+    return B, T, H, K, V, s, chunk_size, np.dtype(compute_dtype_name(str(q.dtype)))
 
 
 def check_device_values(arrays: dict[str, Any], gate: str | None = None) -> None:
