@@ -42,11 +42,12 @@ Presets (:data:`PRESETS`; for predictions on machines you are not running on):
   links a similar ``alpha``; ``1/beta`` is the achieved bandwidth of one GPU's traffic. The
   residuals are printed by ``hpczeco model`` and listed in docs/benchmarks/network.md.
 * ``shm``: one node's shared memory through MPI from Python: ``alpha = 3 us``, ``1/beta = 8 GB/s``,
-  host combine ``gamma = 0.05 ns/B``, ``delta = 1 us``, ``overhead = 40 us`` -- the order of what
-  the calibration measured on this project's CPU machine (docs/benchmarks/scan.md); calibrate for
-  real numbers.
-* ``tcp``: MPI over TCP between hosts through one switch (the namespace hosts of
-  ``tests/netns/netns.sh``): ``alpha = 30 us``, ``1/beta = 1 GB/s``, host combine as ``shm``.
+  host combine ``gamma = 0.05 ns/B``, ``delta = 1 us``, ``overhead = 100 us`` -- the order of what
+  the calibration measured on this project's CPU machine when it was quiet (docs/benchmarks/scan.md,
+  network.md); calibrate for real numbers.
+* ``tcp``: MPI over TCP between hosts through one switch, as the namespace hosts of
+  ``tests/netns/netns.sh`` measured it (MPICH ch4:ofi tcp, P = 2, quiet machine): ``alpha = 15 us``,
+  ``1/beta = 1.5 GB/s``, ``overhead = 140 us``, host combine as ``shm``.
 
 :func:`.calibrate.calibrate` measures the running machine. Pure arithmetic: no MPI, no arrays.
 Knows nothing about attention.
@@ -105,7 +106,8 @@ class LinkParams:
                 raise ValueError(f"LinkParams.{k} must be a finite number >= 0, got {v!r}")
 
     def describe(self) -> str:
-        bw = f"{1e-9 / self.beta:.1f} GB/s" if self.beta > 0 else "inf"
+        bw = "inf" if self.beta <= 0 else (f"{1e-9 / self.beta:.1f} GB/s" if self.beta <= 1e-9 else
+                                           f"{1e-6 / self.beta:.1f} MB/s")
         return (f"{self.name}: alpha={self.alpha * 1e6:.2f} us, 1/beta={bw}, gamma={self.gamma * 1e12:.1f} ps/B, "
                 f"delta={self.delta * 1e6:.2f} us, overhead={self.overhead * 1e6:.1f} us")
 
@@ -122,8 +124,8 @@ PRESETS: dict[str, LinkParams] = {
                           name="nvlink4"),
     "ib-ndr": LinkParams(alpha=3.68e-6, beta=1 / 30.5e9, gamma=_HBM_GAMMA, delta=2e-6, overhead=_PAPER_OVERHEAD,
                          name="ib-ndr"),
-    "shm": LinkParams(alpha=3e-6, beta=1 / 8e9, gamma=0.05e-9, delta=1e-6, overhead=40e-6, name="shm"),
-    "tcp": LinkParams(alpha=30e-6, beta=1 / 1e9, gamma=0.05e-9, delta=1e-6, overhead=60e-6, name="tcp"),
+    "shm": LinkParams(alpha=3e-6, beta=1 / 8e9, gamma=0.05e-9, delta=1e-6, overhead=100e-6, name="shm"),
+    "tcp": LinkParams(alpha=15e-6, beta=1 / 1.5e9, gamma=0.05e-9, delta=1e-6, overhead=140e-6, name="tcp"),
 }
 
 _DEFAULT: LinkParams | None = None
