@@ -36,7 +36,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--link", default="nvlink4",
-                    help="link preset (nvlink4, ib-ndr, shm) or 'alpha,beta[,gamma[,delta]]'")
+                    help="link preset (nvlink4, ib-ndr, shm, tcp) or 'alpha,beta[,gamma[,delta[,overhead]]]'")
     ap.add_argument("--alpha", type=float, help="seconds per message (overrides the preset's)")
     ap.add_argument("--beta", type=float, help="seconds per byte (overrides the preset's)")
     ap.add_argument("--gamma", type=float, help="seconds per state byte combined (overrides the preset's)")
