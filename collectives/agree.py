@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Mapping
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -70,9 +71,19 @@ def collective_check(
                 )
 
 
-def _digest(values: dict[str, Any]) -> int:
-    text = repr(sorted(values.items())).encode()
+@lru_cache(maxsize=256)
+def _digest_items(items: tuple) -> int:
+    text = repr(sorted(items)).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "little")
+
+
+def _digest(values: dict[str, Any]) -> int:
+    """56-bit digest of ``values`` (cached: a training loop agrees on the same values every step)."""
+    items = tuple(values.items())
+    try:
+        return _digest_items(items)
+    except TypeError:  # an unhashable value: digest it uncached
+        return _digest_items.__wrapped__(items)
 
 
 def agree_fast(

@@ -3,8 +3,9 @@
 :func:`calibrate` measures ``alpha``/``beta`` by a cyclic shift (every rank sends to the next and
 receives from the previous at once: the ring's steady state) or by ping-pong between rank pairs
 (all pairs at once), medians of repeats; ``gamma``/``delta`` by timing the scans' combine kernel
-(:func:`measure_combine`) on every rank at once. The messages run on a private duplicate of the
-communicator. Knows nothing about attention.
+(:func:`measure_combine`) on every rank at once; ``overhead`` (the fixed cost of one scan call) as
+what a tiny serial scan costs beyond the model's hops (:func:`measure_overhead`). The messages run
+on a private duplicate of the communicator. Knows nothing about attention.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from mpi4py import MPI
 from .costmodel import LinkParams
 from .kernels import axpy_rows
 
-__all__ = ["calibrate", "measure_combine"]
+__all__ = ["calibrate", "measure_combine", "measure_overhead"]
 
 #: tags of the ping-pong and cyclic-shift messages (on the private duplicate)
 _PINGPONG_TAG, _SHIFT_TAG = 7, 9
@@ -88,6 +89,36 @@ def _shift(comm: MPI.Comm, nbytes: int, repeats: int, dtype: Any) -> list[float]
     return times
 
 
+def _timed_max(comm: MPI.Comm, fn, repeats: int) -> float:
+    """Median over repeats of the slowest rank's seconds of ``fn()`` from a barrier (as the benchmark times)."""
+    buf = np.zeros(1)
+    times = []
+    for r in range(repeats + 2):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        buf[0] = time.perf_counter() - t0
+        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+        if r >= 2:  # two warm-up calls
+            times.append(float(buf[0]))
+    return _median(times)
+
+
+def measure_overhead(comm: MPI.Comm, params: LinkParams, repeats: int = 30, dtype: Any = "float32") -> float:
+    """Seconds of one scan call beyond its messages and combines: a serial scan of a one-row state
+    (``[1, 1, 8]``) timed like the benchmark, minus :func:`.costmodel.serial_time` under ``params``
+    (clamped at 0). It holds the collective validation (local checks and one ``Allreduce``), the plan,
+    and the Python cost of posting and completing the requests. Collective."""
+    from .costmodel import serial_time
+    from .scan import scan_start
+
+    a = np.full((1, 1), 0.5, dtype=dtype)
+    S = np.ones((1, 1, 8), dtype=dtype)
+    out = np.empty_like(S)
+    t = _timed_max(comm, lambda: scan_start(a, S, comm, topology="serial", out=out).wait(), repeats)
+    return max(0.0, t - serial_time(comm.Get_size(), S.nbytes, params))
+
+
 def calibrate(
     comm: MPI.Comm,
     sizes: tuple[int, ...] = (8, 4096, 1 << 20, 4 << 20),
@@ -108,8 +139,9 @@ def calibrate(
     ``alpha``: the step time of the smallest size; ``beta``: the median over the sizes of 64 KiB and
     more (else all larger ones) of ``(t - alpha) / size``; medians over repeats, then over ranks.
     ``gamma``/``delta``: every rank times the scans' combine kernel at the largest and at a tiny
-    size at the same time (memory bandwidth is shared); medians over ranks. Rank 0's numbers are
-    broadcast. One rank alone measures ``alpha = beta = 0`` (no link).
+    size at the same time (memory bandwidth is shared); medians over ranks. ``overhead``:
+    :func:`measure_overhead` on the user's communicator (``comm`` itself: the scans' contexts live
+    there). Rank 0's numbers are broadcast. One rank alone measures ``alpha = beta = 0`` (no link).
     """
     if method not in ("shift", "pingpong"):
         raise ValueError(f"method must be 'shift' or 'pingpong', got {method!r}")
@@ -145,4 +177,8 @@ def calibrate(
         vals = c.bcast((alpha, beta, gamma, delta) if rank == 0 else None, root=0)
     finally:
         c.Free()
-    return LinkParams(*vals, name=f"calibrated ({method})")
+    link = LinkParams(*vals, name=f"calibrated ({method})")
+    if P >= 2:
+        over = measure_overhead(comm, link)
+        link = LinkParams(*vals, overhead=comm.bcast(over, root=0), name=link.name)
+    return link

@@ -3,8 +3,11 @@
 Parameters (:class:`LinkParams`): ``alpha`` seconds per message (latency plus the software
 overhead of one MPI call from Python), ``beta`` seconds per byte on a link, ``gamma`` seconds per
 state byte of one combine ``a * X + S`` (reads two states, writes one), ``delta`` the fixed cost
-of one combine call. ``m`` is the state size in bytes (``S.nbytes``); pairs ``(a, S)`` that carry
-the decays too are ``m' = m (1 + 1/V)`` bytes.
+of one combine call, ``overhead`` the fixed cost of one scan call whatever its topology (the
+collective validation -- local checks and one ``Allreduce`` --, building the plan, posting and
+completing the requests; measured by :func:`.calibrate.calibrate` as what a tiny serial scan costs
+beyond its hops). ``m`` is the state size in bytes (``S.nbytes``); pairs ``(a, S)`` that carry
+the decays too are ``m' = m (1 + 1/V)`` bytes. Every formula below adds ``overhead`` (for ``P > 1``).
 
 Formulas (critical path; ``P`` ranks, ``k`` ring pieces, ``L = ceil(log2 P)``):
 
@@ -26,17 +29,25 @@ Formulas (critical path; ``P`` ranks, ``k`` ring pieces, ``L = ceil(log2 P)``):
   Open MPI's (``coll/basic``) is linear, i.e. a serial relay of packed pairs (``algorithm="linear"``).
   Each user-op call also pays ``delta``.
 
-Presets (:data:`PRESETS`; rough, for predictions on machines you are not running on):
+Presets (:data:`PRESETS`; for predictions on machines you are not running on):
 
-* ``nvlink4``: ``alpha = 10 us`` (MPI-level point-to-point on GPU buffers including the CUDA-aware
-  path's synchronisation; NCCL/UCX measurements are 5-20 us), ``1/beta = 200 GB/s`` (achieved
-  GPU-GPU bandwidth over NVLink 4; the H100 NVLink peak is 450 GB/s per direction), combine at HBM
-  speed (``gamma`` from ~3 TB/s over 3 bytes moved per state byte) and ``delta = 2 us`` (a kernel launch).
-* ``ib-ndr``: ``alpha = 3 us`` (InfiniBand NDR MPI latency is 1-5 us), ``1/beta = 50 GB/s``
-  (400 Gb/s), GPU combine as above.
+* ``nvlink4`` and ``ib-ndr``: fitted (:mod:`.costfit`, ``hpczeco model --fit-paper``) to the ZeCO
+  paper's Table 2 (H100 nodes of 8 GPUs, NVLink 4 inside a node and InfiniBand NDR between nodes;
+  All-Scan and AllGather at 8..256 GPUs), under these assumptions: the state is one layer's
+  ``H=32, K=V=128`` in bf16 (1 MiB per GPU), ranks 0..7 share a node (:func:`predict_hier`), the
+  combine runs at HBM speed (``gamma`` from ~3 TB/s over 3 bytes moved per state byte), and the
+  paper's All-Scan pipelines with the model's best piece count. ``alpha`` is then the per-hop cost
+  as the paper's code sees it (send/recv launch and stream synchronisation, not the wire latency:
+  NVLink's ~2 us and NDR's ~1-3 us are a small part of it), which is why the fit gives the two
+  links a similar ``alpha``; ``1/beta`` is the achieved bandwidth of one GPU's traffic. The
+  residuals are printed by ``hpczeco model`` and listed in docs/benchmarks/network.md.
 * ``shm``: one node's shared memory through MPI from Python: ``alpha = 3 us``, ``1/beta = 8 GB/s``,
-  host combine ``gamma = 0.05 ns/B``, ``delta = 1 us`` -- the order of what the calibration measured
-  on this project's CPU machine (docs/benchmarks/scan.md); calibrate for real numbers.
+  host combine ``gamma = 0.05 ns/B``, ``delta = 1 us``, ``overhead = 100 us`` -- the order of what
+  the calibration measured on this project's CPU machine when it was quiet (docs/benchmarks/scan.md,
+  network.md); calibrate for real numbers.
+* ``tcp``: MPI over TCP between hosts through one switch, as the namespace hosts of
+  ``tests/netns/netns.sh`` measured it (MPICH ch4:ofi tcp, P = 2, quiet machine): ``alpha = 15 us``,
+  ``1/beta = 1.5 GB/s``, ``overhead = 140 us``, host combine as ``shm``.
 
 :func:`.calibrate.calibrate` measures the running machine. Pure arithmetic: no MPI, no arrays.
 Knows nothing about attention.
@@ -72,40 +83,49 @@ __all__ = [
     "LINK_ENV",
 ]
 
-#: environment variable with the default link parameters: a preset name or "alpha,beta[,gamma[,delta]]"
+#: environment variable with the default link parameters: a preset name or "alpha,beta[,gamma[,delta[,overhead]]]"
 LINK_ENV = "HPCZECO_LINK"
 
 
 @dataclass(frozen=True)
 class LinkParams:
-    """``alpha`` s/message, ``beta`` s/byte, ``gamma`` s/state byte combined, ``delta`` s/combine call."""
+    """``alpha`` s/message, ``beta`` s/byte, ``gamma`` s/state byte combined, ``delta`` s/combine call,
+    ``overhead`` s per scan call."""
 
     alpha: float
     beta: float
     gamma: float = 0.0
     delta: float = 0.0
+    overhead: float = 0.0
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        for k in ("alpha", "beta", "gamma", "delta"):
+        for k in ("alpha", "beta", "gamma", "delta", "overhead"):
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"LinkParams.{k} must be a finite number >= 0, got {v!r}")
 
     def describe(self) -> str:
-        bw = f"{1e-9 / self.beta:.1f} GB/s" if self.beta > 0 else "inf"
+        bw = "inf" if self.beta <= 0 else (f"{1e-9 / self.beta:.1f} GB/s" if self.beta <= 1e-9 else
+                                           f"{1e-6 / self.beta:.1f} MB/s")
         return (f"{self.name}: alpha={self.alpha * 1e6:.2f} us, 1/beta={bw}, gamma={self.gamma * 1e12:.1f} ps/B, "
-                f"delta={self.delta * 1e6:.2f} us")
+                f"delta={self.delta * 1e6:.2f} us, overhead={self.overhead * 1e6:.1f} us")
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 _HBM_GAMMA = 3.0 / 3.0e12  # 3 bytes moved per state byte at ~3 TB/s
+#: fixed cost of one layer's communication call in the paper's code (fitted with the two links below)
+_PAPER_OVERHEAD = 79e-6
 PRESETS: dict[str, LinkParams] = {
-    "nvlink4": LinkParams(alpha=10e-6, beta=1 / 200e9, gamma=_HBM_GAMMA, delta=2e-6, name="nvlink4"),
-    "ib-ndr": LinkParams(alpha=3e-6, beta=1 / 50e9, gamma=_HBM_GAMMA, delta=2e-6, name="ib-ndr"),
-    "shm": LinkParams(alpha=3e-6, beta=1 / 8e9, gamma=0.05e-9, delta=1e-6, name="shm"),
+    # fitted to the ZeCO paper's Table 2 (collectives.costfit.fit_paper; RMS log residual 0.090)
+    "nvlink4": LinkParams(alpha=4.32e-6, beta=1 / 28.6e9, gamma=_HBM_GAMMA, delta=2e-6, overhead=_PAPER_OVERHEAD,
+                          name="nvlink4"),
+    "ib-ndr": LinkParams(alpha=3.68e-6, beta=1 / 30.5e9, gamma=_HBM_GAMMA, delta=2e-6, overhead=_PAPER_OVERHEAD,
+                         name="ib-ndr"),
+    "shm": LinkParams(alpha=3e-6, beta=1 / 8e9, gamma=0.05e-9, delta=1e-6, overhead=100e-6, name="shm"),
+    "tcp": LinkParams(alpha=15e-6, beta=1 / 1.5e9, gamma=0.05e-9, delta=1e-6, overhead=140e-6, name="tcp"),
 }
 
 _DEFAULT: LinkParams | None = None
@@ -120,17 +140,17 @@ def preset(name: str) -> LinkParams:
 
 
 def parse_link(text: str) -> LinkParams:
-    """A preset name, or ``"alpha,beta[,gamma[,delta]]"`` in seconds and seconds per byte."""
+    """A preset name, or ``"alpha,beta[,gamma[,delta[,overhead]]]"`` in seconds and seconds per byte."""
     text = text.strip()
     if text in PRESETS:
         return PRESETS[text]
     try:
         vals = [float(x) for x in text.split(",")]
     except ValueError:
-        raise ValueError(f"link must be a preset ({', '.join(PRESETS)}) or 'alpha,beta[,gamma[,delta]]', "
+        raise ValueError(f"link must be a preset ({', '.join(PRESETS)}) or 'alpha,beta[,gamma[,delta[,overhead]]]', "
                          f"got {text!r}") from None
-    if not 2 <= len(vals) <= 4:
-        raise ValueError(f"link 'alpha,beta[,gamma[,delta]]' needs 2 to 4 numbers, got {text!r}")
+    if not 2 <= len(vals) <= 5:
+        raise ValueError(f"link 'alpha,beta[,gamma[,delta[,overhead]]]' needs 2 to 5 numbers, got {text!r}")
     return LinkParams(*vals, name="custom")
 
 
@@ -175,7 +195,7 @@ def ring_time(P: int, nbytes: float, k: int, params: LinkParams) -> float:
     if P == 1:
         return 0.0
     p, m = params, float(nbytes)
-    t = (P + k - 2) * (p.alpha + m * p.beta / k)
+    t = p.overhead + (P + k - 2) * (p.alpha + m * p.beta / k)
     if P > 2:
         t += (P + k - 3) * (p.delta + m * p.gamma / k)
     return t
@@ -215,7 +235,7 @@ def tree_time(P: int, nbytes: float, params: LinkParams, V: int = 128) -> float:
         return 0.0
     m2 = nbytes * (1 + 1 / V)
     p = params
-    return _rounds(P) * (p.alpha + m2 * p.beta + 2 * (p.delta + m2 * p.gamma)) + m2 * p.gamma / 2
+    return p.overhead + _rounds(P) * (p.alpha + m2 * p.beta + 2 * (p.delta + m2 * p.gamma)) + m2 * p.gamma / 2
 
 
 def allgather_time(P: int, nbytes: float, params: LinkParams, V: int = 128) -> float:
@@ -227,7 +247,7 @@ def allgather_time(P: int, nbytes: float, params: LinkParams, V: int = 128) -> f
     p = params
     comm = min(_rounds(P), P - 1) * p.alpha + (P - 1) * m2 * p.beta
     fold = max(P - 2, 0) * (p.delta + nbytes * p.gamma) + m2 * p.gamma / 2 + nbytes * p.gamma / 3
-    return comm + fold
+    return p.overhead + comm + fold
 
 
 def exscan_time(
@@ -240,10 +260,10 @@ def exscan_time(
     m2 = nbytes * (1 + 1 / V)
     p = params
     if algorithm == "linear":
-        return (P - 1) * (p.alpha + m2 * p.beta) + (P - 2) * (p.delta + m2 * p.gamma) + m2 * p.gamma / 2
+        return p.overhead + (P - 1) * (p.alpha + m2 * p.beta) + (P - 2) * (p.delta + m2 * p.gamma) + m2 * p.gamma / 2
     if algorithm != "recursive_doubling":
         raise ValueError(f"algorithm must be 'recursive_doubling' or 'linear', got {algorithm!r}")
-    return _rounds(P) * (p.alpha + m2 * p.beta + 2 * (p.delta + m2 * p.gamma)) + m2 * p.gamma / 2
+    return p.overhead + _rounds(P) * (p.alpha + m2 * p.beta + 2 * (p.delta + m2 * p.gamma)) + m2 * p.gamma / 2
 
 
 def predict(
@@ -332,7 +352,7 @@ def predict_hier(
         piece = nbytes / k
         first = n_intra * _hop(intra, piece) + n_inter * _hop(inter, piece) + (P - 2) * (cmb.delta + piece * cmb.gamma)
         stage = _hop(inter, piece) + cmb.delta + piece * cmb.gamma
-        return first + (k - 1) * stage
+        return intra.overhead + first + (k - 1) * stage
 
     if topology in ("ring", "serial"):
         if topology == "serial":
@@ -340,5 +360,6 @@ def predict_hier(
         if blocks is None:
             blocks = min(range(1, K + 1), key=ring)
         return ring(blocks), blocks
-    merged = LinkParams(inter.alpha, inter.beta, cmb.gamma, cmb.delta, name=f"{inter.name}+{intra.name}")
+    merged = LinkParams(inter.alpha, inter.beta, cmb.gamma, cmb.delta, intra.overhead,
+                        name=f"{inter.name}+{intra.name}")
     return predict(topology, P, nbytes, merged, K=K, V=V), None

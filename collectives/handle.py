@@ -12,8 +12,8 @@ is still correct, the overlap is lost). ``progress="thread"`` instead drives the
 helper thread that blocks in ``MPI_Wait`` (mpi4py initialises MPI with ``MPI_THREAD_MULTIPLE``);
 ``wait()`` joins it. With a rank on every core the helper thread competes with the compute for the
 core, so it pays only where ranks leave cores free (docs/benchmarks/scan.md). With a timeout,
-``wait()`` polls with a growing sleep and aborts the job past it, naming the peer it waits for
-(:mod:`.watchdog`).
+``wait()`` polls (:func:`.watchdog.poll_until`: 2 ms back to back, then sleeping at most 1 ms between
+polls) and aborts the job past it, naming the peer it waits for.
 
 :class:`ScanPlan` holds what every algorithm needs: the flattened ``[R]`` decays and ``[R, V]``
 states, this rank's position in scan order, the transport, the tag, and scratch buffers from the
@@ -123,7 +123,7 @@ class ScanHandle:
         """Block until done; return ``S_in`` (this rank's exclusive scan).
 
         With a timeout (``scan_start(timeout=...)`` or ``$HPCZECO_COLLECTIVE_TIMEOUT``) the handle is
-        polled with a growing sleep instead; past the timeout the rank prints which rank(s) it still
+        polled instead (:func:`.watchdog.poll_until`); past the timeout the rank prints which rank(s) it still
         waits for and calls ``MPI_Abort`` on the communicator (ending the job)."""
         if self._result is None:
             if self._timeout is not None:

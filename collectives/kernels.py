@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from hpczeco.base.backend import get_array_module
 
-__all__ = ["combine", "fold_reference", "axpy_rows", "row_kernel", "numba_available"]
+__all__ = ["combine", "fold_reference", "axpy_rows", "row_kernel", "numba_available", "value_summary"]
 
 
 def combine(x: tuple[Any, Any], y: tuple[Any, Any]) -> tuple[Any, Any]:
@@ -42,6 +42,7 @@ def fold_reference(pairs: list[tuple[Any, Any]], initial: Any = None) -> list[An
 
 
 _FUSED: Any = None  # None: not tried yet; False: unavailable
+_SUMMARY: Any = None
 
 
 def _load() -> Any:
@@ -58,10 +59,39 @@ def _load() -> Any:
                     for v in range(V):
                         out[r, v] = ar * X[r, v] + S[r, v]
 
+            @numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
+            def summary(a, S):  # pragma: no cover - compiled
+                amin = a[0]
+                amax = a[0]
+                abad = a[0] * 0
+                for i in range(a.size):
+                    x = a[i]
+                    abad += x * 0  # NaN once any x is NaN or +-Inf
+                    if x < amin:
+                        amin = x
+                    if x > amax:
+                        amax = x
+                sbad = S[0] * 0
+                for i in range(S.size):  # reassoc: a vectorised sum of S * 0
+                    sbad += S[i] * 0
+                return amin, amax, abad, sbad
+
             _FUSED = fused
+            global _SUMMARY
+            _SUMMARY = summary
         except Exception:  # numba missing or broken: numpy fallback
             _FUSED = False
     return _FUSED
+
+
+def value_summary(a: Any, S: Any) -> tuple[float, float, bool] | None:
+    """``(min(a), max(a), every value of a and S finite)`` in one fused pass, for C-contiguous host float32/64
+    arrays of one dtype with Numba; None otherwise (the caller then uses array reductions). Min and max
+    are meaningful only when the flag is True."""
+    if not (_fusable(a, S) and a.size and S.size and _load()):
+        return None
+    amin, amax, abad, sbad = _SUMMARY(a.reshape(-1), S.reshape(-1))
+    return float(amin), float(amax), bool(abad == 0 and sbad == 0)
 
 
 def numba_available() -> bool:

@@ -55,7 +55,7 @@ from .agree import agree_fast
 from .baselines import AllgatherHandle, ExscanHandle
 from .context import get_context
 from .handle import DoneHandle, ScanHandle, ScanPlan, scan_stats
-from .kernels import combine, fold_reference
+from .kernels import combine, fold_reference, value_summary
 from .names import TOPOLOGIES, check_blocks, check_progress, check_topology
 from .ring import RingHandle, relay_recv, relay_send
 from .selection import check_transport, transport_for, transport_name
@@ -156,6 +156,12 @@ def _check_inputs(a: Any, S: Any, initial: Any, topology: str, blocks: int | Non
             _check_finite("initial", initial)
     if not check_values:
         return
+    fast = value_summary(a, S)  # one fused pass on host arrays; the reductions below name what is wrong
+    if fast is not None and fast[2]:
+        amin, amax = fast[0], fast[1]
+        if not (amin >= 0.0 and amax <= 1.0):
+            raise ValueError(f"a holds decays outside [0, 1] (min {amin:g}, max {amax:g})")
+        return
     # min/max propagate NaN: two reductions instead of an isfinite() temporary
     amin, amax = float(a.min()), float(a.max())
     if amin != amin or amax != amax:
@@ -223,7 +229,8 @@ def scan_start(
     rank(s) it waits for (ring/serial: the previous rank in scan order; tree: the partners of the
     pending round; allgather/exscan: "some rank did not arrive") and calls ``MPI_Abort``. With a
     timeout the validation exchanges ``P - 1`` small messages each way instead of one Allreduce,
-    and ``wait()`` polls with a growing sleep (up to 10 ms) instead of blocking.
+    and ``wait()`` polls (2 ms back to back, then sleeping at most 1 ms between polls: :func:`.watchdog.poll_until`)
+    instead of blocking.
 
     ``agreed=True`` skips the validation exchange: the caller guarantees that every rank passes the same
     shapes, dtype, topology, blocks, direction and transport (a layer that agreed on them collectively

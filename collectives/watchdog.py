@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["TIMEOUT_ENV", "resolve_timeout", "abort_stalled", "poll_until"]
+__all__ = ["TIMEOUT_ENV", "resolve_timeout", "abort_stalled", "poll_until", "POLL_SPIN_S", "POLL_MAX_PAUSE_S"]
 
 #: environment variable: seconds a collective wait may take before the job is aborted (unset = forever)
 TIMEOUT_ENV = "HPCZECO_COLLECTIVE_TIMEOUT"
@@ -50,9 +50,33 @@ def abort_stalled(comm: MPI.Comm, op: str, waiting_for: str, timeout: float) -> 
     comm.Abort(3)
 
 
+#: seconds a timed wait first polls without sleeping (yielding the core between polls, as MPI_Wait spins)
+POLL_SPIN_S = 2e-3
+#: the longest sleep between polls after that (the abort needs no finer clock; a longer pause is pure latency)
+POLL_MAX_PAUSE_S = 1e-3
+
+
 def poll_until(done: Callable[[], bool], deadline: float) -> bool:
-    """Call ``done()`` with a growing sleep (50 us .. 10 ms) until it returns True or ``deadline``
-    (``time.monotonic()`` seconds) passes; True when ``done()`` did."""
+    """Call ``done()`` until it returns True or ``deadline`` (``time.monotonic()`` seconds) passes; True when
+    ``done()`` did.
+
+    For :data:`POLL_SPIN_S` it polls back to back, yielding the core between polls (``sched_yield``: free on
+    a core of its own, and on an oversubscribed one the rank it waits for may be the one that runs); then it
+    sleeps between polls, 50 us growing by 1.5x to at most :data:`POLL_MAX_PAUSE_S`. A message that lands
+    while the rank sleeps is therefore seen at most ~1 ms late (the former pause doubling to 10 ms made a
+    pipeline of ``P - 1`` such waits cost up to 10 ms per hop).
+    """
+    start = time.monotonic()
+    spin_until = min(deadline, start + POLL_SPIN_S)
+    yield_core = getattr(os, "sched_yield", None)
+    while True:
+        if done():
+            return True
+        now = time.monotonic()
+        if now >= spin_until:
+            break
+        if yield_core is not None:
+            yield_core()
     pause = 5e-5
     while True:
         if done():
@@ -60,4 +84,4 @@ def poll_until(done: Callable[[], bool], deadline: float) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(pause)
-        pause = min(pause * 2, 0.01)
+        pause = min(pause * 1.5, POLL_MAX_PAUSE_S)

@@ -104,8 +104,12 @@ def machine_info() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "mpi": MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0],
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "load": [round(x, 2) for x in os.getloadavg()],
         "cpu": cpu_model(),
     }
+    if os.environ.get("NETNS_HOSTS"):  # inside tests/netns/netns.sh: one rank per namespace, TCP
+        info["netns"] = {"hosts": os.environ["NETNS_HOSTS"], "mpi": os.environ.get("NETNS_MPI"),
+                         "rate": os.environ.get("NETNS_RATE") or None, "delay": os.environ.get("NETNS_DELAY") or None}
     return info
 
 
@@ -116,22 +120,28 @@ def exscan_algorithm() -> str:
     return "linear" if "Open MPI" in MPI.Get_library_version() else "recursive_doubling"
 
 
-def time_point(comm, fn, repeats: int, warmup: int, limit: float) -> list[float]:
-    """Max-over-ranks seconds of ``fn()`` per repeat (barrier-synchronised start). Collective."""
+def time_point(comm, fn, repeats: int, warmup: int, limit: float, phases: list[float] | None = None) -> list[float]:
+    """Max-over-ranks seconds of ``fn()`` per repeat (barrier-synchronised start). Collective.
+
+    If ``fn`` returns a number (the seconds of its first phase, e.g. ``scan_start``), the max over ranks of
+    that per repeat is appended to ``phases``."""
     from mpi4py import MPI
 
-    buf = np.zeros(1)
+    buf = np.zeros(2)
     times: list[float] = []
     spent = 0.0
     for i in range(warmup + repeats):
         comm.Barrier()
         t0 = time.perf_counter()
-        fn()
+        first = fn()
         buf[0] = time.perf_counter() - t0
+        buf[1] = first if first is not None else 0.0
         comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
         spent += float(buf[0])  # the same on every rank: the stop decision is collective
         if i >= warmup:
             times.append(float(buf[0]))
+            if phases is not None:
+                phases.append(float(buf[1]))
             if len(times) >= 3 and spent > limit:
                 break
     return times
@@ -165,6 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     rng = np.random.default_rng(1234 + rank)
     results: list[dict[str, Any]] = []
+    started = machine_info()  # date and load average at the start (the snapshot's are at the end)
 
     def snapshot(overlap: dict[str, Any] | None = None) -> dict[str, Any]:
         return {
@@ -173,6 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": args.dtype,
             "oversubscribed": P > (os.cpu_count() or P),
             "machine": machine_info(),
+            "load_at_start": started["load"],
             "params": params.as_dict(),
             "calibrated": bool(args.calibrate),
             "exscan_algorithm": alg,
@@ -200,21 +212,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             used: dict[str, Any] = {}
 
             def fn(topo=topo, blocks=blocks, used=used, a=a, S=S, out=out):
+                t0 = time.perf_counter()
                 h = scan_start(a, S, comm, topology=topo, blocks=blocks, out=out)
+                t_start = time.perf_counter() - t0  # validation, agreement, plan, first messages
                 h.wait()
                 used["topology"], used["blocks"] = h.topology, h.blocks
+                return t_start
 
-            times = time_point(comm, fn, args.repeats, args.warmup, args.time_limit)
+            starts: list[float] = []
+            times = time_point(comm, fn, args.repeats, args.warmup, args.time_limit, starts)
             t_topo, t_blocks = used["topology"], used["blocks"]
             model = costmodel.predict(t_topo, P, nbytes, params, blocks=t_blocks, K=K, V=V, exscan_algorithm=alg)
             row = {
                 "P": P, "label": label, "topology": t_topo, "blocks": t_blocks, "nbytes": nbytes,
                 "shape": [H, K, V], "median_s": float(np.median(times)), "min_s": float(np.min(times)),
                 "mean_s": float(np.mean(times)), "repeats": len(times), "model_s": model,
+                "times_s": [float(t) for t in times],
+                "start_median_s": float(np.median(starts)),  # slowest rank's scan_start (validation + posting)
             }
             results.append(row)
             if rank == 0:
                 print(f"  {fmt_size(nbytes):>8s} {label:12s} k={t_blocks!s:>4s} median {row['median_s'] * 1e3:9.3f} ms"
+                      f" (min {row['min_s'] * 1e3:.3f}, scan_start {row['start_median_s'] * 1e3:.3f})"
                       f"  model {model * 1e3:9.3f} ms  ({len(times)} reps)", flush=True)
         if rank == 0 and args.out:  # partial results survive a job that is cut short
             write_outputs(snapshot(), Path(args.out), plot=False)

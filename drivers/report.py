@@ -3,15 +3,20 @@
 Reads every ``scan_P*.json`` written by ``hpczeco bench scan`` in ``--in`` (runs at several P may
 share the folder). With none there it first runs a short bench itself (``mpiexec -n P`` for each
 ``--np``; sizes ``--sizes``). Writes ``report.md`` with one table per P (measured median vs cost
-model), the fastest topology per size, ring/tree crossovers, the ring-vs-baseline ratios at 1 MiB,
-and PNG plots: time vs state size (one panel per P) and time vs P at a few sizes, where the model
-curves continue past the measured P (to ``--model-max-p``) with the calibration of the largest run.
+model, the model recomputed from the run's calibration with the current formulas), the fastest
+topology per size, ring/tree crossovers, the ring-vs-baseline ratios at 1 MiB, a measured/model
+table with the accuracy targets (states <= 64 KiB within 3x, the ring at >= 1 MiB within 1.5x), the
+model refit to the measurements (``alpha``, ``beta``, ``overhead``) with its residual, and PNG plots:
+time vs state size (one panel per P) and time vs P at a few sizes, where the model curves continue
+past the measured P (to ``--model-max-p``) with the calibration of the largest run (an extrapolation:
+it assumes the calibrated link and per-call costs do not change with P).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -84,6 +89,80 @@ def run_short_bench(folder: Path, nps: list[int], sizes: str, mpiexec: str | Non
 
 def _by(run: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
     return {(r["label"], r["nbytes"]): r for r in run["results"]}
+
+
+def remodel(run: dict[str, Any]) -> None:
+    """Recompute every row's ``model_s`` from the run's calibration with the current cost model (in place)."""
+    from hpczeco.collectives import costmodel as cm
+
+    params = cm.LinkParams(**run["params"])
+    alg = run.get("exscan_algorithm", "recursive_doubling")
+    for r in run["results"]:
+        _, K, V = r["shape"]
+        r["model_s"] = cm.predict(r["topology"], run["P"], r["nbytes"], params, blocks=r["blocks"], K=K, V=V,
+                                  exscan_algorithm=alg)
+
+
+def _points(runs: list[dict[str, Any]]) -> list[tuple[str, int, float, float]]:
+    pts = []
+    for run in runs:
+        for r in run["results"]:
+            topo = f"ring/k={r['blocks']}" if r["topology"] == "ring" else r["topology"]
+            pts.append((topo, run["P"], float(r["nbytes"]), float(r["median_s"])))
+    return pts
+
+
+def accuracy_md(runs: list[dict[str, Any]]) -> list[str]:
+    """Measured/model per (P, size, topology) and the targets: <= 64 KiB within 3x, ring >= 1 MiB within 1.5x."""
+    lines = ["| P | state | " + " | ".join(("ring", "tree", "allgather", "serial", "exscan")) + " |",
+             "|---|---|" + "---|" * 5]
+    worst_small = (0.0, "")
+    worst_ring = (0.0, "")
+    for run in runs:
+        by = _by(run)
+        for s in sorted({r["nbytes"] for r in run["results"]}):
+            cells = []
+            for t in ("ring", "tree", "allgather", "serial", "exscan"):
+                r = by.get((t, s))
+                if r is None or r["model_s"] <= 0:
+                    cells.append("-")
+                    continue
+                q = r["median_s"] / r["model_s"]
+                cells.append(f"{q:.2f}")
+                where = f"{t} at {fmt_size(s)}, P={run['P']}"
+                if s <= 64 << 10 and q > worst_small[0]:
+                    worst_small = (q, where)
+                if t == "ring" and s >= 1 << 20 and max(q, 1 / q) > worst_ring[0]:
+                    worst_ring = (max(q, 1 / q), where)
+            lines.append(f"| {run['P']} | {fmt_size(s)} | " + " | ".join(cells) + " |")
+    lines += ["", f"- states <= 64 KiB: worst measured/model {worst_small[0]:.2f} ({worst_small[1]}); target <= 3: "
+              + ("met" if worst_small[0] <= 3 else "**not met**"),
+              f"- ring at >= 1 MiB: worst factor between measured and model {worst_ring[0]:.2f} ({worst_ring[1]}); "
+              "target <= 1.5: " + ("met" if worst_ring[0] <= 1.5 else "**not met**")]
+    return lines
+
+
+def refit_md(runs: list[dict[str, Any]]) -> list[str]:
+    """Per run: the RMS of log(model/measured) under its calibration, and the model refit to its measurements
+    (alpha, beta, overhead free; gamma, delta as calibrated) with the refit's residual and worst point."""
+    from hpczeco.collectives import costfit
+    from hpczeco.collectives import costmodel as cm
+
+    lines = ["| P | calibration RMS log (x) | refit | refit RMS log (x) | refit's worst point |",
+             "|---|---|---|---|---|"]
+    for run in runs:
+        start = cm.LinkParams(**run["params"])
+        pts = _points([run])
+        alg = run.get("exscan_algorithm", "recursive_doubling")
+        res = costfit.residuals(pts, start, exscan_algorithm=alg)
+        rms_cal = math.sqrt(sum(math.log(p / m) ** 2 for *_, m, p in res) / len(res))
+        fitted, rms = costfit.fit(pts, start, ("alpha", "beta", "overhead"), exscan_algorithm=alg, name="refit")
+        t, P, m, meas, pred = max(costfit.residuals(pts, fitted, exscan_algorithm=alg),
+                                  key=lambda x: abs(math.log(x[4] / x[3])))
+        desc = fitted.describe().split(": ", 1)[1].split(", gamma")[0] + f", overhead={fitted.overhead * 1e6:.1f} us"
+        lines.append(f"| {run['P']} | {rms_cal:.3f} ({math.exp(rms_cal):.2f}x) | {desc} | {rms:.3f} "
+                     f"({math.exp(rms):.2f}x) | {t} {fmt_size(m)}: {meas * 1e3:.3f} vs {pred * 1e3:.3f} ms |")
+    return lines
 
 
 def table_md(run: dict[str, Any]) -> list[str]:
@@ -228,8 +307,18 @@ def write_report(runs: list[dict[str, Any]], out: Path, max_p: int) -> Path:
         lines.append(f"| {run['P']} | {run.get('oversubscribed')} | {run['dtype']} | {desc} | "
                      f"{run.get('exscan_algorithm')} |")
     for run in runs:
-        lines += ["", f"## P = {run['P']}", ""] + table_md(run)
+        load = run.get("load_at_start")
+        where = run["machine"].get("netns")
+        rate = f", rate {where['rate']} per NIC" if where and where.get("rate") else ""
+        head = f"## P = {run['P']}" + (f" (namespace hosts over TCP{rate})" if where else "")
+        lines += ["", head, ""]
+        if load:
+            lines += [f"Load average at start / end: {load[0]:.1f} / {run['machine']['load'][0]:.1f} "
+                      f"({run['machine'].get('cpus')} CPUs); {run['machine'].get('date')}.", ""]
+        lines += table_md(run)
         lines += ["", f"- {crossover(run)}", f"- at 1 MiB: {ratios(run)}"]
+    lines += ["", "## Measured / model", ""] + accuracy_md(runs)
+    lines += ["", "## Refit", ""] + refit_md(runs)
     lines += [
         "",
         "## Plots",
@@ -258,6 +347,8 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco report") -> int:
         runs = load(inp)
         if not runs:
             raise SystemExit(f"{prog}: the short bench wrote no results into {inp}")
+    for run in runs:
+        remodel(run)
     md = write_report(runs, Path(args.out), args.model_max_p)
     print(f"wrote {md} with {len(runs)} run(s): P = {', '.join(str(r['P']) for r in runs)}")
     return 0

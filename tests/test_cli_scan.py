@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,12 +40,23 @@ def test_model_prints_paper_rows(tmp_path, capsys):
     assert model.main(["--P", "2,8,256", "--gpus-per-node", "8", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "0.226 / 0.375" in out and "2.165 / 8.514" in out
+    assert "residual: RMS of log(model/paper)" in out and "tree: NOT measured by the paper" in out
     data = json.loads((tmp_path / "model.json").read_text())
     assert [r["P"] for r in data["rows"]] == [2, 8, 256]
     assert all(r["ring"] > 0 and r["tree"] > 0 and r["allgather"] > 0 for r in data["rows"])
     assert (tmp_path / "model.png").stat().st_size > 0
     with pytest.raises(SystemExit):
         model.main(["--link", "warp-drive"])
+
+
+def test_model_fit_paper_prints_fit_and_residuals(capsys):
+    assert model.main(["--P", "8,256,1024", "--fit-paper"]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"fit to Table 2 \(RMS log residual ([\d.]+)\)", out)
+    assert m and float(m.group(1)) < 0.1, out
+    for P in (8, 16, 32, 64, 128, 256):  # every row of the paper's table beside the model
+        assert re.search(rf"^\s+{P}\s+[\d.]+\s+[\d.]+\s+[\d.]+", out, re.M), P
+    assert "rows past P=256 extrapolate" in out
 
 
 def test_bench_scan_two_ranks_then_report(tmp_path):
@@ -73,4 +85,6 @@ def test_bench_scan_two_ranks_then_report(tmp_path):
     assert report.main(["--in", str(out), "--out", str(rep)]) == 0
     md = (rep / "report.md").read_text()
     assert "## P = 2" in md and "scan_over_p.png" in md
+    assert "## Measured / model" in md and "states <= 64 KiB: worst measured/model" in md and "## Refit" in md
+    assert all(r["times_s"] and len(r["times_s"]) == r["repeats"] and r["start_median_s"] > 0 for r in data["results"])
     assert (rep / "scan_sizes.png").stat().st_size > 0 and (rep / "scan_over_p.png").stat().st_size > 0
