@@ -33,24 +33,23 @@ from typing import Any
 import numpy as np
 
 from .base.backend import get_array_module
-from .collectives import local_error
-from .collectives.scan import agree_fast
+from .collectives import agree_fast, local_error
+from .collectives.names import TOPOLOGIES, check_blocks
 from .gla import chunk_gla, chunk_gla_bwd, validate_gla_inputs
 from .gla.protocol import split_backward, split_forward
 from .gla.validate import check_chunk_size, raise_for_flags
 
 __all__ = ["ZeCOGLA", "zeco_gla", "SCANS"]
 
-SCANS = ("ring", "tree", "allgather", "serial", "exscan", "auto")
+SCANS = TOPOLOGIES  # the scan topologies (one list: hpczeco.collectives.names)
 
 
 def _check_scan_options(scan: Any, blocks: Any) -> None:
-    """The scan topology and the ring's ``blocks`` (positive integer or None), checked where they enter."""
-    # TODO(coll names): switch to collectives/names.py check_topology(scan) and check_blocks(blocks, K) when it lands
+    """The scan topology and the ring's ``blocks`` (int >= 1 or None), checked where they enter by the
+    collectives' own rules (``blocks <= K`` is checked by the scan once K is known)."""
     if scan not in SCANS:
         raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
-    if blocks is not None and (not isinstance(blocks, int | np.integer) or blocks < 1):
-        raise ValueError(f"blocks must be a positive integer or None, got {blocks!r}")
+    check_blocks(blocks)
 
 
 def _state_dtype(x) -> Any:

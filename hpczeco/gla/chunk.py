@@ -54,14 +54,11 @@ from ..base.backend import is_device_array
 from . import _kernels as _kn
 from . import _kernels_grad as _kg
 from ._geometry import Geom
-from ._runner import num_threads, run_units
+from ._runner import run_units
 from ._steps import OperandBuffers, a_matrix, exponents, intra_grads, matmul_rows
 from .validate import check_gla_call
 
 __all__ = ["chunk_gla", "chunk_gla_bwd"]
-
-# TODO(drv): drivers/bench_gla.py imports this name; switch it to hpczeco.gla._runner.num_threads, then drop it
-_num_threads = num_threads
 
 
 def _gpu_module():
