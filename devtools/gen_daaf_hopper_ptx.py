@@ -31,13 +31,18 @@ def _ss(n: int) -> str:
         out.append(
             f"""template <> struct DhWgmmaSS<{str(bf).lower()}, {n}> {{
     template <int TB>
-    static __device__ __forceinline__ void run(float (&d)[{na}], unsigned long long da, unsigned long long db, int scale_d) {{
+    static __device__ __forceinline__ void run(float (&d)[{na}], unsigned long long da, unsigned long long db,
+                                               int scale_d) {{
+#ifdef DH_NO_WGMMA
+        __trap();
+#else
         asm volatile(
             "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{na + 2}, 0;\\n"
             "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ty}.{ty} "
             "{_acc_list(na)}, %{na}, %{na + 1}, p, 1, 1, 0, %{na + 3};\\n}}\\n"
             : {_acc_operands(na)}
             : "l"(da), "l"(db), "r"(scale_d), "n"(TB));
+#endif
     }}
 }};"""
         )
@@ -51,13 +56,18 @@ def _rs(n: int) -> str:
         out.append(
             f"""template <> struct DhWgmmaRS<{str(bf).lower()}, {n}> {{
     template <int TB>
-    static __device__ __forceinline__ void run(float (&d)[{na}], const u32 (&a)[4], unsigned long long db, int scale_d) {{
+    static __device__ __forceinline__ void run(float (&d)[{na}], const u32 (&a)[4], unsigned long long db,
+                                               int scale_d) {{
+#ifdef DH_NO_WGMMA
+        __trap();
+#else
         asm volatile(
             "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{na + 5}, 0;\\n"
             "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ty}.{ty} "
             "{_acc_list(na)}, {{%{na}, %{na + 1}, %{na + 2}, %{na + 3}}}, %{na + 4}, p, 1, 1, %{na + 6};\\n}}\\n"
             : {_acc_operands(na)}
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d), "n"(TB));
+#endif
     }}
 }};"""
         )

@@ -38,6 +38,12 @@ static const DhEntry dh_entries[] = {
     DH_FA2_ENTRY(daaf_hfa2_f16_d64_s3, 64, 3),
 };
 
+extern "C" int dh_emu_smem_bytes(const char* name) {
+    for (const DhEntry& e : dh_entries)
+        if (std::strcmp(e.name, name) == 0) return e.smem;
+    return -1;
+}
+
 extern "C" const char* dh_emu_last_error() { return dh_emu_error_text.c_str(); }
 
 extern "C" int dh_emu_attention(const char* name, const u16* q, const u16* k, const u16* v, u16* o, const int* gidx,
@@ -63,5 +69,53 @@ extern "C" int dh_emu_wgmma_unit(int bf, int swz, const u16* a, const u16* b, fl
     else if (bf) dh_emu_launch(1, 128, DH_UNIT_SMEM_BYTES, [&] { daaf_wgmma_unit_bf16_nosw(a, b, d, mode); });
     else if (swz) dh_emu_launch(1, 128, DH_UNIT_SMEM_BYTES, [&] { daaf_wgmma_unit_f16_sw128(a, b, d, mode); });
     else return -1;
+    return dh_emu_errors.load();
+}
+
+// ---------------------------------------------------------------- self-test of the emulation's checks
+// One warpgroup computes d[64][128] = a[64][128] b^T (b: [128][128], K-major, 128-byte swizzle) as the
+// unit kernel does, with one planted fault: 0 none, 1 no fence.proxy.async after the copies, 2 B
+// overwritten by cp.async while the wgmma is pending, 3 accumulator written while pending, 4 no
+// wgmma.fence, 5 accumulators read before wait_group (the result is then wrong; no error is recorded).
+static void dh_selftest_body(const u16* a, const u16* b, float* d, int fault) {
+    constexpr int D = 128, CPR = 16;
+    unsigned char* raw = dh_emu_dynamic_smem();
+    const u32 sb = (dh_smem_addr(raw) + 1023u) & ~1023u;
+    const u32 sA = sb, sB = sb + 64 * D * 2;
+    const int tid = threadIdx.x, wq = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+    for (int idx = tid; idx < 64 * CPR; idx += 128)
+        dh_cp_async16(sA + dh_chunk_off<1, D>(idx / CPR, idx % CPR, 64), a + (idx / CPR) * D + (idx % CPR) * 8, 16);
+    for (int idx = tid; idx < 128 * CPR; idx += 128)
+        dh_cp_async16(sB + dh_chunk_off<1, D>(idx / CPR, idx % CPR, 128), b + (idx / CPR) * D + (idx % CPR) * 8, 16);
+    dh_cp_async_commit();
+    dh_cp_async_wait<0>();
+    if (fault != 1) dh_fence_proxy_async();
+    __syncthreads();
+    float acc[64];
+    for (int x = 0; x < 64; ++x) acc[x] = 0.f;
+    if (fault != 4) dh_wg_fence();
+    for (int kk = 0; kk < 8; ++kk)
+        dh_wgmma_ss<true, 128, 0>(acc, dh_desc_k<1, D>(sA, 64, 0, kk), dh_desc_k<1, D>(sB, 128, 0, kk), 1);
+    dh_wg_commit();
+    if (fault == 2) {  // refill B (with A's rows) while the wgmma may still read it
+        for (int idx = tid; idx < 64 * CPR; idx += 128)
+            dh_cp_async16(sB + dh_chunk_off<1, D>(idx / CPR, idx % CPR, 128), a + (idx / CPR) * D + (idx % CPR) * 8, 16);
+        dh_cp_async_commit();
+        dh_cp_async_wait<0>();
+    }
+    if (fault == 3) acc[5] += 1.f;
+    float early[64];
+    for (int x = 0; x < 64; ++x) early[x] = acc[x];
+    dh_wg_wait<0>();
+    for (int x = 0; x < 64; ++x) {
+        const int m = 16 * wq + g + 8 * ((x >> 1) & 1), n = 8 * (x >> 2) + 2 * tq + (x & 1);
+        d[m * 128 + n] = fault == 5 ? early[x] : acc[x];
+    }
+}
+
+extern "C" int dh_emu_selftest(const u16* a, const u16* b, float* d, int fault) {
+    dh_emu_errors = 0;
+    dh_emu_error_text.clear();
+    dh_emu_launch(1, 128, DH_UNIT_SMEM_BYTES, [&] { dh_selftest_body(a, b, d, fault); });
     return dh_emu_errors.load();
 }
