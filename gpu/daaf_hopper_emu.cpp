@@ -98,10 +98,12 @@ static void dh_selftest_body(const u16* a, const u16* b, float* d, int fault) {
         dh_wgmma_ss<true, 128, 0>(acc, dh_desc_k<1, D>(sA, 64, 0, kk), dh_desc_k<1, D>(sB, 128, 0, kk), 1);
     dh_wg_commit();
     if (fault == 2) {  // refill B (with A's rows) while the wgmma may still read it
+        __syncthreads();  // every thread has issued (so the fault is the refill, not a stale read at issue)
         for (int idx = tid; idx < 64 * CPR; idx += 128)
             dh_cp_async16(sB + dh_chunk_off<1, D>(idx / CPR, idx % CPR, 128), a + (idx / CPR) * D + (idx % CPR) * 8, 16);
         dh_cp_async_commit();
         dh_cp_async_wait<0>();
+        dh_fence_proxy_async();
     }
     if (fault == 3) acc[5] += 1.f;
     float early[64];
