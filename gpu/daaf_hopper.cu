@@ -484,15 +484,34 @@ __device__ __forceinline__ void dh_wg_body(
         dh_wg_body<BF, D, BN, NWG, ST, SWZ>(q, k, v, o, gidx, gmask, B, T, H, n_global, W, scale_log2, sched); \
     }
 
-// name: daaf_hwg_{elem}_d{D}_n{BN}_w{NWG}_s{ST}[_nosw]
+// name: daaf_hwg_{elem}_d{D}_n{BN}_w{NWG}_s{ST}[_nosw]. DH_GROUP (default 0: all) builds one group of
+// kernels only, so that a launcher can compile the groups in parallel (gpu/daaf_hopper.py GROUPS).
+#ifndef DH_GROUP
+#define DH_GROUP 0
+#endif
+#define DH_IN_GROUP(g) (DH_GROUP == 0 || DH_GROUP == (g))
+#if DH_IN_GROUP(1)
 DH_WG_KERNEL(daaf_hwg_bf16_d128_n128_w2_s3, true, 128, 128, 2, 3, 1)
+#endif
+#if DH_IN_GROUP(2)
 DH_WG_KERNEL(daaf_hwg_f16_d128_n128_w2_s3, false, 128, 128, 2, 3, 1)
+#endif
+#if DH_IN_GROUP(3)
 DH_WG_KERNEL(daaf_hwg_bf16_d128_n64_w2_s4, true, 128, 64, 2, 4, 1)
+#endif
+#if DH_IN_GROUP(4)
 DH_WG_KERNEL(daaf_hwg_bf16_d128_n64_w3_s3, true, 128, 64, 3, 3, 1)
+#endif
+#if DH_IN_GROUP(5)
 DH_WG_KERNEL(daaf_hwg_bf16_d128_n128_w1_s3, true, 128, 128, 1, 3, 1)
+#endif
+#if DH_IN_GROUP(6)
 DH_WG_KERNEL(daaf_hwg_bf16_d64_n128_w2_s3, true, 64, 128, 2, 3, 1)
 DH_WG_KERNEL(daaf_hwg_f16_d64_n128_w2_s3, false, 64, 128, 2, 3, 1)
+#endif
+#if DH_IN_GROUP(7)
 DH_WG_KERNEL(daaf_hwg_bf16_d128_n128_w2_s3_nosw, true, 128, 128, 2, 3, 0)
+#endif
 
 // ------------------------------------------------------------------ wgmma unit check
 // One warpgroup. a: [64][128] (row-major, K-major), b: mode & 1 ? [128 (k)][128 (n)] (n contiguous:
@@ -566,9 +585,11 @@ __device__ __forceinline__ void dh_unit_body(const u16* __restrict__ a, const u1
                                                              float* __restrict__ d, int mode) {             \
         dh_unit_body<BF, SWZ>(a, b, d, mode);                                                                 \
     }
+#if DH_IN_GROUP(8)
 DH_UNIT_KERNEL(daaf_wgmma_unit_bf16_sw128, true, 1)
 DH_UNIT_KERNEL(daaf_wgmma_unit_bf16_nosw, true, 0)
 DH_UNIT_KERNEL(daaf_wgmma_unit_f16_sw128, false, 1)
+#endif
 enum { DH_UNIT_SMEM_BYTES = (64 + 128) * 128 * 2 + 1024 };  // A, B, alignment slack
 
 // ------------------------------------------------------------------ mma.sync fallback (FlashAttention-2 layout)
@@ -828,8 +849,12 @@ __device__ __forceinline__ void dh_fa2_body(
     }
 
 // name: daaf_hfa2_{elem}_d{D}_s{ST}
+#if DH_IN_GROUP(9)
 DH_FA2_KERNEL(daaf_hfa2_bf16_d128_s3, true, 128, 3)
-DH_FA2_KERNEL(daaf_hfa2_f16_d128_s3, false, 128, 3)
 DH_FA2_KERNEL(daaf_hfa2_bf16_d128_s2, true, 128, 2)
+#endif
+#if DH_IN_GROUP(10)
+DH_FA2_KERNEL(daaf_hfa2_f16_d128_s3, false, 128, 3)
 DH_FA2_KERNEL(daaf_hfa2_bf16_d64_s3, true, 64, 3)
 DH_FA2_KERNEL(daaf_hfa2_f16_d64_s3, false, 64, 3)
+#endif

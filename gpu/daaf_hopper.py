@@ -21,17 +21,20 @@ vary fastest in the 1-D grid. :func:`prepare` returns a :class:`Prepared` (``p()
 current CuPy stream and returns ``out``), like :func:`hpczeco.gpu.daaf.prepare`.
 
 Built with NVRTC for ``sm_90a`` (CuPy's RawModule would add its own ``-arch=sm_90``, under which
-wgmma does not exist), else with ``nvcc`` when NVRTC fails; the cubin is cached per process.
+wgmma does not exist), else with ``nvcc`` when NVRTC fails; one cubin per compile group (:data:`GROUPS`,
+built in parallel by :func:`prebuild`), cached on disk by source hash (:func:`cache_dir`).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import os
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,8 +49,11 @@ __all__ = [
     "VARIANTS",
     "Prepared",
     "Variant",
+    "GROUPS",
     "build_cubin",
     "build_method",
+    "cached_cubin",
+    "prebuild",
     "kernel_info",
     "kernel_name",
     "kernel_names",
@@ -141,17 +147,51 @@ def resolve(impl: str, elem: str, D: int, Dv: int) -> Variant:
 
 # --------------------------------------------------------------------------- build (NVRTC for sm_90a, else nvcc)
 
+# kernel -> compile group (DH_GROUP in daaf_hopper.cu): the groups build in parallel (prebuild)
+GROUPS: dict[str, int] = {
+    "daaf_hwg_bf16_d128_n128_w2_s3": 1,
+    "daaf_hwg_f16_d128_n128_w2_s3": 2,
+    "daaf_hwg_bf16_d128_n64_w2_s4": 3,
+    "daaf_hwg_bf16_d128_n64_w3_s3": 4,
+    "daaf_hwg_bf16_d128_n128_w1_s3": 5,
+    "daaf_hwg_bf16_d64_n128_w2_s3": 6,
+    "daaf_hwg_f16_d64_n128_w2_s3": 6,
+    "daaf_hwg_bf16_d128_n128_w2_s3_nosw": 7,
+    "daaf_wgmma_unit_bf16_sw128": 8,
+    "daaf_wgmma_unit_bf16_nosw": 8,
+    "daaf_wgmma_unit_f16_sw128": 8,
+    "daaf_hfa2_bf16_d128_s3": 9,
+    "daaf_hfa2_bf16_d128_s2": 9,
+    "daaf_hfa2_f16_d128_s3": 10,
+    "daaf_hfa2_bf16_d64_s3": 10,
+    "daaf_hfa2_f16_d64_s3": 10,
+}
+N_GROUPS = max(GROUPS.values())
+
 
 def _source() -> tuple[str, str]:
     return KERNEL_SOURCE.read_text(), PTX_HEADER.read_text()
 
 
-def build_cubin(arch: str = ARCH, use_nvcc: bool | None = None) -> tuple[bytes, str]:
-    """Compile ``daaf_hopper.cu`` to a cubin: ``(cubin, how)`` with ``how`` "nvrtc" or "nvcc".
+def cache_dir() -> Path:
+    """Where built cubins are kept (``$HPCZECO_HOPPER_CACHE``, else a folder in the temp directory)."""
+    d = Path(os.environ.get("HPCZECO_HOPPER_CACHE") or Path(tempfile.gettempdir()) / "hpczeco-hopper-cubins")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
 
-    ``use_nvcc``: None tries NVRTC (through CuPy's binding) first and nvcc when that fails.
-    """
+
+def cubin_path(group: int = 0, arch: str = ARCH) -> Path:
+    """The cache file of compile group ``group`` (0: every kernel) for the current sources."""
+    src, hdr = _source()
+    key = hashlib.sha256((src + "\0" + hdr + "\0" + arch).encode()).hexdigest()[:16]
+    return cache_dir() / f"daaf_hopper-{key}-{arch}-g{group}.cubin"
+
+
+def build_cubin(arch: str = ARCH, use_nvcc: bool | None = None, group: int = 0) -> tuple[bytes, str]:
+    """Compile ``daaf_hopper.cu`` (compile group ``group``; 0: all) to a cubin: ``(cubin, how)``, ``how``
+    "nvrtc" or "nvcc". ``use_nvcc``: None tries NVRTC (CuPy's binding) first and nvcc when that fails."""
     errors = []
+    define = [f"-DDH_GROUP={group}"]
     if not use_nvcc:
         try:
             from cupy_backends.cuda.libs import nvrtc  # noqa: PLC0415
@@ -160,7 +200,7 @@ def build_cubin(arch: str = ARCH, use_nvcc: bool | None = None) -> tuple[bytes, 
             prog = nvrtc.createProgram(src, KERNEL_SOURCE.name, [hdr], [PTX_HEADER.name])
             try:
                 try:
-                    nvrtc.compileProgram(prog, ["-std=c++17", f"--gpu-architecture={arch}"])
+                    nvrtc.compileProgram(prog, ["-std=c++17", f"--gpu-architecture={arch}", *define])
                 except Exception as exc:
                     raise RuntimeError(f"NVRTC: {exc}\n{nvrtc.getProgramLog(prog)[-4000:]}") from exc
                 return nvrtc.getCUBIN(prog), "nvrtc"
@@ -171,16 +211,45 @@ def build_cubin(arch: str = ARCH, use_nvcc: bool | None = None) -> tuple[bytes, 
                 raise
             errors.append(f"{type(exc).__name__}: {exc}")
     nvcc = os.environ.get("NVCC") or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    if not Path(nvcc).exists() and not shutil.which(nvcc):
+    if not shutil.which(nvcc):
         raise RuntimeError(f"cannot build daaf_hopper.cu: {'; '.join(errors)}; and no nvcc")
     with tempfile.TemporaryDirectory(prefix="hpczeco-hopper-") as d:
         out = Path(d) / "daaf_hopper.cubin"
-        cmd = [nvcc, "-cubin", f"-gencode=arch=compute_{arch[3:]},code={arch}", "-std=c++17", f"-I{HERE}",
+        cmd = [nvcc, "-cubin", f"-gencode=arch=compute_{arch[3:]},code={arch}", "-std=c++17", f"-I{HERE}", *define,
                str(KERNEL_SOURCE), "-o", str(out)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{r.stderr[-4000:]}; earlier: {'; '.join(errors)}")
         return out.read_bytes(), "nvcc"
+
+
+def cached_cubin(group: int = 0, arch: str = ARCH) -> tuple[Path, str]:
+    """The cubin of ``group`` from the cache, built (and stored) when missing: ``(path, how)``."""
+    path = cubin_path(group, arch)
+    if path.exists():
+        return path, "cache"
+    data, how = build_cubin(arch, group=group)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return path, how
+
+
+def _build_one(group: int) -> tuple[int, str, str, float]:
+    t0 = time.perf_counter()
+    path, how = cached_cubin(group)
+    return group, str(path), how, time.perf_counter() - t0
+
+
+def prebuild(groups: list[int] | None = None, workers: int | None = None) -> list[tuple[int, str, str, float]]:
+    """Build the cubins of ``groups`` (default: all) in parallel processes: ``[(group, path, how, seconds)]``.
+    Call before any CUDA use in this process (the workers are spawned, not forked)."""
+    import concurrent.futures as cf  # noqa: PLC0415
+    import multiprocessing as mp  # noqa: PLC0415
+
+    groups = list(range(1, N_GROUPS + 1)) if groups is None else groups
+    with cf.ProcessPoolExecutor(max_workers=workers or len(groups), mp_context=mp.get_context("spawn")) as ex:
+        return list(ex.map(_build_one, groups))
 
 
 def _cupy():
@@ -192,30 +261,26 @@ def _cupy():
 
 
 @functools.cache
-def _module(device_id: int):
+def _module(device_id: int, group: int):
     cupy = _cupy()
     with cupy.cuda.Device(device_id):
         cc = cupy.cuda.Device(device_id).compute_capability
         if cc != "90":
             raise RuntimeError(f"daaf_hopper kernels are built for sm_90a (Hopper); device {device_id} is sm_{cc}")
-        cubin, how = build_cubin()
-        d = tempfile.mkdtemp(prefix="hpczeco-hopper-")
-        path = os.path.join(d, "daaf_hopper.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        return cupy.RawModule(path=path), how
+        path, how = cached_cubin(group)
+        return cupy.RawModule(path=str(path)), how
 
 
-def build_method(device_id: int = 0) -> str:
-    """How the module of ``device_id`` was built: "nvrtc" or "nvcc" (builds it)."""
-    return _module(device_id)[1]
+def build_method(device_id: int = 0, group: int = 1) -> str:
+    """How the module of ``group`` was obtained: "nvrtc", "nvcc" or "cache" (loads it)."""
+    return _module(device_id, group)[1]
 
 
 @functools.cache
 def _kernel_on(device_id: int, name: str, smem: int):
     cupy = _cupy()
     with cupy.cuda.Device(device_id):
-        kern = _module(device_id)[0].get_function(name)
+        kern = _module(device_id, GROUPS[name])[0].get_function(name)
         if smem > 48 * 1024:
             kern.max_dynamic_shared_size_bytes = smem
         return kern

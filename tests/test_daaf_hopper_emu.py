@@ -22,8 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hpczeco.base import bf16
-from hpczeco.daaf.reference import attention_reference
 from hpczeco.gpu import daaf_hopper as dh
+
+from hpczeco.daaf.reference import attention_reference
 
 GPU_DIR = Path(dh.__file__).resolve().parent
 SOURCES = [GPU_DIR / n for n in ("daaf_hopper_emu.cpp", "daaf_hopper.cu", "daaf_hopper_ptx.cuh", "wgmma_emu.h",
@@ -333,3 +334,15 @@ def test_gpu_kernels_match_reference(rng, impl):
         ref = attention_reference(*(bf16.from_bits(x) for x in (hq, hk, hv)), g, local_window=W)
         err = _rel(out, ref)
         assert err <= TOL["bf16"], f"{impl} T={T} W={W} plan={plan}: rel err {err:.3g}"
+
+
+def test_compile_groups_match_source():
+    """gpu/daaf_hopper.py's GROUPS names every kernel of daaf_hopper.cu under its DH_IN_GROUP block."""
+    text = (GPU_DIR / "daaf_hopper.cu").read_text()
+    found: dict[str, int] = {}
+    for m in re.finditer(r"#if DH_IN_GROUP\((\d+)\)\n(.*?)#endif", text, re.S):
+        for name in re.findall(r"^DH_\w+_KERNEL\((\w+),", m.group(2), re.M):
+            found[name] = int(m.group(1))
+    assert found == dh.GROUPS
+    unit = {dh.unit_kernel_name("bf16", True), dh.unit_kernel_name("bf16", False), dh.unit_kernel_name("f16", True)}
+    assert set(dh.kernel_names()) | unit == set(found)
