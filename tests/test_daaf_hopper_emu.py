@@ -346,3 +346,30 @@ def test_compile_groups_match_source():
     assert found == dh.GROUPS
     unit = {dh.unit_kernel_name("bf16", True), dh.unit_kernel_name("bf16", False), dh.unit_kernel_name("f16", True)}
     assert set(dh.kernel_names()) | unit == set(found)
+
+
+def _device_check_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("daaf_device_check", GPU_DIR.parent / "devtools" /
+                                                  "daaf_device_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_device_check_helpers(rng):
+    """The harness's pair count (its TFLOP/s) equals the reference mask's; its plans are the suite's."""
+    chk = _device_check_module()
+    from hpczeco.daaf.reference import allowed_mask
+
+    for T, W, plan in ((300, 16, "regions"), (257, 128, "scattered"), (64, 0, "all"), (1, 0, "none")):
+        g = key_regions(T, plan, rng)
+        assert chk.daaf_pairs(g, W) == int(allowed_mask(g, W).sum())
+    plans = chk.bench_plans(32768)
+    assert set(plans) == {"w128", "w128+first4096", "w128+8x512"}
+    assert plans["w128+first4096"][:4096].all() and plans["w128+first4096"].sum() == 4096
+    assert plans["w128+8x512"].sum() == 8 * 512
+    rows = [{"T": 8192, "plan": "w128", "method": m, "median_ms": t, "tflops": 1.0} for m, t in
+            (("hwg/s1", 0.1), ("flex", 0.2))]
+    assert "0.50" in chk.table(rows)
