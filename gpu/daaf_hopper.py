@@ -69,7 +69,7 @@ HERE = Path(__file__).resolve().parent
 KERNEL_SOURCE = HERE / "daaf_hopper.cu"
 PTX_HEADER = HERE / "daaf_hopper_ptx.cuh"
 ARCH = "sm_90a"
-SCHED_DEFAULT = 1  # reverse (longest rows first), query tiles fastest
+SCHED_DEFAULT = 3  # reverse (longest rows first), heads fastest: every head's long key-region rows start first
 
 
 @dataclass(frozen=True)

@@ -373,3 +373,18 @@ def test_device_check_helpers(rng):
     rows = [{"T": 8192, "plan": "w128", "method": m, "median_ms": t, "tflops": 1.0} for m, t in
             (("hwg/s1", 0.1), ("flex", 0.2))]
     assert "0.50" in chk.table(rows)
+
+
+@pytest.mark.parametrize("impl", ["hwg", "hwg3", "hfa2"])
+def test_emulated_long_rows(emu, rng, impl):
+    """Rows over many key tiles: the stage ring wraps several times (gathered key-region tiles, a
+    causal key-region tile of ~6 x 128 keys, a local window over several tiles)."""
+    cases = [(700, 16, "first"), (700, 300, "none"), (640, 1, "all")]
+    if impl == "hfa2":
+        cases = cases[:1]
+    for T, W, plan in cases:
+        g = key_regions(T, plan, rng)
+        q, k, v = _inputs(rng, 1, T, 1, 128)
+        out, ref = emu_attention(emu, impl, q, k, v, g, W)
+        err = _rel(out, ref)
+        assert err <= TOL["bf16"], f"{impl} T={T} W={W} plan={plan}: rel err {err:.3g}"
