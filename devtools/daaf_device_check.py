@@ -47,6 +47,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from hpczeco.base import bf16  # noqa: E402
+from hpczeco.drivers.gpu_daaf_model import bench_plans, daaf_pairs, key_regions, make_flex  # noqa: E402
 from hpczeco.gpu import daaf_hopper as dh  # noqa: E402
 
 from hpczeco.daaf.reference import attention_reference  # noqa: E402
@@ -118,47 +119,6 @@ def rel_err(out, ref) -> float:
 
 
 # --------------------------------------------------------------------------- plans
-
-
-def key_regions(T: int, plan: str, rng: np.random.Generator) -> np.ndarray:
-    g = np.zeros(T, dtype=bool)
-    if plan == "first":
-        g[: max(1, (3 * T) // 10)] = True
-    elif plan == "scattered":
-        g[rng.random(T) < 0.1] = True
-    elif plan == "all":
-        g[:] = True
-    elif plan == "regions":
-        g[T // 5 : T // 5 + max(1, T // 6)] = True
-        g[(2 * T) // 3 : (2 * T) // 3 + max(1, T // 12)] = True
-    elif plan != "none":
-        raise ValueError(plan)
-    return g
-
-
-def bench_plans(T: int) -> dict[str, np.ndarray]:
-    """w128 alone; the first 4096 tokens a key region; 8 regions of 512 spread evenly (as gpu_daaf_suite)."""
-    plans = {"w128": np.zeros(T, dtype=bool)}
-    if T > 4096:
-        g = np.zeros(T, dtype=bool)
-        g[:4096] = True
-        plans["w128+first4096"] = g
-        g = np.zeros(T, dtype=bool)
-        for i in range(8):
-            s = int((i + 0.5) * T / 8) // 512 * 512
-            g[s : s + 512] = True
-        plans["w128+8x512"] = g
-    return plans
-
-
-def daaf_pairs(g: np.ndarray, W: int) -> int:
-    """Allowed (query, key) pairs of the DAAF rule."""
-    T = len(g)
-    cg = np.zeros(T + 1, dtype=np.int64)
-    np.cumsum(g, out=cg[1:])
-    t = np.arange(T, dtype=np.int64)
-    local = np.minimum(t, W) + 1 + cg[np.clip(t - W, 0, None)]
-    return int(np.where(g, t + 1, local).sum())
 
 
 def device_plan(cp, g: np.ndarray, W: int):
@@ -323,27 +283,6 @@ def time_cuda(torch, fn, reps: int, warmup: int) -> dict:
     return {"median_ms": float(med), "min_ms": float(ts.min()), "iqr_ms": float(q3 - q1), "reps": reps}
 
 
-def make_flex(torch, T: int):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    gbuf = torch.zeros(T, dtype=torch.bool, device="cuda")
-    W = W_BENCH
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & ((q_idx - kv_idx <= W) | gbuf[kv_idx] | gbuf[q_idx])
-
-    flex = torch.compile(flex_attention, dynamic=False)
-
-    def block_mask(g_np: np.ndarray):
-        gbuf.copy_(torch.from_numpy(g_np).cuda())
-        try:
-            return create_block_mask(mask_mod, B=None, H=None, Q_LEN=T, KV_LEN=T, device="cuda", _compile=True)
-        except TypeError:
-            return create_block_mask(mask_mod, B=None, H=None, Q_LEN=T, KV_LEN=T, device="cuda")
-
-    return flex, block_mask
-
-
 def timings(rec: Recorder, args, impls: list[str]) -> list[dict]:
     import cupy as cp
     import torch
@@ -363,7 +302,7 @@ def timings(rec: Recorder, args, impls: list[str]) -> list[dict]:
             if not args.no_flex:
                 try:
                     t0 = time.perf_counter()
-                    flex, block_mask = make_flex(torch, T)
+                    flex, block_mask = make_flex(T, W_BENCH)
                     rec.info(stage, f"T={T} flex setup", seconds=time.perf_counter() - t0)
                 except Exception as exc:
                     rec.error(stage, f"T={T} FlexAttention import", exc)

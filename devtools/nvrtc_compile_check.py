@@ -1,9 +1,9 @@
 """Compile ``gpu/daaf_hopper.cu`` with NVRTC (libnvrtc through ctypes, no GPU and no CuPy needed).
 
 ``python devtools/nvrtc_compile_check.py /path/to/libnvrtc.so.13 [--arch sm_90a]`` checks that the
-source builds under NVRTC as gpu/daaf_hopper.py builds it on the device (the header passed by name,
-``-std=c++17``, ``--gpu-architecture=sm_90a``). libnvrtc-builtins must be on LD_LIBRARY_PATH, e.g.
-from the ``nvidia-cuda-nvrtc`` wheel: ``LD_LIBRARY_PATH=<site-packages>/nvidia/cu13/lib``.
+source builds under NVRTC as gpu/daaf_hopper.py builds it on the device (the local headers inlined by
+gpu/runtime.py, the options of its kernel set, ``--gpu-architecture=sm_90a``). libnvrtc-builtins must be
+on LD_LIBRARY_PATH, e.g. from the ``nvidia-cuda-nvrtc`` wheel: ``LD_LIBRARY_PATH=<site-packages>/nvidia/cu13/lib``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,11 @@ import ctypes
 import sys
 from pathlib import Path
 
-GPU = Path(__file__).resolve().parents[1] / "gpu"
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from hpczeco.gpu import daaf_hopper as dh  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,15 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", default="sm_90a")
     a = ap.parse_args(argv)
     lib = ctypes.CDLL(a.libnvrtc)
-    src = (GPU / "daaf_hopper.cu").read_bytes()
-    hdr = (GPU / "daaf_hopper_ptx.cuh").read_bytes()
     prog = ctypes.c_void_p()
-    headers = (ctypes.c_char_p * 1)(hdr)
-    names = (ctypes.c_char_p * 1)(b"daaf_hopper_ptx.cuh")
-    if lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"daaf_hopper.cu", 1, headers, names) != 0:
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), dh.kernel_source().encode(), dh.KERNEL_SOURCE.name.encode(), 0,
+                              None, None) != 0:
         print("nvrtcCreateProgram failed")
         return 1
-    opts = [b"-std=c++17", f"--gpu-architecture={a.arch}".encode()]
+    opts = [o.encode() for o in dh.KERNELS.compile_options("0")] + [f"--gpu-architecture={a.arch}".encode()]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     n = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))

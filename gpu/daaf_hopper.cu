@@ -38,26 +38,10 @@
 // misbehaves on the hardware. The same tile serves as the K-major B operand of Q K^T (rows = keys =
 // N, columns = d = K) and as the MN-major B operand of P V (rows = keys = K, columns = d = N).
 //
-// No #include of system headers: the file builds with NVRTC and nvcc (-std=c++17) alike.
+// No #include of system headers: the file builds with NVRTC (gpu/runtime.py inlines the local headers) and
+// nvcc (-std=c++17) alike, and with g++ after gpu/emu/cuda_emu.h for the CPU emulation (CUDA_EMU).
 
-#include "daaf_hopper_ptx.cuh"
-
-#define DH_NEG_INF (__int_as_float(0xff800000))
-
-__device__ __forceinline__ int dh_imin(int a, int b) { return a < b ? a : b; }
-__device__ __forceinline__ int dh_imax(int a, int b) { return a > b ? a : b; }
-
-// number of entries of the sorted array a[0:n] that are < x
-__device__ __forceinline__ int dh_lower_bound(const int* __restrict__ a, int n, int x) {
-    int lo = 0, hi = n;
-    while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        if (a[mid] < x) lo = mid + 1; else hi = mid;
-    }
-    return lo;
-}
-
-struct alignas(16) DhVec16 { u32 x, y, z, w; };
+#include "daaf_hopper_ptx.cuh"  // + daaf_common.cuh: daaf_imin/imax/lower_bound, DaafVec16, the mma.sync helpers
 
 // ------------------------------------------------------------------ tile order
 // sched bit 0: reverse the query tiles (the longest rows first); bit 1: heads (then batches) vary
@@ -94,7 +78,7 @@ __device__ __forceinline__ void dh_bounds5(const int* __restrict__ gidx, int n_g
     int x = xs[0];
 #pragma unroll
     for (int i = 1; i < 5; ++i) x = lane == i ? xs[i] : x;
-    const int r = lane < 5 ? dh_lower_bound(gidx, n_global, x) : 0;
+    const int r = lane < 5 ? daaf_lower_bound(gidx, n_global, x) : 0;
 #pragma unroll
     for (int i = 0; i < 5; ++i) out[i] = __shfl_sync(0xffffffffu, r, i);
 }
@@ -111,6 +95,85 @@ __device__ __forceinline__ int dh_key_of(const DhPlan& p, const int* __restrict_
     }
     const int j = p.ks + (i - p.n_pre_tiles) * BN + r;
     return j <= p.t1 ? j : -1;
+}
+
+// the query tile of this CTA (BM rows, dh_tile_of) and its head's rows of q, k, v, o (token stride rs elements)
+struct DhHead {
+    int t0, t1;  // query rows (t1 inclusive, clipped to T - 1)
+    long long rs;
+    const u16* qb;
+    const u16* kb;
+    const u16* vb;
+    u16* ob;
+};
+template <int BM, int D>
+__device__ __forceinline__ DhHead dh_head_of(const u16* q, const u16* k, const u16* v, u16* o, int B, int T, int H,
+                                            int sched) {
+    int qt, h, b;
+    dh_tile_of((int)blockIdx.x, (T + BM - 1) / BM, H, B, sched, qt, h, b);
+    DhHead r;
+    r.t0 = qt * BM;
+    r.t1 = daaf_imin(r.t0 + BM, T) - 1;
+    r.rs = (long long)H * D;
+    const long long base = ((long long)b * T * H + h) * (long long)D;
+    r.qb = q + base;
+    r.kb = k + base;
+    r.vb = v + base;
+    r.ob = o + base;
+    return r;
+}
+
+// the key tiles (BN keys) of query tile [t0, t1]; rows_all_gq: every row of [r0, r1] (the caller's warpgroup
+// or warp) is a key-region query
+template <int BN>
+__device__ __forceinline__ DhPlan dh_plan_of(const int* __restrict__ gidx, int n_global, int t0, int t1, int W,
+                                            int r0, int r1, bool& rows_all_gq) {
+    DhPlan p;
+    p.t0 = t0;
+    p.t1 = t1;
+    const int ks = daaf_imax(0, t0 - W);
+    const int xs[5] = {t0, t1 + 1, ks, r0, r1 + 1};
+    int lb[5];
+    dh_bounds5(gidx, n_global, xs, lb);
+    p.any_gq = lb[1] > lb[0];
+    if (p.any_gq) {
+        p.ks = 0;
+        p.n_pre = 0;
+        p.n_pre_tiles = 0;
+        p.n_tiles = t1 / BN + 1;
+    } else {
+        p.ks = ks;
+        p.n_pre = lb[2];
+        p.n_pre_tiles = (p.n_pre + BN - 1) / BN;
+        p.n_tiles = p.n_pre_tiles + (t1 - ks) / BN + 1;
+    }
+    rows_all_gq = r0 <= r1 && (lb[4] - lb[3]) == (r1 - r0 + 1);
+    return p;
+}
+
+// key tile i for the rows [r0, r1]: gathered key-region keys or a causal/local range from kt0; full: every pair
+// of the tile is allowed for every row (no per-element mask)
+struct DhKeyTile {
+    bool gathered;
+    int kt0;
+    bool full;
+};
+template <int BN>
+__device__ __forceinline__ DhKeyTile dh_key_tile(const DhPlan& p, int i, int r0, int r1, bool rows_all_gq, int W) {
+    DhKeyTile kt;
+    kt.gathered = i < p.n_pre_tiles;
+    kt.kt0 = p.any_gq ? i * BN : (kt.gathered ? 0 : p.ks + (i - p.n_pre_tiles) * BN);
+    if (kt.gathered) kt.full = (i + 1) * BN <= p.n_pre;
+    else kt.full = kt.kt0 + BN - 1 <= r0 && (rows_all_gq || r1 - kt.kt0 <= W);
+    return kt;
+}
+// row r (r_gq: a key-region query) may see column col of key tile i (fl: the tile's key-region flags)
+template <int BN>
+__device__ __forceinline__ bool dh_pair_allowed(const DhPlan& p, const DhKeyTile& kt, int i, int col, int r, bool r_gq,
+                                                int W, const unsigned char* fl) {
+    if (kt.gathered) return i * BN + col < p.n_pre;
+    const int j = kt.kt0 + col;
+    return j <= r && (r - j <= W || fl[col] != 0 || r_gq);
 }
 
 // ------------------------------------------------------------------ shared-memory tile layout and descriptors
@@ -159,11 +222,14 @@ __device__ __forceinline__ unsigned long long dh_desc_mn(u32 base, int R, int kk
     }
 }
 
-#ifdef DAAF_EMU
-#define DH_DYNAMIC_SMEM(name) unsigned char* const name = dh_emu_dynamic_smem()
+// DH_EXPECT_SMEM(bytes): the layout's size; the emulation checks that the launch gave exactly that
+#ifdef CUDA_EMU
+#define DH_DYNAMIC_SMEM(name) unsigned char* const name = emu_dynamic_smem()
+#define DH_EXPECT_SMEM(bytes) emu_expect_dynamic_smem(bytes)
 #else
+#define DH_EXPECT_SMEM(bytes)
 #define DH_DYNAMIC_SMEM(name)                        \
-    extern __shared__ DhVec16 dh_smem_raw_[];        \
+    extern __shared__ DaafVec16 dh_smem_raw_[];      \
     unsigned char* const name = reinterpret_cast<unsigned char*>(dh_smem_raw_)
 #endif
 
@@ -190,6 +256,7 @@ __device__ __forceinline__ void dh_wg_body(
     int B, int T, int H, int n_global, int W, float scale_log2, int sched)
 {
     typedef DhWgCfg<D, BN, NWG, ST> C;
+    DH_EXPECT_SMEM(C::SMEM_BYTES);
     constexpr int BM = C::BM, NTH = C::NTH, CPR = C::CPR;
     constexpr int NS = BN / 2;     // S accumulators per thread
     constexpr int NO = D / 2;      // O accumulators per thread
@@ -200,52 +267,25 @@ __device__ __forceinline__ void dh_wg_body(
     static_assert(BN == 64 || BN == 128, "BN in {64, 128}");
     static_assert(BN % 8 == 0 && BM % 8 == 0, "whole 8-row groups");
 
-    const int nqt = (T + BM - 1) / BM;
-    int qt, h, b;
-    dh_tile_of((int)blockIdx.x, nqt, H, B, sched, qt, h, b);
-    const int t0 = qt * BM;
-    const int t1 = dh_imin(t0 + BM, T) - 1;
-    const long long rs = (long long)H * D;  // token stride (elements)
-    const long long base = ((long long)b * T * H + h) * (long long)D;
-    const u16* const qb = q + base;
-    const u16* const kb = k + base;
-    const u16* const vb = v + base;
-    u16* const ob = o + base;
+    const DhHead hd = dh_head_of<BM, D>(q, k, v, o, B, T, H, sched);
+    const int t0 = hd.t0, t1 = hd.t1;
+    const long long rs = hd.rs;  // token stride (elements)
+    const u16* const qb = hd.qb;
+    const u16* const kb = hd.kb;
+    const u16* const vb = hd.vb;
+    u16* const ob = hd.ob;
 
     const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127, wq = (tid >> 5) & 3;
     const int lane = tid & 31, g = lane >> 2, tq = lane & 3;
 
     // rows of this warpgroup: [rw0, rw1]
     const int rw0 = t0 + 64 * wg;
-    const int rw1 = dh_imin(rw0 + 63, t1);
-    DhPlan p;
-    p.t0 = t0;
-    p.t1 = t1;
-    int wg_glo, wg_ghi;
-    {
-        const int ks = dh_imax(0, t0 - W);
-        const int xs[5] = {t0, t1 + 1, ks, rw0, rw1 + 1};
-        int lb[5];
-        dh_bounds5(gidx, n_global, xs, lb);
-        p.any_gq = lb[1] > lb[0];
-        wg_glo = lb[3];
-        wg_ghi = lb[4];
-        if (p.any_gq) {
-            p.ks = 0;
-            p.n_pre = 0;
-            p.n_pre_tiles = 0;
-            p.n_tiles = t1 / BN + 1;
-        } else {
-            p.ks = ks;
-            p.n_pre = lb[2];
-            p.n_pre_tiles = (p.n_pre + BN - 1) / BN;
-            p.n_tiles = p.n_pre_tiles + (t1 - ks) / BN + 1;
-        }
-    }
-    const bool wg_all_gq = rw0 <= rw1 && (wg_ghi - wg_glo) == (rw1 - rw0 + 1);
+    const int rw1 = daaf_imin(rw0 + 63, t1);
+    bool wg_all_gq;
+    const DhPlan p = dh_plan_of<BN>(gidx, n_global, t0, t1, W, rw0, rw1, wg_all_gq);
 
     DH_DYNAMIC_SMEM(raw);
-    const u32 sraw = dh_smem_addr(raw);
+    const u32 sraw = daaf_smem_addr(raw);
     const u32 sb = (sraw + 1023u) & ~1023u;
     unsigned char* const pb = raw + (sb - sraw);
     const u32 sQ = sb + C::OFF_Q;
@@ -262,8 +302,8 @@ __device__ __forceinline__ void dh_wg_body(
                 const long long off = (long long)(j < 0 ? 0 : j) * rs + c * 8;
                 const int nb = j < 0 ? 0 : 16;
                 const u32 co = dh_chunk_off<SWZ, D>(r, c, BN);
-                dh_cp_async16(dK + co, kb + off, nb);
-                dh_cp_async16(dK + C::TILE_BYTES + co, vb + off, nb);
+                daaf_cp_async16(dK + co, kb + off, nb);
+                daaf_cp_async16(dK + C::TILE_BYTES + co, vb + off, nb);
                 if (c == 0) kflag[st * BN + r] = j < 0 ? (unsigned char)0 : gmask[j];
             }
         }
@@ -276,15 +316,15 @@ __device__ __forceinline__ void dh_wg_body(
         if ((BM * CPR) % NTH == 0 || idx < BM * CPR) {
             const int r = idx / CPR, c = idx % CPR;
             const int t = t0 + r;
-            dh_cp_async16(sQ + dh_chunk_off<SWZ, D>(r, c, BM), qb + (long long)(t <= t1 ? t : t0) * rs + c * 8,
-                          t <= t1 ? 16 : 0);
+            daaf_cp_async16(sQ + dh_chunk_off<SWZ, D>(r, c, BM), qb + (long long)(t <= t1 ? t : t0) * rs + c * 8,
+                            t <= t1 ? 16 : 0);
         }
     }
-    dh_cp_async_commit();
+    daaf_cp_async_commit();
 #pragma unroll
     for (int s = 0; s < ST - 2; ++s) {
         if (s < p.n_tiles) issue_tile(s, s);
-        dh_cp_async_commit();
+        daaf_cp_async_commit();
     }
 
     // this thread's rows: accumulator rows g and g + 8 of its warp's 16
@@ -295,7 +335,7 @@ __device__ __forceinline__ void dh_wg_body(
     for (int hh = 0; hh < 2; ++hh) {
         row[hh] = rw0 + 16 * wq + g + 8 * hh;
         gq[hh] = row[hh] <= t1 && gmask[row[hh]] != 0;
-        m_[hh] = DH_NEG_INF;
+        m_[hh] = DAAF_NEG_INF;
         l_[hh] = 0.f;
     }
     float S[NS], O[NO];
@@ -326,7 +366,7 @@ __device__ __forceinline__ void dh_wg_body(
     };
     auto wait_tile = [&](int i) {
         (void)i;
-        dh_cp_async_wait<ST - 3>();  // this thread's copies of tile i (and Q) have landed
+        daaf_cp_async_wait<ST - 3>();  // this thread's copies of tile i (and Q) have landed
         dh_fence_proxy_async();      // ... and are visible to the tensor cores
         __syncthreads();             // everyone's; and everyone is done with tile i - 2's stage
     };
@@ -346,53 +386,38 @@ __device__ __forceinline__ void dh_wg_body(
     };
     auto prefetch = [&](int i) {     // the copies of tile i + ST - 2 into the stage of tile i - 2
         if (i + ST - 2 < p.n_tiles) issue_tile(i + ST - 2, (i + ST - 2) % ST);
-        dh_cp_async_commit();
+        daaf_cp_async_commit();
     };
     // mask where some pair of tile i may be excluded for some row of this warpgroup, then the online
     // softmax in base 2 (the scale folded into the exponent's FFMA): S becomes P (fp32)
     auto softmax = [&](int i, float (&alpha)[2]) {
-        const int st = i % ST;
-        const bool gathered = i < p.n_pre_tiles;
-        const int kt0 = p.any_gq ? i * BN : (gathered ? 0 : p.ks + (i - p.n_pre_tiles) * BN);
-        bool full;
-        if (gathered) {
-            full = (i + 1) * BN <= p.n_pre;
-        } else {
-            full = kt0 + BN - 1 <= rw0 && (wg_all_gq || rw1 - kt0 <= W);
-        }
-        if (!full) {
-            const unsigned char* const fl = kflag + st * BN;
+        const DhKeyTile kt = dh_key_tile<BN>(p, i, rw0, rw1, wg_all_gq, W);
+        if (!kt.full) {
+            const unsigned char* const fl = kflag + (i % ST) * BN;
 #pragma unroll
             for (int x = 0; x < NS; ++x) {
                 const int col = 8 * (x >> 2) + 2 * tq + (x & 1);
                 const int hh = (x >> 1) & 1;
-                bool ok;
-                if (gathered) {
-                    ok = i * BN + col < p.n_pre;
-                } else {
-                    const int j = kt0 + col, r = row[hh];
-                    ok = j <= r && (r - j <= W || fl[col] != 0 || gq[hh]);
-                }
-                if (!ok) S[x] = DH_NEG_INF;
+                if (!dh_pair_allowed<BN>(p, kt, i, col, row[hh], gq[hh], W, fl)) S[x] = DAAF_NEG_INF;
             }
         }
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            float mx = DH_NEG_INF;
+            float mx = DAAF_NEG_INF;
 #pragma unroll
             for (int x = 0; x < NS; ++x)
                 if (((x >> 1) & 1) == hh) mx = fmaxf(mx, S[x]);
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float mn = fmaxf(m_[hh], mx * scale_log2);
-            const float bse = mn == DH_NEG_INF ? 0.f : mn;  // nothing allowed yet in this row
-            alpha[hh] = dh_ex2(m_[hh] - bse);
+            const float bse = mn == DAAF_NEG_INF ? 0.f : mn;  // nothing allowed yet in this row
+            alpha[hh] = daaf_ex2(m_[hh] - bse);
             m_[hh] = mn;
             float ls = 0.f;
 #pragma unroll
             for (int x = 0; x < NS; ++x) {
                 if (((x >> 1) & 1) == hh) {
-                    S[x] = dh_ex2(fmaf(S[x], scale_log2, -bse));
+                    S[x] = daaf_ex2(fmaf(S[x], scale_log2, -bse));
                     ls += S[x];
                 }
             }
@@ -403,7 +428,7 @@ __device__ __forceinline__ void dh_wg_body(
 #pragma unroll
         for (int kk = 0; kk < KP; ++kk) {
 #pragma unroll
-            for (int r = 0; r < 4; ++r) P[kk][r] = dh_pack2<BF>(S[8 * kk + 2 * r], S[8 * kk + 2 * r + 1]);
+            for (int r = 0; r < 4; ++r) P[kk][r] = daaf_pack2<BF>(S[8 * kk + 2 * r], S[8 * kk + 2 * r + 1]);
         }
     };
 
@@ -461,7 +486,7 @@ __device__ __forceinline__ void dh_wg_body(
         const int hh = (x >> 1) & 1;
         const int lr = 64 * wg + 16 * wq + g + 8 * hh;
         *reinterpret_cast<u32*>(pb + C::OFF_Q + dh_chunk_off<SWZ, D>(lr, x >> 2, BM) + 4 * tq) =
-            dh_pack2<BF>(O[x] * inv[hh], O[x + 1] * inv[hh]);
+            daaf_pack2<BF>(O[x] * inv[hh], O[x + 1] * inv[hh]);
     }
     dh_bar_sync(1 + wg, 128);
 #pragma unroll
@@ -470,8 +495,8 @@ __device__ __forceinline__ void dh_wg_body(
         const int lr = 64 * wg + idx / CPR, c = idx % CPR;
         const int t = t0 + lr;
         if (t <= t1)
-            *reinterpret_cast<DhVec16*>(ob + (long long)t * rs + c * 8) =
-                *reinterpret_cast<const DhVec16*>(pb + C::OFF_Q + dh_chunk_off<SWZ, D>(lr, c, BM));
+            *reinterpret_cast<DaafVec16*>(ob + (long long)t * rs + c * 8) =
+                *reinterpret_cast<const DaafVec16*>(pb + C::OFF_Q + dh_chunk_off<SWZ, D>(lr, c, BM));
     }
 }
 
@@ -517,21 +542,46 @@ DH_WG_KERNEL(daaf_hwg_bf16_d128_n128_w2_s3_nosw, true, 128, 128, 2, 3, 0)
 // One warpgroup. a: [64][128] (row-major, K-major), b: mode & 1 ? [128 (k)][128 (n)] (n contiguous:
 // MN-major, as the V tile) : [128 (n)][128 (k)] (k contiguous: K-major, as the K tile); d: [64][128]
 // fp32 = a b. mode & 2: A from registers (the P V path), else from shared memory (the Q K^T path).
+enum { DH_UNIT_SMEM_BYTES = (64 + 128) * 128 * 2 + 1024 };  // A, B, alignment slack
+
+// rows [0, rows) of src ([rows][128], row-major) into the tile of R rows at shared address dst (layout SWZ), by
+// cp.async over one warpgroup (the caller commits and waits)
+template <int SWZ>
+__device__ __forceinline__ void dh_unit_copy_rows(const u16* __restrict__ src, u32 dst, int rows, int R) {
+    constexpr int D = 128, CPR = D / 8;
+    for (int idx = threadIdx.x; idx < rows * CPR; idx += 128)
+        daaf_cp_async16(dst + dh_chunk_off<SWZ, D>(idx / CPR, idx % CPR, R), src + (idx / CPR) * D + (idx % CPR) * 8,
+                        16);
+}
+// a ([64][128]) at sA and bm ([128][128]) at sB, landed (before the proxy fence)
+template <int SWZ>
+__device__ __forceinline__ void dh_unit_load(const u16* __restrict__ a, const u16* __restrict__ bm, u32 sA, u32 sB) {
+    dh_unit_copy_rows<SWZ>(a, sA, 64, 64);
+    dh_unit_copy_rows<SWZ>(bm, sB, 128, 128);
+    daaf_cp_async_commit();
+    daaf_cp_async_wait<0>();
+}
+// the warpgroup's accumulators of D[64][128] into d (row-major fp32)
+__device__ __forceinline__ void dh_unit_store(const float (&acc)[64], float* __restrict__ d) {
+    const int wq = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2, tq = threadIdx.x & 3;
+#pragma unroll
+    for (int x = 0; x < 64; ++x) {
+        const int m = 16 * wq + g + 8 * ((x >> 1) & 1), n = 8 * (x >> 2) + 2 * tq + (x & 1);
+        d[m * 128 + n] = acc[x];
+    }
+}
+
 template <bool BF, int SWZ>
 __device__ __forceinline__ void dh_unit_body(const u16* __restrict__ a, const u16* __restrict__ bm,
                                              float* __restrict__ d, int mode) {
-    constexpr int D = 128, R = 128, CPR = D / 8;
+    constexpr int D = 128, R = 128;
+    DH_EXPECT_SMEM(DH_UNIT_SMEM_BYTES);
     DH_DYNAMIC_SMEM(raw);
-    const u32 sraw = dh_smem_addr(raw);
+    const u32 sraw = daaf_smem_addr(raw);
     const u32 sb = (sraw + 1023u) & ~1023u;
     const u32 sA = sb, sB = sb + 64 * D * 2;
     const int tid = threadIdx.x, wq = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
-    for (int idx = tid; idx < 64 * CPR; idx += 128)
-        dh_cp_async16(sA + dh_chunk_off<SWZ, D>(idx / CPR, idx % CPR, 64), a + (idx / CPR) * D + (idx % CPR) * 8, 16);
-    for (int idx = tid; idx < R * CPR; idx += 128)
-        dh_cp_async16(sB + dh_chunk_off<SWZ, D>(idx / CPR, idx % CPR, R), bm + (idx / CPR) * D + (idx % CPR) * 8, 16);
-    dh_cp_async_commit();
-    dh_cp_async_wait<0>();
+    dh_unit_load<SWZ>(a, bm, sA, sB);
     dh_fence_proxy_async();
     __syncthreads();
     float acc[64];
@@ -573,11 +623,7 @@ __device__ __forceinline__ void dh_unit_body(const u16* __restrict__ a, const u1
     dh_wg_wait<0>();
 #pragma unroll
     for (int x = 0; x < 64; ++x) dh_fence_operand(acc[x]);
-#pragma unroll
-    for (int x = 0; x < 64; ++x) {
-        const int m = 16 * wq + g + 8 * ((x >> 1) & 1), n = 8 * (x >> 2) + 2 * tq + (x & 1);
-        d[m * 128 + n] = acc[x];
-    }
+    dh_unit_store(acc, d);
 }
 
 #define DH_UNIT_KERNEL(NAME, BF, SWZ)                                                                        \
@@ -590,7 +636,6 @@ DH_UNIT_KERNEL(daaf_wgmma_unit_bf16_sw128, true, 1)
 DH_UNIT_KERNEL(daaf_wgmma_unit_bf16_nosw, true, 0)
 DH_UNIT_KERNEL(daaf_wgmma_unit_f16_sw128, false, 1)
 #endif
-enum { DH_UNIT_SMEM_BYTES = (64 + 128) * 128 * 2 + 1024 };  // A, B, alignment slack
 
 // ------------------------------------------------------------------ mma.sync fallback (FlashAttention-2 layout)
 
@@ -614,6 +659,7 @@ __device__ __forceinline__ void dh_fa2_body(
     int B, int T, int H, int n_global, int W, float scale_log2, int sched)
 {
     typedef DhFa2Cfg<D, ST> C;
+    DH_EXPECT_SMEM(C::SMEM_BYTES);
     constexpr int BM = C::BM, BN = C::BN, NTH = C::NTH, CPR = C::CPR;
     constexpr u32 ROWB = C::ROWB;
     constexpr int KS = D / 16;   // k-steps of S = Q K^T
@@ -621,49 +667,22 @@ __device__ __forceinline__ void dh_fa2_body(
     static_assert(ST >= 2, "two stages at least");
     static_assert((BN * CPR) % NTH == 0 && (BM * CPR) % NTH == 0, "tile loads divide evenly among the threads");
 
-    const int nqt = (T + BM - 1) / BM;
-    int qt, h, b;
-    dh_tile_of((int)blockIdx.x, nqt, H, B, sched, qt, h, b);
-    const int t0 = qt * BM;
-    const int t1 = dh_imin(t0 + BM, T) - 1;
-    const long long rs = (long long)H * D;
-    const long long base = ((long long)b * T * H + h) * (long long)D;
-    const u16* const qb = q + base;
-    const u16* const kb = k + base;
-    const u16* const vb = v + base;
-    u16* const ob = o + base;
+    const DhHead hd = dh_head_of<BM, D>(q, k, v, o, B, T, H, sched);
+    const int t0 = hd.t0, t1 = hd.t1;
+    const long long rs = hd.rs;
+    const u16* const qb = hd.qb;
+    const u16* const kb = hd.kb;
+    const u16* const vb = hd.vb;
+    u16* const ob = hd.ob;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
 
     const int rw0 = t0 + 16 * warp;  // this warp's rows [rw0, rw1]
-    const int rw1 = dh_imin(rw0 + 15, t1);
-    DhPlan p;
-    p.t0 = t0;
-    p.t1 = t1;
-    int w_glo, w_ghi;
-    {
-        const int ks = dh_imax(0, t0 - W);
-        const int xs[5] = {t0, t1 + 1, ks, rw0, rw1 + 1};
-        int lb[5];
-        dh_bounds5(gidx, n_global, xs, lb);
-        p.any_gq = lb[1] > lb[0];
-        w_glo = lb[3];
-        w_ghi = lb[4];
-        if (p.any_gq) {
-            p.ks = 0;
-            p.n_pre = 0;
-            p.n_pre_tiles = 0;
-            p.n_tiles = t1 / BN + 1;
-        } else {
-            p.ks = ks;
-            p.n_pre = lb[2];
-            p.n_pre_tiles = (p.n_pre + BN - 1) / BN;
-            p.n_tiles = p.n_pre_tiles + (t1 - ks) / BN + 1;
-        }
-    }
-    const bool w_all_gq = rw0 <= rw1 && (w_ghi - w_glo) == (rw1 - rw0 + 1);
+    const int rw1 = daaf_imin(rw0 + 15, t1);
+    bool w_all_gq;
+    const DhPlan p = dh_plan_of<BN>(gidx, n_global, t0, t1, W, rw0, rw1, w_all_gq);
 
     DH_DYNAMIC_SMEM(raw);
-    const u32 sb = dh_smem_addr(raw);
+    const u32 sb = daaf_smem_addr(raw);
     const u32 sQ = sb + C::OFF_Q;
     unsigned char* const kflag = raw + C::OFF_FLAG;
     constexpr int RPI = NTH / CPR;  // rows per pass
@@ -678,8 +697,8 @@ __device__ __forceinline__ void dh_fa2_body(
             const int j = dh_key_of<BN>(p, gidx, i, r);
             const long long off = (long long)(j < 0 ? 0 : j) * rs + ld_c * 8;
             const int nb = j < 0 ? 0 : 16;
-            dh_cp_async16(dK + it * RPI * ROWB, kb + off, nb);
-            dh_cp_async16(dK + C::TILE_BYTES + it * RPI * ROWB, vb + off, nb);
+            daaf_cp_async16(dK + it * RPI * ROWB, kb + off, nb);
+            daaf_cp_async16(dK + C::TILE_BYTES + it * RPI * ROWB, vb + off, nb);
             if (ld_c == 0) kflag[st * BN + r] = j < 0 ? (unsigned char)0 : gmask[j];
         }
     };
@@ -687,22 +706,22 @@ __device__ __forceinline__ void dh_fa2_body(
 #pragma unroll
     for (int it = 0; it < BM / RPI; ++it) {
         const int t = t0 + it * RPI + ld_r;
-        dh_cp_async16(sQ + ld_off + it * RPI * ROWB, qb + (long long)(t <= t1 ? t : t0) * rs + ld_c * 8,
-                      t <= t1 ? 16 : 0);
+        daaf_cp_async16(sQ + ld_off + it * RPI * ROWB, qb + (long long)(t <= t1 ? t : t0) * rs + ld_c * 8,
+                        t <= t1 ? 16 : 0);
     }
-    dh_cp_async_commit();
+    daaf_cp_async_commit();
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {
         if (s < p.n_tiles) issue_tile(s, s);
-        dh_cp_async_commit();
+        daaf_cp_async_commit();
     }
-    dh_cp_async_wait<ST - 1>();  // the Q group
+    daaf_cp_async_wait<ST - 1>();  // the Q group
     __syncthreads();
     u32 qf[KS][4];
     {
         const u32 q_ld = sQ + (16 * warp + (lane & 15)) * ROWB + (lane >> 4) * 16;
 #pragma unroll
-        for (int kk = 0; kk < KS; ++kk) dh_ldsm_x4(q_ld + kk * 32, qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
+        for (int kk = 0; kk < KS; ++kk) daaf_ldsm_x4(q_ld + kk * 32, qf[kk][0], qf[kk][1], qf[kk][2], qf[kk][3]);
     }
     // per-lane parts of the ldmatrix addresses for K (plain) and V (transposed)
     const u32 k_ld = ((lane >> 4) * 8 + (lane & 7)) * ROWB + ((lane >> 3) & 1) * 16;
@@ -716,7 +735,7 @@ __device__ __forceinline__ void dh_fa2_body(
     for (int hh = 0; hh < 2; ++hh) {
         row[hh] = rw0 + g + 8 * hh;
         gq[hh] = row[hh] <= t1 && gmask[row[hh]] != 0;
-        m_[hh] = DH_NEG_INF;
+        m_[hh] = DAAF_NEG_INF;
         l_[hh] = 0.f;
     }
 #pragma unroll
@@ -724,10 +743,10 @@ __device__ __forceinline__ void dh_fa2_body(
 
     for (int i = 0; i < p.n_tiles; ++i) {
         const int st = i % ST;
-        dh_cp_async_wait<ST - 2>();  // tile i has landed (this thread's copies)
+        daaf_cp_async_wait<ST - 2>();  // tile i has landed (this thread's copies)
         __syncthreads();             // everyone's; everyone is done with tile i - 1
         if (i + ST - 1 < p.n_tiles) issue_tile(i + ST - 1, (i + ST - 1) % ST);
-        dh_cp_async_commit();
+        daaf_cp_async_commit();
         const u32 cS = sb + C::OFF_KV + st * C::STAGE_BYTES;
 
         float s[8][4];
@@ -738,18 +757,14 @@ __device__ __forceinline__ void dh_fa2_body(
 #pragma unroll
             for (int np = 0; np < 4; ++np) {
                 u32 b0, b1, b2, b3;
-                dh_ldsm_x4(cS + k_ld + np * 16 * ROWB + kk * 32, b0, b1, b2, b3);
-                dh_mma<BF>(s[2 * np], qf[kk], b0, b1);
-                dh_mma<BF>(s[2 * np + 1], qf[kk], b2, b3);
+                daaf_ldsm_x4(cS + k_ld + np * 16 * ROWB + kk * 32, b0, b1, b2, b3);
+                daaf_mma<BF>(s[2 * np], qf[kk], b0, b1);
+                daaf_mma<BF>(s[2 * np + 1], qf[kk], b2, b3);
             }
         }
 
-        const bool gathered = i < p.n_pre_tiles;
-        const int kt0 = p.any_gq ? i * BN : (gathered ? 0 : p.ks + (i - p.n_pre_tiles) * BN);
-        bool full;
-        if (gathered) full = (i + 1) * BN <= p.n_pre;
-        else full = kt0 + BN - 1 <= rw0 && (w_all_gq || rw1 - kt0 <= W);
-        if (!full) {
+        const DhKeyTile kt = dh_key_tile<BN>(p, i, rw0, rw1, w_all_gq, W);
+        if (!kt.full) {
             const unsigned char* const fl = kflag + st * BN;
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
@@ -758,14 +773,8 @@ __device__ __forceinline__ void dh_fa2_body(
                     const int col = 8 * n + 2 * tq + e;
 #pragma unroll
                     for (int hh = 0; hh < 2; ++hh) {
-                        bool ok;
-                        if (gathered) {
-                            ok = i * BN + col < p.n_pre;
-                        } else {
-                            const int j = kt0 + col, r = row[hh];
-                            ok = j <= r && (r - j <= W || fl[col] != 0 || gq[hh]);
-                        }
-                        if (!ok) s[n][2 * hh + e] = DH_NEG_INF;
+                        if (!dh_pair_allowed<BN>(p, kt, i, col, row[hh], gq[hh], W, fl))
+                            s[n][2 * hh + e] = DAAF_NEG_INF;
                     }
                 }
             }
@@ -773,20 +782,20 @@ __device__ __forceinline__ void dh_fa2_body(
 
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-            float mx = DH_NEG_INF;
+            float mx = DAAF_NEG_INF;
 #pragma unroll
             for (int n = 0; n < 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * hh], s[n][2 * hh + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float mn = fmaxf(m_[hh], mx * scale_log2);
-            const float bse = mn == DH_NEG_INF ? 0.f : mn;
-            const float al = dh_ex2(m_[hh] - bse);
+            const float bse = mn == DAAF_NEG_INF ? 0.f : mn;
+            const float al = daaf_ex2(m_[hh] - bse);
             m_[hh] = mn;
             float ls = 0.f;
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
-                s[n][2 * hh] = dh_ex2(fmaf(s[n][2 * hh], scale_log2, -bse));
-                s[n][2 * hh + 1] = dh_ex2(fmaf(s[n][2 * hh + 1], scale_log2, -bse));
+                s[n][2 * hh] = daaf_ex2(fmaf(s[n][2 * hh], scale_log2, -bse));
+                s[n][2 * hh + 1] = daaf_ex2(fmaf(s[n][2 * hh + 1], scale_log2, -bse));
                 ls += s[n][2 * hh] + s[n][2 * hh + 1];
             }
             l_[hh] = l_[hh] * al + ls;
@@ -800,16 +809,16 @@ __device__ __forceinline__ void dh_fa2_body(
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
             u32 a[4];
-            a[0] = dh_pack2<BF>(s[2 * kk][0], s[2 * kk][1]);
-            a[1] = dh_pack2<BF>(s[2 * kk][2], s[2 * kk][3]);
-            a[2] = dh_pack2<BF>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            a[3] = dh_pack2<BF>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            a[0] = daaf_pack2<BF>(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = daaf_pack2<BF>(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = daaf_pack2<BF>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = daaf_pack2<BF>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 #pragma unroll
             for (int dp = 0; dp < NDT / 2; ++dp) {
                 u32 b0, b1, b2, b3;
-                dh_ldsm_x4_t(cS + v_ld + kk * 16 * ROWB + dp * 32, b0, b1, b2, b3);
-                dh_mma<BF>(acc[2 * dp], a, b0, b1);
-                dh_mma<BF>(acc[2 * dp + 1], a, b2, b3);
+                daaf_ldsm_x4_t(cS + v_ld + kk * 16 * ROWB + dp * 32, b0, b1, b2, b3);
+                daaf_mma<BF>(acc[2 * dp], a, b0, b1);
+                daaf_mma<BF>(acc[2 * dp + 1], a, b2, b3);
             }
         }
     }
@@ -826,7 +835,7 @@ __device__ __forceinline__ void dh_fa2_body(
 #pragma unroll
         for (int n = 0; n < NDT; ++n)
             *reinterpret_cast<u32*>(raw + C::OFF_Q + lr * ROWB + (8 * n + 2 * tq) * 2) =
-                dh_pack2<BF>(acc[n][2 * hh] * inv, acc[n][2 * hh + 1] * inv);
+                daaf_pack2<BF>(acc[n][2 * hh] * inv, acc[n][2 * hh + 1] * inv);
     }
     __syncwarp();
 #pragma unroll
@@ -835,8 +844,8 @@ __device__ __forceinline__ void dh_fa2_body(
         const int lr = 16 * warp + idx / CPR, c = idx % CPR;
         const int t = t0 + lr;
         if (t <= t1)
-            *reinterpret_cast<DhVec16*>(ob + (long long)t * rs + c * 8) =
-                *reinterpret_cast<const DhVec16*>(raw + C::OFF_Q + lr * ROWB + c * 16);
+            *reinterpret_cast<DaafVec16*>(ob + (long long)t * rs + c * 8) =
+                *reinterpret_cast<const DaafVec16*>(raw + C::OFF_Q + lr * ROWB + c * 16);
     }
 }
 

@@ -17,23 +17,22 @@ Kernels (``impl``; :data:`VARIANTS` has the shapes):
   ``"hfa2s2"``: the same with 2 stages (bf16, D = 128).
 
 ``sched`` (kernel argument): bit 0 reverses the query tiles (longest rows first), bit 1 makes heads
-vary fastest in the 1-D grid. :func:`prepare` returns a :class:`Prepared` (``p()`` launches on the
-current CuPy stream and returns ``out``), like :func:`hpczeco.gpu.daaf.prepare`.
+vary fastest in the 1-D grid. :func:`prepare` returns a :class:`hpczeco.gpu.daaf.Prepared` (``p()``
+launches on the current CuPy stream and returns ``out``), like :func:`hpczeco.gpu.daaf.prepare`.
 
-Built with NVRTC for ``sm_90a`` (CuPy's RawModule would add its own ``-arch=sm_90``, under which
-wgmma does not exist), else with ``nvcc`` when NVRTC fails; one cubin per compile group (:data:`GROUPS`,
-built in parallel by :func:`prebuild`), cached on disk by source hash (:func:`cache_dir`).
+The kernels load and launch through :mod:`hpczeco.gpu.runtime` (:data:`KERNELS`, one runtime slot, as
+:mod:`hpczeco.gpu.daaf`), so the CPU emulation (:class:`hpczeco.gpu.emu.EmuRuntime`, with its wgmma
+model) runs these very wrappers on numpy arrays. On the GPU they are built for ``sm_90a`` (the set's
+``arch``: NVRTC called directly, since CuPy's RawModule would add its own ``-arch=sm_90``, under which
+wgmma does not exist; ``nvcc`` when NVRTC fails), one cubin per compile group (:data:`GROUPS`, built in
+parallel by :func:`prebuild`), cached on disk by source hash
+(:func:`hpczeco.gpu.runtime.cubin_cache_dir`).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
+import dataclasses
 import math
-import os
-import shutil
-import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +40,14 @@ from typing import Any
 
 import numpy as np
 
+from .daaf import Prepared
+from .runtime import HERE, KernelSet, RuntimeSlot, compile_cubin
+from .runtime import cached_cubin as runtime_cached_cubin
+from .runtime import kernel_source as _source
+
 __all__ = [
     "KERNEL_SOURCE",
+    "KERNELS",
     "PTX_HEADER",
     "IMPLS",
     "SCHED_DEFAULT",
@@ -57,6 +62,7 @@ __all__ = [
     "kernel_info",
     "kernel_name",
     "kernel_names",
+    "kernel_source",
     "prepare",
     "resolve",
     "smem_bytes",
@@ -65,7 +71,6 @@ __all__ = [
     "wgmma_unit",
 ]
 
-HERE = Path(__file__).resolve().parent
 KERNEL_SOURCE = HERE / "daaf_hopper.cu"
 PTX_HEADER = HERE / "daaf_hopper_ptx.cuh"
 ARCH = "sm_90a"
@@ -145,7 +150,7 @@ def resolve(impl: str, elem: str, D: int, Dv: int) -> Variant:
     return v
 
 
-# --------------------------------------------------------------------------- build (NVRTC for sm_90a, else nvcc)
+# --------------------------------------------------------------------------- kernels and their runtime
 
 # kernel -> compile group (DH_GROUP in daaf_hopper.cu): the groups build in parallel (prebuild)
 GROUPS: dict[str, int] = {
@@ -169,70 +174,40 @@ GROUPS: dict[str, int] = {
 N_GROUPS = max(GROUPS.values())
 
 
-def _source() -> tuple[str, str]:
-    return KERNEL_SOURCE.read_text(), PTX_HEADER.read_text()
+def kernel_source() -> str:
+    """The kernel source as NVRTC and the CPU emulation compile it (local headers inlined)."""
+    return _source((KERNEL_SOURCE.name,))
 
 
-def cache_dir() -> Path:
-    """Where built cubins are kept (``$HPCZECO_HOPPER_CACHE``, else a folder in the temp directory)."""
-    d = Path(os.environ.get("HPCZECO_HOPPER_CACHE") or Path(tempfile.gettempdir()) / "hpczeco-hopper-cubins")
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+#: the Hopper kernels: one cubin per compile group, for sm_90a (``group`` "0": every kernel)
+KERNELS = KernelSet(
+    label="hpczeco.gpu.daaf_hopper",
+    files=(KERNEL_SOURCE.name,),
+    names=lambda file: list(GROUPS),
+    name_expressions=False,
+    group=lambda name: str(GROUPS[name]),
+    arch=ARCH,
+    group_options=lambda group: (f"-DDH_GROUP={group}",),
+)
+_SLOT = RuntimeSlot(KERNELS)
+_runtime = _SLOT.require
+_set_runtime = _SLOT.set  # testing hook: run the wrappers on another runtime (e.g. the CPU emulation)
 
 
-def cubin_path(group: int = 0, arch: str = ARCH) -> Path:
-    """The cache file of compile group ``group`` (0: every kernel) for the current sources."""
-    src, hdr = _source()
-    key = hashlib.sha256((src + "\0" + hdr + "\0" + arch).encode()).hexdigest()[:16]
-    return cache_dir() / f"daaf_hopper-{key}-{arch}-g{group}.cubin"
+def _kernels_for(arch: str) -> KernelSet:
+    return KERNELS if arch == KERNELS.arch else dataclasses.replace(KERNELS, arch=arch)
 
 
 def build_cubin(arch: str = ARCH, use_nvcc: bool | None = None, group: int = 0) -> tuple[bytes, str]:
     """Compile ``daaf_hopper.cu`` (compile group ``group``; 0: all) to a cubin: ``(cubin, how)``, ``how``
-    "nvrtc" or "nvcc". ``use_nvcc``: None tries NVRTC (CuPy's binding) first and nvcc when that fails."""
-    errors = []
-    define = [f"-DDH_GROUP={group}"]
-    if not use_nvcc:
-        try:
-            from cupy_backends.cuda.libs import nvrtc  # noqa: PLC0415
-
-            src, hdr = _source()
-            prog = nvrtc.createProgram(src, KERNEL_SOURCE.name, [hdr], [PTX_HEADER.name])
-            try:
-                try:
-                    nvrtc.compileProgram(prog, ["-std=c++17", f"--gpu-architecture={arch}", *define])
-                except Exception as exc:
-                    raise RuntimeError(f"NVRTC: {exc}\n{nvrtc.getProgramLog(prog)[-4000:]}") from exc
-                return nvrtc.getCUBIN(prog), "nvrtc"
-            finally:
-                nvrtc.destroyProgram(prog)
-        except Exception as exc:
-            if use_nvcc is False:
-                raise
-            errors.append(f"{type(exc).__name__}: {exc}")
-    nvcc = os.environ.get("NVCC") or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    if not shutil.which(nvcc):
-        raise RuntimeError(f"cannot build daaf_hopper.cu: {'; '.join(errors)}; and no nvcc")
-    with tempfile.TemporaryDirectory(prefix="hpczeco-hopper-") as d:
-        out = Path(d) / "daaf_hopper.cubin"
-        cmd = [nvcc, "-cubin", f"-gencode=arch=compute_{arch[3:]},code={arch}", "-std=c++17", f"-I{HERE}", *define,
-               str(KERNEL_SOURCE), "-o", str(out)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{r.stderr[-4000:]}; earlier: {'; '.join(errors)}")
-        return out.read_bytes(), "nvcc"
+    "nvrtc" or "nvcc" (:func:`hpczeco.gpu.runtime.compile_cubin`; None tries NVRTC first)."""
+    return compile_cubin(kernel_source(), KERNEL_SOURCE.name, KERNELS.compile_options(str(group)), arch, use_nvcc)
 
 
 def cached_cubin(group: int = 0, arch: str = ARCH) -> tuple[Path, str]:
-    """The cubin of ``group`` from the cache, built (and stored) when missing: ``(path, how)``."""
-    path = cubin_path(group, arch)
-    if path.exists():
-        return path, "cache"
-    data, how = build_cubin(arch, group=group)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-    return path, how
+    """The cubin of ``group`` from the cache (:func:`hpczeco.gpu.runtime.cubin_cache_dir`), built and stored
+    when missing: ``(path, how)``."""
+    return runtime_cached_cubin(_kernels_for(arch), KERNEL_SOURCE.name, str(group))
 
 
 def _build_one(group: int) -> tuple[int, str, str, float]:
@@ -252,70 +227,28 @@ def prebuild(groups: list[int] | None = None, workers: int | None = None) -> lis
         return list(ex.map(_build_one, groups))
 
 
-def _cupy():
-    try:
-        import cupy  # noqa: PLC0415
-    except ImportError as exc:  # pragma: no cover - depends on the machine
-        raise RuntimeError(f"hpczeco.gpu.daaf_hopper needs CuPy ({exc})") from exc
-    return cupy
-
-
-@functools.cache
-def _module(device_id: int, group: int):
-    cupy = _cupy()
-    with cupy.cuda.Device(device_id):
-        cc = cupy.cuda.Device(device_id).compute_capability
-        if cc != "90":
-            raise RuntimeError(f"daaf_hopper kernels are built for sm_90a (Hopper); device {device_id} is sm_{cc}")
-        path, how = cached_cubin(group)
-        return cupy.RawModule(path=str(path)), how
-
-
 def build_method(device_id: int = 0, group: int = 1) -> str:
     """How the module of ``group`` was obtained: "nvrtc", "nvcc" or "cache" (loads it)."""
-    return _module(device_id, group)[1]
-
-
-@functools.cache
-def _kernel_on(device_id: int, name: str, smem: int):
-    cupy = _cupy()
-    with cupy.cuda.Device(device_id):
-        kern = _module(device_id, GROUPS[name])[0].get_function(name)
-        if smem > 48 * 1024:
-            kern.max_dynamic_shared_size_bytes = smem
-        return kern
-
-
-def _kernel(name: str, smem: int):
-    return _kernel_on(_cupy().cuda.Device().id, name, smem)
+    rt = _runtime()
+    rt.module(KERNEL_SOURCE.name, str(group), device_id)
+    return rt.built[(device_id, KERNEL_SOURCE.name, str(group))]
 
 
 def kernel_info() -> dict[str, dict]:
-    """Per kernel: registers, local (spill) bytes, dynamic shared bytes (builds the module)."""
+    """Per kernel: registers, local (spill) bytes, dynamic shared bytes (builds the module; CuPy only)."""
+    rt = _runtime()
     info = {}
     for impl, v in VARIANTS.items():
         for e in v.elems:
             for d in v.dims:
                 name = kernel_name(impl, e, d)
-                kern = _kernel(name, smem_bytes(impl, d))
+                kern = rt.function(name, smem_bytes(impl, d))
                 info[name] = {"num_regs": int(kern.num_regs), "local_size_bytes": int(kern.local_size_bytes),
                               "dynamic_smem_bytes": smem_bytes(impl, d), "impl": impl}
     return info
 
 
 # --------------------------------------------------------------------------- launches
-
-
-class Prepared:
-    """One ready launch: ``p()`` runs the kernel on the current stream and returns the output array."""
-
-    def __init__(self, kern, grid, block, args, smem: int, out, impl: str, name: str):
-        self.kern, self.grid, self.block, self.args, self.smem = kern, grid, block, args, smem
-        self.out, self.impl, self.name = out, impl, name
-
-    def __call__(self):
-        self.kern(self.grid, self.block, self.args, shared_mem=self.smem)
-        return self.out
 
 
 def _elem_of(x: Any, storage: str | None) -> str:
@@ -332,16 +265,17 @@ def _elem_of(x: Any, storage: str | None) -> str:
 
 def prepare(q, k, v, plan, scale: float | None = None, *, impl: str = "hwg", storage: str | None = None,
             out=None, sched: int = SCHED_DEFAULT) -> Prepared:
-    """Check shapes once and return a :class:`Prepared` launch of ``impl`` on CuPy arrays.
+    """Check shapes once and return a :class:`Prepared` launch of ``impl`` on device arrays.
 
-    ``q, k, v: [B, T, H, D]`` (C-contiguous, 16-byte aligned, one 16-bit dtype); ``plan``: a
-    :class:`hpczeco.gpu.daaf.DevicePlan` for the same ``T`` (its arrays are used as they are: validate
-    them when building the plan); ``scale`` defaults to ``D ** -0.5``.
+    ``q, k, v: [B, T, H, D]`` (C-contiguous, 16-byte aligned, one 16-bit dtype; CuPy arrays, numpy under
+    the CPU emulation); ``plan``: a :class:`hpczeco.gpu.daaf.DevicePlan` for the same ``T`` (its arrays are
+    used as they are: validate them when building the plan); ``scale`` defaults to ``D ** -0.5``.
     """
-    cupy = _cupy()
+    rt = _runtime()
+    xp = rt.xp
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, cupy.ndarray) or x.ndim != 4 or not x.flags.c_contiguous or x.data.ptr % 16:
-            raise ValueError(f"{name} must be a C-contiguous, 16-byte aligned 4-d CuPy array [B, T, H, D]")
+        if not rt.is_native(x) or x.ndim != 4 or not x.flags.c_contiguous or rt.ptr(x) % 16:
+            raise ValueError(f"{name} must be a C-contiguous, 16-byte aligned 4-d device array [B, T, H, D]")
     if not (q.dtype == k.dtype == v.dtype) or tuple(q.shape) != tuple(k.shape) or tuple(v.shape) != tuple(q.shape):
         raise ValueError(f"q, k, v must share dtype and shape [B, T, H, D]; got {q.shape}, {k.shape}, {v.shape}")
     B, T, H, D = (int(s) for s in q.shape)
@@ -355,31 +289,31 @@ def prepare(q, k, v, plan, scale: float | None = None, *, impl: str = "hwg", sto
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be positive and finite, got {scale}")
     if out is None:
-        out = cupy.empty_like(v)
-    elif not (isinstance(out, cupy.ndarray) and out.shape == v.shape and out.dtype == v.dtype
-              and out.flags.c_contiguous and out.data.ptr % 16 == 0):
-        raise ValueError(f"out must be a C-contiguous CuPy array of shape {tuple(v.shape)} and dtype {v.dtype}")
+        out = xp.empty_like(v)
+    elif not (rt.is_native(out) and out.shape == v.shape and out.dtype == v.dtype
+              and out.flags.c_contiguous and rt.ptr(out) % 16 == 0):
+        raise ValueError(f"out must be a C-contiguous device array of shape {tuple(v.shape)} and dtype {v.dtype}")
     gidx = getattr(plan, "_gidx_arg", None)
     if gidx is None:
-        gidx = plan.global_idx if plan.global_idx.size else cupy.zeros(1, dtype=np.int32)
+        gidx = plan.global_idx if plan.global_idx.size else xp.zeros(1, dtype=np.int32)
     name = kernel_name(impl, elem, D)
-    smem = smem_bytes(impl, D)
     nqt = (T + var.rows - 1) // var.rows
     args = (q, k, v, out, gidx, plan.gmask, np.int32(B), np.int32(T), np.int32(H), np.int32(plan.n_global),
             np.int32(min(int(plan.local_window), T)), np.float32(scale * math.log2(math.e)), np.int32(sched))
-    return Prepared(_kernel(name, smem), (nqt * H * B,), (var.threads,), args, smem, out, impl, name)
+    launch = rt.bind(name, (nqt * H * B,), (var.threads,), args, smem_bytes(impl, D))
+    return Prepared(launch, out, impl, name)
 
 
 def wgmma_unit(a_bits, b_bits, mode: int, elem: str = "bf16", swizzle: bool = True):
     """Run the wgmma unit kernel: ``a_bits`` uint16 ``[64, 128]``, ``b_bits`` uint16 ``[128, 128]``
     (mode bit 0: B as ``[k][n]`` (MN-major, the V tile), else ``[n][k]`` (K-major, the K tile);
-    bit 1: A from registers). Returns ``d`` float32 ``[64, 128]`` (a CuPy array) = A @ B."""
-    cupy = _cupy()
-    a = cupy.ascontiguousarray(cupy.asarray(a_bits, dtype=cupy.uint16))
-    b = cupy.ascontiguousarray(cupy.asarray(b_bits, dtype=cupy.uint16))
+    bit 1: A from registers). Returns ``d`` float32 ``[64, 128]`` (a device array) = A @ B."""
+    rt = _runtime()
+    xp = rt.xp
+    a = xp.ascontiguousarray(xp.asarray(a_bits, dtype=xp.uint16))
+    b = xp.ascontiguousarray(xp.asarray(b_bits, dtype=xp.uint16))
     if a.shape != (64, 128) or b.shape != (128, 128):
         raise ValueError(f"a must be [64, 128] and b [128, 128], got {a.shape}, {b.shape}")
-    d = cupy.full((64, 128), np.nan, dtype=cupy.float32)
-    kern = _kernel(unit_kernel_name(elem, swizzle), UNIT_SMEM_BYTES)
-    kern((1,), (128,), (a, b, d, np.int32(mode)), shared_mem=UNIT_SMEM_BYTES)
+    d = xp.full((64, 128), np.nan, dtype=xp.float32)
+    rt.launch(unit_kernel_name(elem, swizzle), (1,), (128,), (a, b, d, np.int32(mode)), UNIT_SMEM_BYTES)
     return d

@@ -1,63 +1,37 @@
 """Hopper DAAF kernels (gpu/daaf_hopper.cu, gpu/daaf_hopper.py) without and with a GPU.
 
 Without a GPU: the source builds with nvcc for sm_90a (registers, no spills, no wgmma serialisation);
-the kernels run on the CPU through gpu/daaf_emu.h + gpu/wgmma_emu.h (wgmma modelled from the PTX
-descriptor and fragment layouts, retired asynchronously at wait_group, with checks for missing
-fences and for operands changed while an MMA is pending) against the float64 reference on fresh
-random inputs; the emulation's own checks are shown to fire on planted faults. With a GPU (marked
-``gpu``, Hopper only): the wgmma unit kernel against numpy, every kernel against the reference.
+the wrappers of gpu/daaf_hopper.py run the kernels on the CPU emulation (gpu/emu: cuda_emu.h with its
+wgmma model wgmma_emu.h -- descriptor and fragment layouts from the PTX ISA, retired asynchronously at
+wait_group, with checks for missing fences and for operands changed while an MMA is pending, which raise
+EmuCheckError) against the float64 reference on fresh random inputs; the emulation's own checks are shown
+to fire on planted faults (tests/daaf_hopper_faults.cu). With a GPU (marked ``gpu``, Hopper only): the
+wgmma unit kernel against numpy, every kernel against the reference.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import os
 import re
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from hpczeco.base import bf16
+from hpczeco.drivers.gpu_daaf_model import key_regions
+from hpczeco.gpu import build as gbuild
 from hpczeco.gpu import daaf_hopper as dh
+from hpczeco.gpu import emu as gemu
 
 from hpczeco.daaf.reference import attention_reference
 
 GPU_DIR = Path(dh.__file__).resolve().parent
-SOURCES = [GPU_DIR / n for n in ("daaf_hopper_emu.cpp", "daaf_hopper.cu", "daaf_hopper_ptx.cuh", "wgmma_emu.h",
-                                 "daaf_emu.h")]
+FAULTS = Path(__file__).resolve().parent / "daaf_hopper_faults.cu"  # the planted-fault kernel (emulation only)
+FAULT_KERNEL = "daaf_wgmma_fault_check"
 TOL = {"bf16": 1e-2, "f16": 5e-3}
 TS = (1, 63, 64, 65, 200)
 WS = (0, 1, 16, 128)
 PLANS = ("none", "first", "scattered", "all", "regions")
-
-
-def _nvcc() -> str | None:
-    for c in (os.environ.get("NVCC"), shutil.which("nvcc"), "/usr/local/bin/nvcc", "/usr/local/cuda/bin/nvcc"):
-        if c and Path(c).exists():
-            return c
-    return None
-
-
-def key_regions(T: int, plan: str, rng: np.random.Generator) -> np.ndarray:
-    """bool [T]: none; the first block; ~10 % scattered tokens; all; two spans crossing tile edges
-    (query tiles that mix key-region queries with ordinary rows)."""
-    g = np.zeros(T, dtype=bool)
-    if plan == "first":
-        g[: max(1, (3 * T) // 10)] = True
-    elif plan == "scattered":
-        g[rng.random(T) < 0.1] = True
-    elif plan == "all":
-        g[:] = True
-    elif plan == "regions":
-        g[T // 5 : T // 5 + max(1, T // 6)] = True
-        g[(2 * T) // 3 : (2 * T) // 3 + max(1, T // 12)] = True
-    elif plan != "none":
-        raise ValueError(plan)
-    return g
 
 
 # --------------------------------------------------------------------------- host-side logic
@@ -85,82 +59,59 @@ def test_kernel_names_and_resolve():
 
 
 @pytest.fixture(scope="module")
-def nvcc_build(tmp_path_factory):
+def nvcc_build():
     """The sm_90a build, started at module setup in the background (the emulation tests run meanwhile)."""
-    nvcc = _nvcc()
-    if nvcc is None:
+    if gbuild.nvcc_path() is None:
         yield None
         return
-    out = tmp_path_factory.mktemp("nvcc") / "daaf_hopper.o"
-    cmd = [nvcc, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-c", "-Xptxas", "-v",
-           str(GPU_DIR / "daaf_hopper.cu"), "-o", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    yield proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    job = gbuild.start(GPU_DIR / "daaf_hopper.cu", "sm_90a")
+    yield job
+    if job[0].poll() is None:
+        job[0].kill()
+        job[0].wait()
 
 
-def test_nvcc_builds_sm90a(nvcc_build, emu):
+def test_nvcc_builds_sm90a(nvcc_build, emu, rng):
     if nvcc_build is None:
         pytest.skip("nvcc not found (set NVCC=...)")
-    out, _ = nvcc_build.communicate(timeout=600)
-    assert nvcc_build.returncode == 0, out[-4000:]
-    report: dict[str, dict] = {}
-    cur = None
-    for line in out.splitlines():
-        m = re.search(r"Compiling entry function '(\w+)'", line)
-        if m:
-            cur = m.group(1)
-            report[cur] = {}
-        m = re.search(r"(\d+) bytes spill stores", line)
-        if m and cur:
-            report[cur]["spill"] = int(m.group(1))
-        m = re.search(r"Used (\d+) registers", line)
-        if m and cur:
-            report[cur]["regs"] = int(m.group(1))
+    res = gbuild.finish(nvcc_build, timeout=600)
+    assert res.ok, res.output[-4000:]
+    report = {k.name: k for k in res.kernels}
     names = set(dh.kernel_names()) | {dh.unit_kernel_name("bf16", True), dh.unit_kernel_name("bf16", False),
                                       dh.unit_kernel_name("f16", True)}
     assert names <= set(report), f"kernels missing from the build: {names - set(report)}"
     for name, rep in report.items():
-        assert rep.get("spill", 0) == 0, (name, rep)
+        assert rep.spill_stores == 0, (name, rep)
         cap = 65536 // dh.VARIANTS["hwg3"].threads if "_w3_" in name else 255
-        assert rep["regs"] <= cap, (name, rep)
+        assert rep.registers <= cap, (name, rep)
     # ptxas serialises wgmma when it cannot prove the accumulators untouched in flight (C7514)
-    serialised = re.findall(r"C7514.*function '(\w+)'", out)
+    serialised = re.findall(r"C7514.*function '(\w+)'", res.output)
     assert not serialised, f"wgmma serialised in {serialised}"
-    # the C++ shared-memory sizes (emulation build) equal the launcher's
+    # the C++ shared-memory sizes equal the launcher's: every kernel, launched once in the emulation with
+    # dh.smem_bytes, checks its layout's SMEM_BYTES against the launch (EmuCheckError otherwise)
     for impl, v in dh.VARIANTS.items():
         for e in v.elems:
             for d in v.dims:
-                assert emu.dh_emu_smem_bytes(dh.kernel_name(impl, e, d).encode()) == dh.smem_bytes(impl, d)
+                emu_attention(impl, *_inputs(rng, 1, 1, 1, d), np.zeros(1, bool), 0, e)
 
 
 # --------------------------------------------------------------------------- CPU emulation
 
 
 @pytest.fixture(scope="module")
-def emu():
-    gxx = shutil.which("g++")
-    if gxx is None:
+def emu_rt():
+    """The CPU emulation of daaf_hopper.cu (and of the planted-fault kernel), built once."""
+    if gemu.compiler() is None:
         pytest.skip("g++ not found: the CPU emulation of the kernels needs it")
-    key = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES)).hexdigest()[:16]
-    lib = Path(tempfile.gettempdir()) / f"hpczeco-daaf-hopper-emu-{key}.so"
-    if not lib.exists():
-        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        r = subprocess.run([gxx, "-std=c++20", "-O2", "-shared", "-fPIC", "-pthread", "-Wno-unknown-pragmas",
-                            str(SOURCES[0]), "-o", str(tmp)], capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-4000:]
-        os.replace(tmp, lib)
-    so = ctypes.CDLL(str(lib))
-    so.dh_emu_last_error.restype = ctypes.c_char_p
-    so.dh_emu_attention.restype = ctypes.c_int
-    so.dh_emu_smem_bytes.restype = ctypes.c_int
-    return so
+    return gemu.EmuRuntime(dh.kernel_source() + "\n" + FAULTS.read_text(), [*dh.GROUPS, FAULT_KERNEL])
 
 
-def _ptr(a):
-    return a.ctypes.data_as(ctypes.c_void_p)
+@pytest.fixture
+def emu(emu_rt):
+    """The wrappers of gpu/daaf_hopper.py on the emulation for one test (the GPU tests keep CuPy)."""
+    old = dh._set_runtime(emu_rt)
+    yield emu_rt
+    dh._set_runtime(old)
 
 
 def _bits(x, elem):
@@ -171,18 +122,16 @@ def _vals(bits, elem):
     return bf16.from_bits(bits) if elem == "bf16" else bits.view(np.float16).astype(np.float32)
 
 
-def emu_attention(so, impl, q, k, v, g, W, elem="bf16", sched=dh.SCHED_DEFAULT):
-    """Run ``impl`` in the emulation on float inputs rounded to ``elem``; (out, float64 reference)."""
-    B, T, H, D = q.shape
+def emu_attention(impl, q, k, v, g, W, elem="bf16", sched=dh.SCHED_DEFAULT):
+    """Run ``impl`` through dh.prepare on the emulation (the ``emu`` fixture) on float inputs rounded to
+    ``elem``; (out, float64 reference). A failed emulation check raises EmuCheckError."""
     hq, hk, hv = (_bits(x, elem) for x in (q, k, v))
     o = np.full_like(hq, 0x7FC0)  # NaN: every element must be written
     gidx = np.flatnonzero(g).astype(np.int32)
-    garg = gidx if gidx.size else np.zeros(1, np.int32)
-    gm = g.astype(np.uint8)
-    name = dh.kernel_name(impl, elem, D)
-    rc = so.dh_emu_attention(name.encode(), _ptr(hq), _ptr(hk), _ptr(hv), _ptr(o), _ptr(garg), _ptr(gm), B, T, H,
-                             len(gidx), min(W, T), ctypes.c_float(D**-0.5 * np.log2(np.e)), sched)
-    assert rc == 0, f"{name}: {rc} emulation errors, first: {so.dh_emu_last_error().decode()}"
+    plan = SimpleNamespace(global_idx=gidx, gmask=g.astype(np.uint8), n_global=len(gidx), local_window=W, T=len(g))
+    storage = "bfloat16" if elem == "bf16" else "float16"
+    p = dh.prepare(hq, hk, hv, plan, impl=impl, storage=storage, out=o, sched=sched)
+    assert p() is o
     ref = attention_reference(*(_vals(x, elem) for x in (hq, hk, hv)), g, local_window=W)
     return _vals(o, elem), ref
 
@@ -213,14 +162,16 @@ def test_emulation_catches_planted_faults(emu, rng, fault, message):
     a = bf16.to_bits(rng.standard_normal((64, 128)))
     b = bf16.to_bits(rng.standard_normal((128, 128)))
     d = np.full((64, 128), np.nan, np.float32)
-    n = emu.dh_emu_selftest(_ptr(a), _ptr(b), _ptr(d), fault)
     ref = bf16.from_bits(a).astype(np.float64) @ bf16.from_bits(b).astype(np.float64).T
+    launch = emu.bind(FAULT_KERNEL, (1,), (128,), (a, b, d, np.int32(fault)), dh.UNIT_SMEM_BYTES)
     if message is None:
-        assert n == 0, emu.dh_emu_last_error()
+        launch()
         err = np.abs(d - ref).max() / np.abs(ref).max()
         assert (err < 1e-5) == (fault == 0), err
     else:
-        assert n > 0 and message in emu.dh_emu_last_error().decode()
+        with pytest.raises(gemu.EmuCheckError) as exc:
+            launch()
+        assert message in str(exc.value)
 
 
 @pytest.mark.parametrize("elem,swizzle", [("bf16", True), ("bf16", False), ("f16", True)])
@@ -230,9 +181,7 @@ def test_emulated_wgmma_unit(emu, rng, elem, swizzle, mode):
     as the V tile, else K-major as the K tile; bit 1: A from registers as P)."""
     a = _bits(rng.standard_normal((64, 128)).astype(np.float32), elem)
     b = _bits(rng.standard_normal((128, 128)).astype(np.float32), elem)
-    d = np.full((64, 128), np.nan, np.float32)
-    n = emu.dh_emu_wgmma_unit(int(elem == "bf16"), int(swizzle), _ptr(a), _ptr(b), _ptr(d), mode)
-    assert n == 0, emu.dh_emu_last_error()
+    d = dh.wgmma_unit(a, b, mode, elem, swizzle)
     fa, fb = _vals(a, elem).astype(np.float64), _vals(b, elem).astype(np.float64)
     ref = fa @ (fb if mode & 1 else fb.T)
     assert np.abs(d - ref).max() / np.abs(ref).max() < 1e-5
@@ -245,7 +194,7 @@ def test_emulated_hwg_matches_reference(emu, rng, plan):
         for W in WS:
             g = key_regions(T, plan, rng)
             q, k, v = _inputs(rng, 1, T, 1, 128)
-            out, ref = emu_attention(emu, "hwg", q, k, v, g, W)
+            out, ref = emu_attention("hwg", q, k, v, g, W)
             err = _rel(out, ref)
             assert err <= TOL["bf16"], f"T={T} W={W} plan={plan}: rel err {err:.3g}"
 
@@ -268,7 +217,7 @@ def test_emulated_hwg_variants(emu, rng, impl, elem, D, B, H):
                               (130, 0, "first", 2), (1, 0, "all", 1)):
         g = key_regions(T, plan, rng)
         q, k, v = _inputs(rng, B, T, H, D)
-        out, ref = emu_attention(emu, impl, q, k, v, g, W, elem, sched)
+        out, ref = emu_attention(impl, q, k, v, g, W, elem, sched)
         err = _rel(out, ref)
         assert err <= TOL[elem], f"{impl} {elem} D={D} T={T} W={W} plan={plan}: rel err {err:.3g}"
 
@@ -282,7 +231,7 @@ def test_emulated_hfa2(emu, rng, impl, elem, D):
     for T, W, plan, sched in cases:
         g = key_regions(T, plan, rng)
         q, k, v = _inputs(rng, 1, T, 1, D)
-        out, ref = emu_attention(emu, impl, q, k, v, g, W, elem, sched)
+        out, ref = emu_attention(impl, q, k, v, g, W, elem, sched)
         err = _rel(out, ref)
         assert err <= TOL[elem], f"{impl} {elem} D={D} T={T} W={W} plan={plan}: rel err {err:.3g}"
 
@@ -385,6 +334,6 @@ def test_emulated_long_rows(emu, rng, impl):
     for T, W, plan in cases:
         g = key_regions(T, plan, rng)
         q, k, v = _inputs(rng, 1, T, 1, 128)
-        out, ref = emu_attention(emu, impl, q, k, v, g, W)
+        out, ref = emu_attention(impl, q, k, v, g, W)
         err = _rel(out, ref)
         assert err <= TOL["bf16"], f"{impl} T={T} W={W} plan={plan}: rel err {err:.3g}"
