@@ -2,8 +2,9 @@
 a small random-weight decoder, planted needles, and the PyTorch attentions DAAF is compared with.
 
 Used by :mod:`hpczeco.drivers.bench_gpu_daaf` (which times them) and ``tests/test_gpu_daaf_checks.py``
-(which checks them). Everything here needs PyTorch with CUDA except :func:`bench_plans`,
-:func:`daaf_pairs` and :func:`synthetic_tokens` (numpy).
+(which checks them), and by the Hopper kernels' checks (``devtools/daaf_device_check.py``,
+``tests/test_daaf_hopper_emu.py``: :func:`key_regions`). Everything here needs PyTorch with CUDA except
+:func:`bench_plans`, :func:`daaf_pairs`, :func:`key_regions` and :func:`synthetic_tokens` (numpy).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ __all__ = [
     "allowed_mask_torch",
     "bench_plans",
     "daaf_pairs",
+    "key_regions",
     "make_flex",
     "needle_rates",
     "sdpa_causal",
@@ -38,6 +40,25 @@ def bench_plans(T: int) -> dict[str, np.ndarray]:
             g[s : s + 512] = True
         plans["w128+8x512"] = g
     return plans
+
+
+def key_regions(T: int, plan: str, rng: np.random.Generator) -> np.ndarray:
+    """A key-region mask (bool ``[T]``) of the kernel checks: ``"none"``; ``"first"`` (the first 30 %);
+    ``"scattered"`` (~10 % of the tokens at random); ``"all"``; ``"regions"`` (two spans crossing tile edges:
+    query tiles that mix key-region queries with ordinary rows)."""
+    g = np.zeros(T, dtype=bool)
+    if plan == "first":
+        g[: max(1, (3 * T) // 10)] = True
+    elif plan == "scattered":
+        g[rng.random(T) < 0.1] = True
+    elif plan == "all":
+        g[:] = True
+    elif plan == "regions":
+        g[T // 5 : T // 5 + max(1, T // 6)] = True
+        g[(2 * T) // 3 : (2 * T) // 3 + max(1, T // 12)] = True
+    elif plan != "none":
+        raise ValueError(f"unknown key-region plan {plan!r}")
+    return g
 
 
 def daaf_pairs(g: np.ndarray, W: int) -> int:

@@ -1,9 +1,12 @@
 """The kernel runtime of the CuPy wrappers in ``gpu/`` (GLA and DAAF): source loading, compilation, launch.
 
 A :class:`KernelSet` names the kernels of some ``gpu/*.cu`` files and how they compile (NVRTC options,
-name expressions, how kernels group into modules). :class:`CupyRuntime` compiles one ``cupy.RawModule`` per
-device, file and group on first use of one of its kernels and launches on CuPy's current stream.
-:func:`kernel_source` inlines the local ``#include "..."`` of a file, so NVRTC needs no include path.
+name expressions, how kernels group into modules, a target architecture). :class:`CupyRuntime` compiles one
+``cupy.RawModule`` per device, file and group on first use of one of its kernels and launches on CuPy's
+current stream. :func:`kernel_source` inlines the local ``#include "..."`` of a file, so NVRTC needs no
+include path. A set with an ``arch`` (e.g. ``"sm_90a"``, which ``cupy.RawModule`` cannot target: it adds
+its own ``-arch``) compiles to cubins with NVRTC directly (nvcc when NVRTC fails), kept on disk by source
+hash (:func:`compile_cubin`, :func:`cached_cubin`), and loads them.
 
 The wrappers reach their runtime through a :class:`RuntimeSlot`; a test puts another object with the same
 methods there (``xp``, ``is_native``, ``ptr``, ``available``, ``launch``, ``bind``): the CPU emulation
@@ -12,6 +15,11 @@ methods there (``xp``, ``is_native``, ``ptr``, ``available``, ``launch``, ``bind
 
 from __future__ import annotations
 
+import hashlib
+import os
+import re
+import subprocess
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +27,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["HERE", "KernelSet", "CupyRuntime", "RuntimeSlot", "kernel_source"]
+__all__ = ["HERE", "KernelSet", "CupyRuntime", "RuntimeSlot", "cached_cubin", "compile_cubin", "cubin_cache_dir",
+           "kernel_source"]
 
 HERE = Path(__file__).resolve().parent
+_LOCAL_INCLUDE = re.compile(r'\s*#\s*include\s+"([^"]+)"')  # a file of gpu/ (a trailing comment may follow)
 
 
 def kernel_source(files: Sequence[str]) -> str:
@@ -34,10 +44,10 @@ def kernel_source(files: Sequence[str]) -> str:
         seen.add(name)
         out = []
         for line in (HERE / name).read_text().splitlines():
-            stripped = line.strip()
-            if stripped.startswith('#include "') and stripped.endswith('"'):
-                out.append(inline(stripped[len('#include "') : -1]))
-            elif stripped != "#pragma once":
+            m = _LOCAL_INCLUDE.match(line)
+            if m:
+                out.append(inline(m.group(1)))
+            elif line.strip() != "#pragma once":
                 out.append(line)
         return "\n".join(out)
 
@@ -48,12 +58,18 @@ def _one_group(name: str) -> str:
     return "all"
 
 
+def _no_options(group: str) -> tuple[str, ...]:
+    return ()
+
+
 @dataclass(frozen=True)
 class KernelSet:
     """Kernels of some ``gpu/*.cu`` files: ``names(file)`` lists a file's kernel names (name expressions of
     template instantiations, or ``extern "C"`` names with ``name_expressions=False``); ``group(name)`` says
-    which module of its file a kernel compiles in; ``options`` are the NVRTC options; ``label`` names the
-    wrapper module in errors."""
+    which module of its file a kernel compiles in; ``options`` are the NVRTC options, ``group_options(group)``
+    more of them for one group's module (e.g. a ``-D`` that selects its kernels); ``label`` names the wrapper
+    module in errors. ``arch``: build cubins for this target (``"sm_90a"``) instead of letting
+    ``cupy.RawModule`` compile the source (see :func:`cached_cubin`; only ``extern "C"`` names then)."""
 
     label: str
     files: tuple[str, ...]
@@ -61,6 +77,8 @@ class KernelSet:
     options: tuple[str, ...] = ("-std=c++17",)
     group: Callable[[str], str] = _one_group
     name_expressions: bool = True
+    arch: str | None = None
+    group_options: Callable[[str], tuple[str, ...]] = _no_options
 
     def present(self) -> list[str]:
         """The files of the set that exist in this checkout."""
@@ -73,6 +91,81 @@ class KernelSet:
     def source(self, files: Sequence[str] | None = None) -> str:
         return kernel_source(tuple(files) if files else self.files)
 
+    def compile_options(self, group: str) -> tuple[str, ...]:
+        """The compiler options of ``group``'s module: ``options``, then ``group_options(group)``."""
+        return (*self.options, *self.group_options(group))
+
+
+# --------------------------------------------------------------------------- cubins for a named architecture
+
+
+def cubin_cache_dir() -> Path:
+    """Where :func:`cached_cubin` keeps cubins (``$HPCZECO_CUBIN_CACHE``, else a folder in the temp directory)."""
+    d = Path(os.environ.get("HPCZECO_CUBIN_CACHE") or Path(tempfile.gettempdir()) / "hpczeco-cubins")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def compile_cubin(source: str, name: str, options: Sequence[str], arch: str,
+                  use_nvcc: bool | None = None) -> tuple[bytes, str]:
+    """``source`` (one translation unit, as :func:`kernel_source` gives it; ``name`` its file name) compiled
+    for ``arch`` to a cubin: ``(cubin, how)``, ``how`` "nvrtc" or "nvcc". ``use_nvcc``: None tries NVRTC
+    (CuPy's binding, called directly with ``--gpu-architecture=arch``) first and nvcc when that fails; True
+    only nvcc, False only NVRTC."""
+    errors = []
+    if not use_nvcc:
+        try:
+            from cupy_backends.cuda.libs import nvrtc  # noqa: PLC0415
+
+            prog = nvrtc.createProgram(source, name, [], [])
+            try:
+                try:
+                    nvrtc.compileProgram(prog, [*options, f"--gpu-architecture={arch}"])
+                except Exception as exc:
+                    raise RuntimeError(f"NVRTC: {exc}\n{nvrtc.getProgramLog(prog)[-4000:]}") from exc
+                return nvrtc.getCUBIN(prog), "nvrtc"
+            finally:
+                nvrtc.destroyProgram(prog)
+        except Exception as exc:
+            if use_nvcc is False:
+                raise
+            errors.append(f"{type(exc).__name__}: {exc}")
+    from .build import nvcc_path  # noqa: PLC0415
+
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise RuntimeError(f"cannot build {name} for {arch}: {'; '.join(errors)}; and no nvcc (set $NVCC)")
+    with tempfile.TemporaryDirectory(prefix="hpczeco-cubin-") as d:
+        src, out = Path(d) / name, Path(d) / (Path(name).stem + ".cubin")
+        src.write_text(source)
+        cmd = [nvcc, "-cubin", f"-gencode=arch=compute_{arch[3:]},code={arch}", *options, str(src), "-o", str(out)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{r.stderr[-4000:]}; earlier: {'; '.join(errors)}")
+        return out.read_bytes(), "nvcc"
+
+
+def cubin_path(kernels: KernelSet, file: str, group: str) -> Path:
+    """The cache file of the cubin of ``file``'s ``group`` for the current sources and options."""
+    if not kernels.arch:
+        raise ValueError(f"{kernels.label}: the kernel set names no arch (its modules compile with CuPy)")
+    opts = kernels.compile_options(group)
+    key = hashlib.sha256("\0".join((kernel_source((file,)), *opts, kernels.arch)).encode()).hexdigest()[:16]
+    return cubin_cache_dir() / f"{Path(file).stem}-{key}-{kernels.arch}-{group}.cubin"
+
+
+def cached_cubin(kernels: KernelSet, file: str, group: str) -> tuple[Path, str]:
+    """The cubin of ``file``'s ``group`` for ``kernels.arch`` from the cache, compiled (:func:`compile_cubin`)
+    and stored when missing: ``(path, how)``, ``how`` "cache", "nvrtc" or "nvcc"."""
+    path = cubin_path(kernels, file, group)
+    if path.exists():
+        return path, "cache"
+    data, how = compile_cubin(kernel_source((file,)), file, kernels.compile_options(group), kernels.arch)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return path, how
+
 
 class CupyRuntime:
     """Kernels of one :class:`KernelSet` from ``cupy.RawModule`` objects, on CuPy's current device and stream.
@@ -80,6 +173,8 @@ class CupyRuntime:
     A module (one per device, file and group) compiles on first use of one of its kernels, so a bf16 run never
     compiles the fp32/fp16 instantiations; one that fails to compile leaves the others usable
     (:meth:`available` says which). Dynamic shared memory above the default is opted into per kernel and device.
+    A set with an ``arch`` loads the cubins of :func:`cached_cubin`, on devices of that compute capability only;
+    ``built`` says how each module was obtained ("cupy", or :func:`cached_cubin`'s "cache"/"nvrtc"/"nvcc").
     """
 
     def __init__(self, kernels: KernelSet):
@@ -90,6 +185,7 @@ class CupyRuntime:
         self.owner = {n: (f, kernels.group(n)) for f in kernels.present() for n in kernels.names(f)}
         self.modules: dict[tuple[int, str, str], Any] = {}
         self.errors: dict[str, str] = {}  # "file:group" -> why it did not compile
+        self.built: dict[tuple[int, str, str], str] = {}
         self._fns: dict[tuple[int, str], Any] = {}
         self._smem: dict[tuple[int, str], int] = {}
 
@@ -101,14 +197,24 @@ class CupyRuntime:
         dev = self._device() if device is None else device
         mod = self.modules.get((dev, file, group))
         if mod is None:
-            names = [n for n in self.kernels.names(file) if self.kernels.group(n) == group]
+            ks = self.kernels
+            names = [n for n in ks.names(file) if ks.group(n) == group]
             with self.xp.cuda.Device(dev):
-                mod = self.xp.RawModule(
-                    code=kernel_source((file,)),
-                    options=self.kernels.options,
-                    name_expressions=names if self.kernels.name_expressions else None,
-                )
+                if ks.arch:
+                    cc = self.xp.cuda.Device(dev).compute_capability
+                    if cc != re.sub(r"\D", "", ks.arch):
+                        raise RuntimeError(f"{ks.label} kernels are built for {ks.arch}; device {dev} is sm_{cc}")
+                    path, how = cached_cubin(ks, file, group)
+                    mod = self.xp.RawModule(path=str(path))
+                else:
+                    mod = self.xp.RawModule(
+                        code=kernel_source((file,)),
+                        options=ks.compile_options(group),
+                        name_expressions=names if ks.name_expressions else None,
+                    )
+                    how = "cupy"
             self.modules[(dev, file, group)] = mod
+            self.built[(dev, file, group)] = how
         return mod
 
     def function(self, name: str, shared_mem: int = 0):
@@ -175,6 +281,13 @@ class RuntimeSlot:
         if self.current is None:
             self.current = CupyRuntime(self.kernels)
         return self.current
+
+    def require(self) -> Any:
+        """:meth:`get`, with a missing CuPy reported as a ``RuntimeError`` that names the wrapper module."""
+        try:
+            return self.get()
+        except ImportError as exc:  # pragma: no cover - depends on the machine
+            raise RuntimeError(f"{self.kernels.label} needs CuPy ({exc})") from exc
 
     def set(self, rt: Any) -> Any:
         """Use ``rt`` from now on (``None``: a CuPy runtime again on next use); returns the previous one."""

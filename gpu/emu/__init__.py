@@ -5,6 +5,8 @@ launches its kernels by name, with numpy arrays as device memory: it has the met
 :class:`hpczeco.gpu.runtime.CupyRuntime` the wrappers use, so :mod:`hpczeco.gpu.gla` and
 :mod:`hpczeco.gpu.daaf` run unchanged on a machine without a GPU once it is put in their runtime slot
 (tiny shapes: every CUDA thread is an OS thread). bfloat16 arrays are ``uint16`` bit patterns here.
+A launch that breaks a rule the emulation checks (``cuda_emu.h``, ``wgmma_emu.h``: e.g. a wgmma reading
+shared memory written by cp.async without ``fence.proxy.async``) raises :class:`EmuCheckError`.
 """
 
 from __future__ import annotations
@@ -23,8 +25,13 @@ import numpy as np
 
 _HERE = Path(__file__).resolve().parent
 HEADER = _HERE / "cuda_emu.h"
+HEADERS = (HEADER, _HERE / "wgmma_emu.h")  # cuda_emu.h and the header it includes
 
-__all__ = ["EmuRuntime", "build", "compiler", "HEADER"]
+__all__ = ["EmuCheckError", "EmuRuntime", "build", "compiler", "HEADER", "HEADERS"]
+
+
+class EmuCheckError(RuntimeError):
+    """A launch broke a rule the emulation checks (the message names the first one)."""
 
 
 def compiler() -> str | None:
@@ -35,7 +42,7 @@ def build(source: str, names: list[str], cache_dir: str | None = None) -> Path:
     """Compile ``source`` (kernels) plus a registry of ``names`` into a shared library; cached by hash."""
     reg = "\n".join(f'EMU_REGISTER("{n}", {n})' for n in names)
     full = f'#include "{HEADER}"\n{source}\n{reg}\nEMU_DEFINE_ENTRY\n'
-    digest = hashlib.sha256((full + HEADER.read_text()).encode()).hexdigest()[:16]
+    digest = hashlib.sha256((full + "".join(h.read_text() for h in HEADERS)).encode()).hexdigest()[:16]
     out_dir = Path(cache_dir or os.path.join(tempfile.gettempdir(), "hpczeco-emu"))
     out_dir.mkdir(parents=True, exist_ok=True)
     lib = out_dir / f"kernels_emu_{digest}.so"
@@ -75,6 +82,7 @@ class EmuRuntime:
     """Drop-in for :class:`hpczeco.gpu.runtime.CupyRuntime`: numpy arrays, the kernels of ``source`` on the CPU.
 
     ``names``: the kernel names (name expressions) to make launchable. ``launched`` records every launch.
+    A launch whose emulation checks fail raises :class:`EmuCheckError` (after it ran: outputs are written).
     """
 
     xp: Any = np
@@ -82,6 +90,8 @@ class EmuRuntime:
     def __init__(self, source: str, names: list[str]):
         self.lib = ctypes.CDLL(str(build(source, names)))
         self.lib.emu_launch_by_name.restype = ctypes.c_int
+        self.lib.emu_last_error_count.restype = ctypes.c_int
+        self.lib.emu_last_error.restype = ctypes.c_char_p
         self.names = set(names)
         self.errors: dict[str, str] = {}
         self.launched: list[str] = []
@@ -111,6 +121,10 @@ class EmuRuntime:
             if rc != 0:
                 raise KeyError(f"kernel {name!r} is not in the emulation build")
             self.launched.append(name)
+            n_bad = self.lib.emu_last_error_count()
+            if n_bad:
+                raise EmuCheckError(f"{name}: {n_bad} emulation check(s) failed, the first: "
+                                    f"{self.lib.emu_last_error().decode()}")
 
         return run
 

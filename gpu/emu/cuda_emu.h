@@ -1,7 +1,8 @@
 // CPU emulation of the CUDA execution model and of the PTX instructions the kernels in gpu/*.cu use, to test
 // their indexing and arithmetic on a machine without a GPU. gpu/emu/__init__.py compiles a kernel source after
 // this header with g++ -std=c++20 and launches its kernels by name (tests/test_cuda_build.py,
-// tests/test_gpu_daaf.py). Kernel files test CUDA_EMU where they need the emulated form of a PTX helper.
+// tests/test_gpu_daaf.py, tests/test_daaf_hopper_emu.py). Kernel files test CUDA_EMU where they need the
+// emulated form of a PTX helper.
 //
 // Every CUDA thread of a block is a std::thread; blocks run one after another, so __shared__ arrays become
 // function-local statics, and the dynamic shared memory is one buffer per launch (garbage on entry, as on the
@@ -14,7 +15,16 @@
 //     (r >= 8) + 2 (c >= 8), half c%2; B element (k, n) in lane n*4 + (k%8)/2, register k >= 8,
 //     half k%2; C/D element (r, n) in lane (r%8)*4 + n/2, register 2 (r >= 8) + n%2;
 //   * cp.async copies are deferred until the thread's cp.async.wait_group releases their group, so
-//     a read of shared memory before the wait (and barrier) sees stale data, as on the GPU.
+//     a read of shared memory before the wait (and barrier) sees stale data, as on the GPU; they land
+//     through the generic proxy: the async proxy (wgmma operands) sees them only after the writing
+//     thread's fence.proxy.async;
+//   * bar.sync with an id other than 0 (named barriers) is a barrier of the count the first arriving
+//     thread names, per block;
+//   * the warpgroup MMA (wgmma) with its shared-memory descriptors and asynchronous retirement: wgmma_emu.h.
+// Broken rules the emulation sees (a cp.async outside the dynamic shared memory or misaligned, copies
+// still pending at kernel exit, a launch whose dynamic shared memory is not the size a kernel states with
+// emu_expect_dynamic_smem, and wgmma_emu.h's checks) are recorded with emu_error; the launch
+// entry point counts them per launch and gpu/emu/__init__.py raises EmuCheckError with the first.
 // It checks indexing and arithmetic, not performance; races between warps beyond that are not modelled.
 #pragma once
 #include <algorithm>
@@ -27,6 +37,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -58,9 +69,9 @@ inline dim3 blockDim, gridDim;
 
 struct EmuWarp {
   std::unique_ptr<std::barrier<>> bar;
-  uint32_t u[32][6];  // per lane: mma operands (a[4], b0, b1)
+  uint32_t u[32][6];  // per lane: mma operands (a[4], b0, b1), wgmma A registers
   const void* p[32];  // per lane: ldmatrix row address
-  float f[32];        // per lane: shuffle value
+  uint32_t x[32];     // per lane: shuffle value (bits)
 };
 inline std::barrier<>* emu_block_barrier = nullptr;
 inline std::vector<std::unique_ptr<EmuWarp>> emu_warps;  // of the running block
@@ -72,14 +83,29 @@ inline EmuWarp& emu_warp() { return *emu_warps[emu_tid() / 32]; }
 inline void __syncthreads() { emu_block_barrier->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp().bar->arrive_and_wait(); }
 
-inline float __shfl_xor_sync(unsigned, float x, int lane_mask) {
-  EmuWarp& w = emu_warp();
-  const int l = emu_lane();
-  w.f[l] = x;
-  w.bar->arrive_and_wait();
-  const float y = w.f[l ^ lane_mask];
-  w.bar->arrive_and_wait();
-  return y;
+// ---------------------------------------------------------------- checks (counted per launch)
+
+inline std::atomic<int> emu_error_count{0};
+inline std::mutex emu_error_mu;
+inline std::string emu_error_first;  // the first message of the launch
+inline void emu_error(const std::string& msg) {
+  std::lock_guard<std::mutex> g(emu_error_mu);
+  if (emu_error_count.fetch_add(1) == 0)
+    emu_error_first = msg + " (block " + std::to_string(blockIdx.x) + ", thread " + std::to_string(emu_tid()) + ")";
+}
+
+// bar.sync id, nthreads (id > 0): the first thread to arrive at `id` in this block sets the count
+inline std::mutex emu_named_mu;
+inline std::map<int, std::unique_ptr<std::barrier<>>> emu_named_barriers;  // of the running block
+inline void emu_bar_sync(int id, int nthreads) {
+  std::barrier<>* b;
+  {
+    std::lock_guard<std::mutex> g(emu_named_mu);
+    auto& slot = emu_named_barriers[id];
+    if (!slot) slot = std::make_unique<std::barrier<>>((std::ptrdiff_t)nthreads);
+    b = slot.get();
+  }
+  b->arrive_and_wait();
 }
 
 inline int atomicMax(int* p, int v) {
@@ -108,6 +134,21 @@ inline uint32_t __float_as_uint(float f) {
   return x;
 }
 inline float __expf(float x) { return expf(x); }
+
+// shfl.sync: this lane's value goes to the warp, the value of lane `src` comes back
+inline uint32_t emu_shfl_bits(uint32_t v, int src) {
+  EmuWarp& w = emu_warp();
+  const int l = emu_lane();
+  w.x[l] = v;
+  w.bar->arrive_and_wait();
+  const uint32_t y = w.x[src & 31];
+  w.bar->arrive_and_wait();
+  return y;
+}
+inline float __shfl_xor_sync(unsigned, float x, int lane_mask) {
+  return __uint_as_float(emu_shfl_bits(__float_as_uint(x), emu_lane() ^ lane_mask));
+}
+inline int __shfl_sync(unsigned, int x, int src_lane) { return (int)emu_shfl_bits((uint32_t)x, src_lane); }
 inline float emu_ex2(float x) { return std::exp2(x); }  // ex2.approx.f32
 
 // cvt.f32.f16, cvt.rn.f16.f32, cvt.rn.bf16.f32 (round to nearest even; NaN stays a quiet NaN)
@@ -138,12 +179,36 @@ inline uint32_t emu_pack2(float lo, float hi) {
 
 // ---------------------------------------------------------------- shared memory and cp.async
 
-inline unsigned char* emu_smem_base = nullptr;  // the launch's dynamic shared memory
+inline unsigned char* emu_smem_base = nullptr;  // the launch's dynamic shared memory (shared address 0)
+inline std::size_t emu_smem_bytes = 0;          // its size
 inline unsigned char* emu_dynamic_smem() { return emu_smem_base; }
 // a shared-window address (cvta.to.shared) of a pointer into the dynamic shared memory
 inline uint32_t emu_smem_addr(const void* p) {
   return (uint32_t)(reinterpret_cast<const unsigned char*>(p) - emu_smem_base);
 }
+
+// a kernel whose shared-memory layout has `bytes` checks that the launch gave exactly that many
+inline void emu_expect_dynamic_smem(std::size_t bytes) {
+  if (emu_smem_bytes != bytes)
+    emu_error("launched with " + std::to_string(emu_smem_bytes) + " bytes of dynamic shared memory; the kernel's " +
+              "layout has " + std::to_string(bytes));
+}
+
+// generic and async proxy: per 16-byte chunk of the dynamic shared memory, the thread whose cp.async
+// wrote it and which has not fenced since (-1: none); reset per block
+inline std::unique_ptr<std::atomic<int>[]> emu_unfenced_writer;
+inline std::size_t emu_unfenced_chunks = 0;
+inline thread_local std::vector<uint32_t> emu_unfenced_mine;  // chunks this thread wrote since its fence
+// fence.proxy.async.shared::cta: this thread's cp.async writes become visible to the async proxy
+inline void emu_fence_proxy_async() {
+  for (uint32_t c : emu_unfenced_mine) {
+    int me = (int)emu_tid();
+    emu_unfenced_writer[c].compare_exchange_strong(me, -1);
+  }
+  emu_unfenced_mine.clear();
+}
+// the async proxy sees the byte at shared address `addr` (no unfenced cp.async write to its chunk)
+inline bool emu_async_proxy_sees(uint32_t addr) { return emu_unfenced_writer[addr / 16].load() < 0; }
 
 struct EmuCopy {
   unsigned char* dst;
@@ -152,8 +217,15 @@ struct EmuCopy {
 };
 inline thread_local std::vector<EmuCopy> emu_cp_open;                 // not yet committed
 inline thread_local std::deque<std::vector<EmuCopy>> emu_cp_groups;  // committed, pending
-// cp.async.cg.shared.global 16 bytes, src_bytes of them from src (the rest zero)
+// cp.async.cg.shared.global 16 bytes, src_bytes of them from src (the rest zero); the emulation takes
+// destinations in the dynamic shared memory
 inline void emu_cp_async16(void* dst, const void* src, int src_bytes) {
+  const uintptr_t d = reinterpret_cast<uintptr_t>(dst), base = reinterpret_cast<uintptr_t>(emu_smem_base);
+  if (d % 16) emu_error("cp.async destination not 16-byte aligned");
+  if (d < base || d - base + 16 > emu_smem_bytes) {
+    emu_error("cp.async destination outside the dynamic shared memory");
+    return;
+  }
   emu_cp_open.push_back({static_cast<unsigned char*>(dst), src, src_bytes});
 }
 inline void emu_cp_async_commit() {
@@ -165,6 +237,9 @@ inline void emu_cp_async_wait(int pending) {
     for (const EmuCopy& c : emu_cp_groups.front()) {
       std::memset(c.dst, 0, 16);
       std::memcpy(c.dst, c.src, (size_t)c.n);
+      const uint32_t chunk = emu_smem_addr(c.dst) / 16;
+      emu_unfenced_writer[chunk].store((int)emu_tid());
+      emu_unfenced_mine.push_back(chunk);
     }
     emu_cp_groups.pop_front();
   }
@@ -228,7 +303,17 @@ inline void emu_mma_m16n8k16(float* d, const uint32_t* a, uint32_t b0, uint32_t 
   }
 }
 
+#include "wgmma_emu.h"  // the warpgroup MMA (needs the warps, checks, shared memory and proxies above)
+
 // ---------------------------------------------------------------- launch by name
+
+// what a thread must not leave behind at kernel exit
+inline void emu_thread_exit_checks() {
+  bool copies = !emu_cp_open.empty();
+  for (const auto& grp : emu_cp_groups) copies |= !grp.empty();
+  if (copies) emu_error("cp.async copies still pending at kernel exit");
+  emu_wgmma_exit_checks();
+}
 
 template <typename... A, std::size_t... I>
 void emu_call(void (*k)(A...), void** args, std::index_sequence<I...>) {
@@ -245,6 +330,9 @@ void emu_launch(void (*k)(A...), dim3 grid, dim3 block, std::size_t smem_bytes, 
   std::vector<EmuSmemLine> smem((smem_bytes + 16 + 127) / 128);
   std::memset(smem.data(), 0xA5, smem.size() * sizeof(EmuSmemLine));  // garbage, as on the GPU
   emu_smem_base = smem.data()->b;
+  emu_smem_bytes = smem_bytes;
+  emu_unfenced_chunks = smem.size() * sizeof(EmuSmemLine) / 16;
+  emu_unfenced_writer = std::make_unique<std::atomic<int>[]>(emu_unfenced_chunks);
   blockDim = block;
   gridDim = grid;
   for (unsigned bz = 0; bz < grid.z; ++bz)
@@ -252,6 +340,8 @@ void emu_launch(void (*k)(A...), dim3 grid, dim3 block, std::size_t smem_bytes, 
       for (unsigned bx = 0; bx < grid.x; ++bx) {
         std::barrier<> bar((std::ptrdiff_t)nt);
         emu_block_barrier = &bar;
+        emu_named_barriers.clear();
+        for (std::size_t c = 0; c < emu_unfenced_chunks; ++c) emu_unfenced_writer[c].store(-1);
         emu_warps.clear();
         for (unsigned w = 0; w < (nt + 31) / 32; ++w) {
           emu_warps.push_back(std::make_unique<EmuWarp>());
@@ -264,11 +354,14 @@ void emu_launch(void (*k)(A...), dim3 grid, dim3 block, std::size_t smem_bytes, 
             threadIdx = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
             blockIdx = dim3{bx, by, bz};
             emu_call(k, args, std::index_sequence_for<A...>{});
+            emu_thread_exit_checks();
           });
         for (auto& x : th) x.join();
       }
   emu_warps.clear();
+  emu_named_barriers.clear();
   emu_smem_base = nullptr;
+  emu_smem_bytes = 0;
 }
 
 using EmuKernel = std::function<void(dim3, dim3, std::size_t, void**)>;
@@ -287,12 +380,17 @@ struct EmuReg {
 // EMU_REGISTER("name expression", kernel): launchable by that name through emu_launch_by_name
 #define EMU_REGISTER(name, ...) static EmuReg EMU_CAT(emu_reg_, __COUNTER__)(name, __VA_ARGS__);
 
-// the library's entry point (one translation unit per build): 0, or 1 for a name that is not registered
+// the library's entry points (one translation unit per build): the launch (0, or 1 for a name that is not
+// registered) and the checks of the last launch (how many failed, the first message)
 #define EMU_DEFINE_ENTRY                                                                                        \
   extern "C" int emu_launch_by_name(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx,      \
                                     unsigned by, unsigned bz, unsigned long long smem_bytes, void** args) {    \
     auto it = emu_registry().find(name);                                                                        \
     if (it == emu_registry().end()) return 1;                                                                   \
+    emu_error_count = 0;                                                                                        \
+    emu_error_first.clear();                                                                                    \
     it->second(dim3{gx, gy, gz}, dim3{bx, by, bz}, (std::size_t)smem_bytes, args);                              \
     return 0;                                                                                                   \
-  }
+  }                                                                                                             \
+  extern "C" int emu_last_error_count() { return emu_error_count.load(); }                                      \
+  extern "C" const char* emu_last_error() { return emu_error_first.c_str(); }

@@ -1,0 +1,339 @@
+"""Hopper DAAF kernels (gpu/daaf_hopper.cu, gpu/daaf_hopper.py) without and with a GPU.
+
+Without a GPU: the source builds with nvcc for sm_90a (registers, no spills, no wgmma serialisation);
+the wrappers of gpu/daaf_hopper.py run the kernels on the CPU emulation (gpu/emu: cuda_emu.h with its
+wgmma model wgmma_emu.h -- descriptor and fragment layouts from the PTX ISA, retired asynchronously at
+wait_group, with checks for missing fences and for operands changed while an MMA is pending, which raise
+EmuCheckError) against the float64 reference on fresh random inputs; the emulation's own checks are shown
+to fire on planted faults (tests/daaf_hopper_faults.cu). With a GPU (marked ``gpu``, Hopper only): the
+wgmma unit kernel against numpy, every kernel against the reference.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from hpczeco.base import bf16
+from hpczeco.drivers.gpu_daaf_model import key_regions
+from hpczeco.gpu import build as gbuild
+from hpczeco.gpu import daaf_hopper as dh
+from hpczeco.gpu import emu as gemu
+
+from hpczeco.daaf.reference import attention_reference
+
+GPU_DIR = Path(dh.__file__).resolve().parent
+FAULTS = Path(__file__).resolve().parent / "daaf_hopper_faults.cu"  # the planted-fault kernel (emulation only)
+FAULT_KERNEL = "daaf_wgmma_fault_check"
+TOL = {"bf16": 1e-2, "f16": 5e-3}
+TS = (1, 63, 64, 65, 200)
+WS = (0, 1, 16, 128)
+PLANS = ("none", "first", "scattered", "all", "regions")
+
+
+# --------------------------------------------------------------------------- host-side logic
+
+
+def test_kernel_names_and_resolve():
+    assert dh.kernel_name("hwg", "bf16", 128) == "daaf_hwg_bf16_d128_n128_w2_s3"
+    assert dh.kernel_name("hwg_nosw", "bf16", 128).endswith("_nosw")
+    assert dh.kernel_name("hfa2", "f16", 64) == "daaf_hfa2_f16_d64_s3"
+    assert len(set(dh.kernel_names())) == len(dh.kernel_names())
+    assert dh.resolve("hwg", "bf16", 64, 64).rows == 128
+    assert dh.resolve("hwg3", "bf16", 128, 128).threads == 384
+    with pytest.raises(ValueError, match="impl"):
+        dh.resolve("wg", "bf16", 128, 128)
+    with pytest.raises(ValueError, match="D == Dv"):
+        dh.resolve("hwg", "bf16", 128, 64)
+    with pytest.raises(ValueError, match="bf16"):
+        dh.resolve("hwg64", "f16", 128, 128)
+    for impl in dh.IMPLS:  # every kernel fits the 227 KB a block may have on Hopper
+        for d in dh.VARIANTS[impl].dims:
+            assert dh.smem_bytes(impl, d) <= 232448, (impl, d)
+
+
+# --------------------------------------------------------------------------- nvcc build for sm_90a
+
+
+@pytest.fixture(scope="module")
+def nvcc_build():
+    """The sm_90a build, started at module setup in the background (the emulation tests run meanwhile)."""
+    if gbuild.nvcc_path() is None:
+        yield None
+        return
+    job = gbuild.start(GPU_DIR / "daaf_hopper.cu", "sm_90a")
+    yield job
+    if job[0].poll() is None:
+        job[0].kill()
+        job[0].wait()
+
+
+def test_nvcc_builds_sm90a(nvcc_build, emu, rng):
+    if nvcc_build is None:
+        pytest.skip("nvcc not found (set NVCC=...)")
+    res = gbuild.finish(nvcc_build, timeout=600)
+    assert res.ok, res.output[-4000:]
+    report = {k.name: k for k in res.kernels}
+    names = set(dh.kernel_names()) | {dh.unit_kernel_name("bf16", True), dh.unit_kernel_name("bf16", False),
+                                      dh.unit_kernel_name("f16", True)}
+    assert names <= set(report), f"kernels missing from the build: {names - set(report)}"
+    for name, rep in report.items():
+        assert rep.spill_stores == 0, (name, rep)
+        cap = 65536 // dh.VARIANTS["hwg3"].threads if "_w3_" in name else 255
+        assert rep.registers <= cap, (name, rep)
+    # ptxas serialises wgmma when it cannot prove the accumulators untouched in flight (C7514)
+    serialised = re.findall(r"C7514.*function '(\w+)'", res.output)
+    assert not serialised, f"wgmma serialised in {serialised}"
+    # the C++ shared-memory sizes equal the launcher's: every kernel, launched once in the emulation with
+    # dh.smem_bytes, checks its layout's SMEM_BYTES against the launch (EmuCheckError otherwise)
+    for impl, v in dh.VARIANTS.items():
+        for e in v.elems:
+            for d in v.dims:
+                emu_attention(impl, *_inputs(rng, 1, 1, 1, d), np.zeros(1, bool), 0, e)
+
+
+# --------------------------------------------------------------------------- CPU emulation
+
+
+@pytest.fixture(scope="module")
+def emu_rt():
+    """The CPU emulation of daaf_hopper.cu (and of the planted-fault kernel), built once."""
+    if gemu.compiler() is None:
+        pytest.skip("g++ not found: the CPU emulation of the kernels needs it")
+    return gemu.EmuRuntime(dh.kernel_source() + "\n" + FAULTS.read_text(), [*dh.GROUPS, FAULT_KERNEL])
+
+
+@pytest.fixture
+def emu(emu_rt):
+    """The wrappers of gpu/daaf_hopper.py on the emulation for one test (the GPU tests keep CuPy)."""
+    old = dh._set_runtime(emu_rt)
+    yield emu_rt
+    dh._set_runtime(old)
+
+
+def _bits(x, elem):
+    return bf16.to_bits(x) if elem == "bf16" else x.astype(np.float16).view(np.uint16)
+
+
+def _vals(bits, elem):
+    return bf16.from_bits(bits) if elem == "bf16" else bits.view(np.float16).astype(np.float32)
+
+
+def emu_attention(impl, q, k, v, g, W, elem="bf16", sched=dh.SCHED_DEFAULT):
+    """Run ``impl`` through dh.prepare on the emulation (the ``emu`` fixture) on float inputs rounded to
+    ``elem``; (out, float64 reference). A failed emulation check raises EmuCheckError."""
+    hq, hk, hv = (_bits(x, elem) for x in (q, k, v))
+    o = np.full_like(hq, 0x7FC0)  # NaN: every element must be written
+    gidx = np.flatnonzero(g).astype(np.int32)
+    plan = SimpleNamespace(global_idx=gidx, gmask=g.astype(np.uint8), n_global=len(gidx), local_window=W, T=len(g))
+    storage = "bfloat16" if elem == "bf16" else "float16"
+    p = dh.prepare(hq, hk, hv, plan, impl=impl, storage=storage, out=o, sched=sched)
+    assert p() is o
+    ref = attention_reference(*(_vals(x, elem) for x in (hq, hk, hv)), g, local_window=W)
+    return _vals(o, elem), ref
+
+
+def _rel(out, ref) -> float:
+    out = np.asarray(out, np.float64)
+    assert np.isfinite(out).all(), "unwritten (NaN) or non-finite outputs"
+    return float(np.abs(out - ref).max() / np.abs(ref).max())
+
+
+def _inputs(rng, B, T, H, D):
+    return (rng.standard_normal((B, T, H, D)).astype(np.float32) * 1.5,
+            rng.standard_normal((B, T, H, D)).astype(np.float32),
+            rng.standard_normal((B, T, H, D)).astype(np.float32))
+
+
+@pytest.mark.parametrize("fault,message", [
+    (0, None),
+    (1, "without fence.proxy.async"),
+    (2, "overwritten before wait_group"),
+    (3, "changed while their wgmma was pending"),
+    (4, "without wgmma.fence"),
+    (5, None),
+])
+def test_emulation_catches_planted_faults(emu, rng, fault, message):
+    """The emulation's checks are not vacuous: each planted fault is reported (5: read before the
+    wait, which the GPU would not report either, gives stale accumulators)."""
+    a = bf16.to_bits(rng.standard_normal((64, 128)))
+    b = bf16.to_bits(rng.standard_normal((128, 128)))
+    d = np.full((64, 128), np.nan, np.float32)
+    ref = bf16.from_bits(a).astype(np.float64) @ bf16.from_bits(b).astype(np.float64).T
+    launch = emu.bind(FAULT_KERNEL, (1,), (128,), (a, b, d, np.int32(fault)), dh.UNIT_SMEM_BYTES)
+    if message is None:
+        launch()
+        err = np.abs(d - ref).max() / np.abs(ref).max()
+        assert (err < 1e-5) == (fault == 0), err
+    else:
+        with pytest.raises(gemu.EmuCheckError) as exc:
+            launch()
+        assert message in str(exc.value)
+
+
+@pytest.mark.parametrize("elem,swizzle", [("bf16", True), ("bf16", False), ("f16", True)])
+@pytest.mark.parametrize("mode", [0, 1, 2, 3])
+def test_emulated_wgmma_unit(emu, rng, elem, swizzle, mode):
+    """D = A B through the descriptors and layouts of the attention kernel (mode bit 0: B MN-major
+    as the V tile, else K-major as the K tile; bit 1: A from registers as P)."""
+    a = _bits(rng.standard_normal((64, 128)).astype(np.float32), elem)
+    b = _bits(rng.standard_normal((128, 128)).astype(np.float32), elem)
+    d = dh.wgmma_unit(a, b, mode, elem, swizzle)
+    fa, fb = _vals(a, elem).astype(np.float64), _vals(b, elem).astype(np.float64)
+    ref = fa @ (fb if mode & 1 else fb.T)
+    assert np.abs(d - ref).max() / np.abs(ref).max() < 1e-5
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_emulated_hwg_matches_reference(emu, rng, plan):
+    """The wgmma kernel on every T x W of the brief, per key-region layout (fresh inputs each)."""
+    for T in TS:
+        for W in WS:
+            g = key_regions(T, plan, rng)
+            q, k, v = _inputs(rng, 1, T, 1, 128)
+            out, ref = emu_attention("hwg", q, k, v, g, W)
+            err = _rel(out, ref)
+            assert err <= TOL["bf16"], f"T={T} W={W} plan={plan}: rel err {err:.3g}"
+
+
+# (impl, elem, D, B, H): each variant over the hardest cases; batch and head offsets, both schedules
+VARIANT_CASES = [
+    ("hwg", "f16", 128, 1, 2),
+    ("hwg", "bf16", 64, 2, 1),
+    ("hwg", "f16", 64, 1, 1),
+    ("hwg64", "bf16", 128, 1, 2),
+    ("hwg3", "bf16", 128, 2, 1),
+    ("hwg1", "bf16", 128, 1, 1),
+    ("hwg_nosw", "bf16", 128, 1, 2),
+]
+
+
+@pytest.mark.parametrize("impl,elem,D,B,H", VARIANT_CASES)
+def test_emulated_hwg_variants(emu, rng, impl, elem, D, B, H):
+    for T, W, plan, sched in ((200, 16, "regions", 3), (200, 1, "scattered", 1), (65, 128, "none", 0),
+                              (130, 0, "first", 2), (1, 0, "all", 1)):
+        g = key_regions(T, plan, rng)
+        q, k, v = _inputs(rng, B, T, H, D)
+        out, ref = emu_attention(impl, q, k, v, g, W, elem, sched)
+        err = _rel(out, ref)
+        assert err <= TOL[elem], f"{impl} {elem} D={D} T={T} W={W} plan={plan}: rel err {err:.3g}"
+
+
+@pytest.mark.parametrize("impl,elem,D", [("hfa2", "bf16", 128), ("hfa2", "f16", 64), ("hfa2s2", "bf16", 128)])
+def test_emulated_hfa2(emu, rng, impl, elem, D):
+    """The mma.sync fallback (slow to emulate: each mma is a warp-wide exchange, so fewer cases)."""
+    cases = ((200, 16, "regions", 3), (129, 128, "scattered", 1), (64, 0, "none", 0))
+    if impl == "hfa2" and elem == "bf16":
+        cases += ((65, 1, "first", 1), (63, 16, "all", 2))
+    for T, W, plan, sched in cases:
+        g = key_regions(T, plan, rng)
+        q, k, v = _inputs(rng, 1, T, 1, D)
+        out, ref = emu_attention(impl, q, k, v, g, W, elem, sched)
+        err = _rel(out, ref)
+        assert err <= TOL[elem], f"{impl} {elem} D={D} T={T} W={W} plan={plan}: rel err {err:.3g}"
+
+
+# --------------------------------------------------------------------------- on a Hopper GPU
+
+
+def _hopper_or_skip():
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("no device")
+        cc = cupy.cuda.Device().compute_capability
+        if cc != "90":
+            raise RuntimeError(f"compute capability {cc}, not 9.0")
+    except Exception as exc:
+        pytest.skip(f"needs a Hopper GPU with CuPy ({type(exc).__name__}: {exc})")
+    return cupy
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("swizzle", [True, False])
+@pytest.mark.parametrize("mode", [0, 1, 2, 3])
+def test_gpu_wgmma_unit(rng, swizzle, mode):
+    cp = _hopper_or_skip()
+    a = bf16.to_bits(rng.standard_normal((64, 128)))
+    b = bf16.to_bits(rng.standard_normal((128, 128)))
+    d = cp.asnumpy(dh.wgmma_unit(a, b, mode, "bf16", swizzle))
+    fa, fb = bf16.from_bits(a).astype(np.float64), bf16.from_bits(b).astype(np.float64)
+    ref = fa @ (fb if mode & 1 else fb.T)
+    assert np.abs(d - ref).max() / np.abs(ref).max() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", dh.IMPLS)
+def test_gpu_kernels_match_reference(rng, impl):
+    cp = _hopper_or_skip()
+    from hpczeco.gpu import daaf as gd
+
+    for T, W, plan in ((1, 0, "none"), (65, 128, "none"), (200, 16, "regions"), (333, 5, "scattered"),
+                       (257, 0, "all"), (700, 128, "first")):
+        g = key_regions(T, plan, rng)
+        q, k, v = _inputs(rng, 2, T, 2, 128)
+        hq, hk, hv = (bf16.to_bits(x) for x in (q, k, v))
+        plan_d = gd.device_plan(np.flatnonzero(g), W, T, cp.asarray(g))
+        p = dh.prepare(cp.asarray(hq), cp.asarray(hk), cp.asarray(hv), plan_d, impl=impl, storage="bfloat16")
+        out = bf16.from_bits(cp.asnumpy(p()))
+        ref = attention_reference(*(bf16.from_bits(x) for x in (hq, hk, hv)), g, local_window=W)
+        err = _rel(out, ref)
+        assert err <= TOL["bf16"], f"{impl} T={T} W={W} plan={plan}: rel err {err:.3g}"
+
+
+def test_compile_groups_match_source():
+    """gpu/daaf_hopper.py's GROUPS names every kernel of daaf_hopper.cu under its DH_IN_GROUP block."""
+    text = (GPU_DIR / "daaf_hopper.cu").read_text()
+    found: dict[str, int] = {}
+    for m in re.finditer(r"#if DH_IN_GROUP\((\d+)\)\n(.*?)#endif", text, re.S):
+        for name in re.findall(r"^DH_\w+_KERNEL\((\w+),", m.group(2), re.M):
+            found[name] = int(m.group(1))
+    assert found == dh.GROUPS
+    unit = {dh.unit_kernel_name("bf16", True), dh.unit_kernel_name("bf16", False), dh.unit_kernel_name("f16", True)}
+    assert set(dh.kernel_names()) | unit == set(found)
+
+
+def _device_check_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("daaf_device_check", GPU_DIR.parent / "devtools" /
+                                                  "daaf_device_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_device_check_helpers(rng):
+    """The harness's pair count (its TFLOP/s) equals the reference mask's; its plans are the suite's."""
+    chk = _device_check_module()
+    from hpczeco.daaf.reference import allowed_mask
+
+    for T, W, plan in ((300, 16, "regions"), (257, 128, "scattered"), (64, 0, "all"), (1, 0, "none")):
+        g = key_regions(T, plan, rng)
+        assert chk.daaf_pairs(g, W) == int(allowed_mask(g, W).sum())
+    plans = chk.bench_plans(32768)
+    assert set(plans) == {"w128", "w128+first4096", "w128+8x512"}
+    assert plans["w128+first4096"][:4096].all() and plans["w128+first4096"].sum() == 4096
+    assert plans["w128+8x512"].sum() == 8 * 512
+    rows = [{"T": 8192, "plan": "w128", "method": m, "median_ms": t, "tflops": 1.0} for m, t in
+            (("hwg/s1", 0.1), ("flex", 0.2))]
+    assert "0.50" in chk.table(rows)
+
+
+@pytest.mark.parametrize("impl", ["hwg", "hwg3", "hfa2"])
+def test_emulated_long_rows(emu, rng, impl):
+    """Rows over many key tiles: the stage ring wraps several times (gathered key-region tiles, a
+    causal key-region tile of ~6 x 128 keys, a local window over several tiles)."""
+    cases = [(700, 16, "first"), (700, 300, "none"), (640, 1, "all")]
+    if impl == "hfa2":
+        cases = cases[:1]
+    for T, W, plan in cases:
+        g = key_regions(T, plan, rng)
+        q, k, v = _inputs(rng, 1, T, 1, 128)
+        out, ref = emu_attention(impl, q, k, v, g, W)
+        err = _rel(out, ref)
+        assert err <= TOL["bf16"], f"{impl} T={T} W={W} plan={plan}: rel err {err:.3g}"
