@@ -113,7 +113,8 @@ def test_device_plan_threshold_rule_matches_cpu(plan_emu, rng):
         dp = dpl.plan(tok, window, 0.8, W, vocab_size=vocab, threads=32, select_threads=64, n_global_before=True)
         cpu = planner.plan(tok, window, 0.8, W, vocab_size=vocab)
         _same_plan(dp, cpu)
-        np.testing.assert_array_equal(np.asarray(dp.info["n_global_before"]), planner.plan_arrays(cpu)["n_global_before"])
+        before = planner.plan_arrays(cpu)["n_global_before"]
+        np.testing.assert_array_equal(np.asarray(dp.info["n_global_before"]), before)
 
 
 def test_device_plan_at_the_default_window(plan_emu, rng):
@@ -240,8 +241,9 @@ class _HostFlags:
 
 
 def test_daaf_attention_per_call_costs_no_synchronisation(cp, rng, monkeypatch):
-    from hpczeco.daaf.reference import attention_reference
     from hpczeco.gpu import checks
+
+    from hpczeco.daaf.reference import attention_reference
 
     monkeypatch.setattr(checks, "start_value_flags", _HostFlags(cp))
     T, W = 40, 5
