@@ -25,8 +25,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -80,9 +81,9 @@ def time_per_call_vs_prepared(T: int, layout: str, reps: int = 20, seed: int = 0
     """Rows ``{T, layout, form, stream_ms, synced_ms, host_ms, stream_ratio, synced_ratio, same_output}`` for
     every per-call form against its prepared launch (B=1, D=128)."""
     import cupy
+    from hpczeco.gpu import daaf as gd
 
     import hpczeco.daaf as daaf
-    from hpczeco.gpu import daaf as gd
 
     rng = np.random.default_rng(seed)
     B, D = 1, 128
@@ -173,10 +174,10 @@ def synthetic_tokens(T: int, rng: np.random.Generator, vocab: int = 2**17) -> np
 def time_planners(T: int, reps: int = 20, seed: int = 0) -> list[dict]:
     """The device planner (one read back included) and the former Numba planner at ``T`` tokens."""
     import cupy
-
-    from hpczeco.daaf import planner
     from hpczeco.gpu import daaf as gd
     from hpczeco.gpu import daaf_plan as dpl
+
+    from hpczeco.daaf import planner
 
     tok = synthetic_tokens(T, np.random.default_rng(seed))
     cpu = planner.plan(tok, 512, 0.8, W, vocab_size=2**17)

@@ -489,7 +489,8 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
         raise ValueError(f"plan covers T={plan.T} tokens, q has T={T}")
 
     def prep(x):
-        x = cupy.ascontiguousarray(x)
+        if not x.flags.c_contiguous:
+            x = cupy.ascontiguousarray(x)
         if rt.ptr(x) % 16:
             x = x.copy()
         return x

@@ -33,7 +33,8 @@ from .daaf import DevicePlan
 from .runtime import HERE, KernelSet, RuntimeSlot
 from .runtime import kernel_source as _source
 
-__all__ = ["MAX_WINDOW", "POLICY_CODES", "host_plan", "kernel_names", "kernel_source", "plan", "window_entropy"]
+__all__ = ["MAX_WINDOW", "POLICY_CODES", "host_plan", "kernel_names", "kernel_source", "plan", "plan_torch",
+           "window_entropy"]
 
 KERNEL_SOURCE = HERE / "daaf_plan.cu"
 MAX_WINDOW = 16384  # P2 * 8 bytes of ids in shared memory (opted in above 48 KB)
@@ -284,6 +285,19 @@ def plan(
         "stride": window if stride is None else stride, "window_starts": np.zeros(1, np.int64) if short
         else scan.starts, "weights": scan.ent, "selected": chosen, "spans": spans[: 2 * R].reshape(R, 2),
         "n_regions": R, "n_selected": int(inf[2]), "n_global_before": before, "entropy_range": (emin, emax)})
+
+
+def plan_torch(tokens: Any, *args: Any, **kwargs: Any) -> DevicePlan:
+    """:func:`plan` for a CUDA tensor of token ids ``[T]``, on torch's current stream and device (the plan's
+    arrays are then ready for :func:`hpczeco.gpu.daaf.attention_torch` ``(..., plan=...)`` on that stream)."""
+    import torch  # noqa: PLC0415
+
+    if not (isinstance(tokens, torch.Tensor) and tokens.is_cuda):
+        raise TypeError(f"tokens must be a CUDA tensor, got {type(tokens).__name__}")
+    xp = _runtime().xp
+    dev = tokens.device.index if tokens.device.index is not None else torch.cuda.current_device()
+    with xp.cuda.Device(dev), xp.cuda.ExternalStream(torch.cuda.current_stream(tokens.device).cuda_stream):
+        return plan(xp.from_dlpack(tokens.contiguous()), *args, **kwargs)
 
 
 def host_plan(dp: DevicePlan) -> _planner.Plan:
