@@ -4,8 +4,11 @@
 //   daaf_plan_entropy_{i32,i64}  one block per scan window w (start s = w * stride for the nreg regular
 //                                windows, T - window for the one aligned to the end): the window's ids are
 //                                sorted in shared memory (bitonic, padded to a power of two P2 with the
-//                                largest int64), each run of equal ids gives -p log2 p (p = run / window),
-//                                a block reduction sums them (float64); with Miller-Madow the term
+//                                largest int64), the runs of equal ids are counted into a histogram of
+//                                run lengths c (shared memory), and h = sum_c n_c * (-p log2 p), p = c /
+//                                window, over c in a fixed order (float64): a function of the window's
+//                                count multiset, so windows equal up to a permutation of ids score
+//                                exactly equal (ties rank by position, as on the CPU); with Miller-Madow the term
 //                                (m - 1) / (2 window ln 2) is added (m: number of runs). Output: the
 //                                normalised score clip(h / log2cap, 0, 1) (0 when log2cap == 0), and the
 //                                smallest / largest id of the tokens [s, e) (e: the next window's start,
@@ -59,7 +62,9 @@ inline int dplan_shfl_up(int x, int d) {
     w.bar->arrive_and_wait();
     return y;
 }
+inline void dplan_atomic_inc(int* p) { std::atomic_ref<int>(*p).fetch_add(1); }
 #else
+__device__ __forceinline__ void dplan_atomic_inc(int* p) { atomicAdd(p, 1); }
 __device__ __forceinline__ double dplan_as_double(u64 b) { return __longlong_as_double((long long)b); }
 __device__ __forceinline__ u64 dplan_double_bits(double d) { return (u64)__double_as_longlong(d); }
 __device__ __forceinline__ int dplan_shfl_up(int x, int d) { return __shfl_up_sync(0xffffffffu, x, d); }
@@ -103,9 +108,10 @@ __device__ __forceinline__ void dplan_entropy_body(const TokT* __restrict__ tok,
 #ifdef CUDA_EMU
     i64* const keys = reinterpret_cast<i64*>(emu_dynamic_smem());
 #else
-    extern __shared__ i64 dplan_keys[];  // P2 ids
+    extern __shared__ i64 dplan_keys[];  // P2 ids, then window + 1 run-length counts (int)
     i64* const keys = dplan_keys;
 #endif
+    int* const hist = reinterpret_cast<int*>(keys + P2);
     __shared__ double s_h[DPLAN_MAX_THREADS];
     __shared__ int s_m[DPLAN_MAX_THREADS];
     __shared__ i64 s_lo[DPLAN_MAX_THREADS];
@@ -113,6 +119,7 @@ __device__ __forceinline__ void dplan_entropy_body(const TokT* __restrict__ tok,
     const int w = blockIdx.x, tid = threadIdx.x, nt = blockDim.x;
     const int s = w < nreg ? w * stride : T - window;
     for (int i = tid; i < P2; i += nt) keys[i] = i < window ? (i64)tok[s + i] : DPLAN_I64_MAX;
+    for (int c = tid; c <= window; c += nt) hist[c] = 0;
     __syncthreads();
     // bitonic sort, ascending: P2 / 2 compare-exchange pairs per step
     for (int k = 2; k <= P2; k <<= 1) {
@@ -130,10 +137,7 @@ __device__ __forceinline__ void dplan_entropy_body(const TokT* __restrict__ tok,
             __syncthreads();
         }
     }
-    // each run of equal ids [p, e) within [0, window): -q log2 q with q = (e - p) / window
-    const double N = (double)window;
-    double h = 0.0;
-    int m = 0;
+    // each run of equal ids [p, e) within [0, window) counts one at hist[e - p]
     for (int p = tid; p < window; p += nt) {
         const i64 key = keys[p];
         if (p == 0 || keys[p - 1] != key) {
@@ -142,9 +146,20 @@ __device__ __forceinline__ void dplan_entropy_body(const TokT* __restrict__ tok,
                 const int mid = (lo + hi) >> 1;
                 if (keys[mid] == key) lo = mid + 1; else hi = mid;
             }
-            const double q = (double)(lo - p) / N;
-            h -= q * log2(q);
-            ++m;
+            dplan_atomic_inc(&hist[lo - p]);
+        }
+    }
+    __syncthreads();
+    // h = sum_c n_c (-q log2 q), q = c / window: per thread over c = tid, tid + nt, ..., then the tree below
+    const double N = (double)window;
+    double h = 0.0;
+    int m = 0;
+    for (int c = 1 + tid; c <= window; c += nt) {
+        const int n_c = hist[c];
+        if (n_c) {
+            const double q = (double)c / N;
+            h -= (double)n_c * (q * log2(q));
+            m += n_c;
         }
     }
     // the id range of [s, e): the window's ids are sorted; a gap up to the next window is read

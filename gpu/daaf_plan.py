@@ -12,9 +12,12 @@ Rules: those of :mod:`hpczeco.daaf.planner` (windows, normalised plug-in or Mill
 ``policy="dense"`` fallback on the device). The percentile rules (``budget``, ``work_budget``, and the
 ``policy="budget"`` fallback when the threshold rule cannot decide) rank the windows on the host from the device
 scores (:func:`hpczeco.daaf.planner.choose_windows`): one more round trip, then the mask and index on the device.
-Scores are float64 (summation order differs from numpy's: relative differences ~1e-16), so a window whose score
-lies within that distance of the threshold may be chosen differently than on the CPU; a score exactly equal to
-the threshold is chosen (``>=``) on both. Windows up to :data:`MAX_WINDOW` tokens.
+Scores are float64 and, on both sides, a function of the window's id-count multiset (so windows that differ by
+a permutation of ids score exactly equal on each side, and every rule ranks such ties by position, as the CPU
+planner does); the device's summation order and ``log2`` differ from numpy's (relative differences ~1e-16),
+so a window whose score lies within that distance of the threshold (or of another window's score, for the
+percentile rules) may be chosen differently than on the CPU. A score exactly equal to the threshold is chosen
+(``>=``) on both (e.g. 1.0 for all-distinct windows, 0.0 for constant ones). Windows up to :data:`MAX_WINDOW`.
 
 The kernels load and launch through :mod:`hpczeco.gpu.runtime` (the CPU emulation runs these wrappers on numpy
 arrays). Nothing here talks MPI.
@@ -37,7 +40,7 @@ __all__ = ["MAX_WINDOW", "POLICY_CODES", "host_plan", "kernel_names", "kernel_so
            "window_entropy"]
 
 KERNEL_SOURCE = HERE / "daaf_plan.cu"
-MAX_WINDOW = 16384  # P2 * 8 bytes of ids in shared memory (opted in above 48 KB)
+MAX_WINDOW = 16384  # P2 * 8 bytes of ids + (window + 1) * 4 of run-length counts in shared memory (opt-in > 48 KB)
 MAX_THREADS = 1024  # DPLAN_MAX_THREADS
 SELECT_THREADS = 1024  # block of daaf_plan_select (one block)
 INDEX_THREADS = 1024  # block of daaf_plan_index (one block; hpczeco.gpu.daaf's checks of device indices)
@@ -146,7 +149,7 @@ class _Scan:
         rt.launch(name, (self.nw,), (nt,),
                   (tok, np.int32(T), np.int32(window), np.int32(stride), np.int32(self.nreg), np.int32(self.nw),
                    np.int32(P2), _bits(log2cap), np.int32(1 if bias == "miller-madow" else 0), self.ent, self.wmin,
-                   self.wmax), P2 * 8)
+                   self.wmax), P2 * 8 + (window + 1) * 4)
 
 
 def _check_ids(lo: int, hi: int, vocab_size: int | None) -> None:

@@ -156,6 +156,20 @@ def test_device_plan_ties_at_the_threshold(plan_emu, rng):
     assert planner.plan(tok, 32, 1.0, 4).selected.sum() == 4  # the 4 all-distinct windows
 
 
+def test_permuted_windows_tie_and_rank_by_position(plan_emu, rng):
+    """Windows equal up to a permutation of ids score exactly equal on each side, so a percentile rule that
+    can take only some of them takes the earliest, on the device as on the CPU."""
+    base = rng.integers(0, 9, 32)
+    tok = np.concatenate([rng.integers(0, 2, 32)] + [rng.permutation(base) + 100 * i for i in range(6)]
+                         + [rng.integers(0, 2, 32)])
+    cpu = planner.plan(tok, 32, 0.8, 4, budget=3 * 32 / len(tok))
+    w = planner.window_entropy(tok, 32)
+    assert len(set(w[1:7].tolist())) == 1 and cpu.selected[1:4].all() and not cpu.selected[4:].any()
+    _same_plan(dpl.plan(tok, 32, 0.8, 4, budget=3 * 32 / len(tok), threads=32, select_threads=32), cpu)
+    d = np.asarray(dpl.window_entropy(tok, 32, threads=32))
+    assert len(set(d[1:7].tolist())) == 1
+
+
 def test_device_plan_bad_inputs(plan_emu):
     with pytest.raises(ValueError, match="tokens must be non-negative"):
         dpl.plan(np.array([1, -2, 3, 4]), 2, threads=32, select_threads=32)
@@ -433,3 +447,29 @@ def test_planner_kernels_build_for_sm90(tmp_path):
     built = set(re.findall(r"Compiling entry function '(\w+)'", r.stderr))
     assert built == set(dpl.kernel_names())
     assert all(int(n) == 0 for n in re.findall(r"(\d+) bytes spill stores", r.stderr)), r.stderr
+
+
+@pytest.mark.gpu
+def test_gpu_torch_per_call_forms(rng):
+    _gpu_or_skip()
+    torch = pytest.importorskip("torch")
+    T, H, D, W = 1000, 2, 64, 32
+    g = np.zeros(T, bool)
+    g[100:300] = True
+    gidx = np.flatnonzero(g)
+    q, k, v = (torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    tg = torch.from_numpy(g).cuda()
+    want = gd.prepare_torch(q, k, v, gidx, W)().clone()
+    p = planner.plan_from_mask(g, W)
+    for o in (gd.attention_torch(q, k, v, gidx, W, None, tg), gd.attention_torch(q, k, v, gidx, W, None, tg),
+              gd.attention_torch(q, k, v, None, W, plan=p), gd.attention_torch(q, k, v, None, W,
+                                                                               plan=gd.device_plan(gidx, W, T))):
+        assert torch.equal(o, want)
+    tg[5] = True  # in place: the checked-mask cache sees the new version
+    with pytest.raises(ValueError, match="exactly at global_idx"):
+        gd.attention_torch(q, k, v, gidx, W, None, tg)
+    tok = torch.from_numpy(_stream(rng, [(3000, 8), (1500, 2**17), (2000, 8)])).cuda()
+    dp = dpl.plan_torch(tok, 512, 0.8, W)
+    _same_plan(dp, planner.plan(tok.cpu().numpy(), 512, 0.8, W), ent_rtol=1e-10)
+    o = gd.attention_torch(q[:, :1], k[:, :1], v[:, :1], None, W, plan=dpl.plan_torch(tok[:1], 512, 0.8, W))
+    assert o.shape == (1, 1, H, D)

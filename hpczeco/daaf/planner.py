@@ -11,6 +11,8 @@ means an unbounded vocabulary, i.e. ``log2(window)``). With ``bias_correction="m
 plug-in estimate gets the Miller–Madow term ``(m - 1) / (2 N ln 2)`` bits (``m`` distinct ids,
 ``N = window``), which removes most of the downward bias of the plug-in estimate on short windows;
 the normalised score is then clipped to ``[0, 1]``. The default is no correction (the seed's rule).
+A score depends only on the multiset of id counts of its window (summed in ascending count order), so
+windows that differ by a permutation of ids score exactly equal and rank by position.
 
 Selection policies (recorded in ``Plan.policy`` with a human-readable ``Plan.reason``)
 -----------------------------------------------------------------------------------------
@@ -141,9 +143,12 @@ def _entropy_rows(tok: np.ndarray, starts: np.ndarray, window: int, bias: str) -
         same_row[:-1] = row_id[1:] == row_id[:-1]
         same_row[-1] = False
         ends = np.where(same_row, ends, window)
-        counts = (ends - col).astype(np.float64)
-        p = counts / window
-        h = np.bincount(row_id, weights=-p * np.log2(p), minlength=n)
+        counts = ends - col
+        # summed per row in ascending count order: the score is a function of the row's count multiset
+        # (windows equal up to a permutation of ids score exactly equal, so ties rank by position)
+        by = np.lexsort((counts, row_id))
+        p = counts[by].astype(np.float64) / window
+        h = np.bincount(row_id[by], weights=-p * np.log2(p), minlength=n)
         if bias == "miller-madow":
             m = np.bincount(row_id, minlength=n).astype(np.float64)
             h = h + (m - 1.0) / (2.0 * window * math.log(2.0))
