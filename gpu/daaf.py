@@ -26,12 +26,15 @@ reference they must equal is :mod:`hpczeco.daaf.reference`. This module knows no
 
 from __future__ import annotations
 
+import copy
 import math
+import weakref
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
-from ..base.backend import to_numpy
+from ..base.backend import get_array_module
 from .args import check_int
 from .runtime import HERE, KernelSet, RuntimeSlot
 from .runtime import kernel_source as _source
@@ -46,6 +49,7 @@ __all__ = [
     "attention_torch",
     "device_plan",
     "kernel_info",
+    "plan_on_device",
     "prepare",
     "prepare_torch",
     "resolve_impl",
@@ -154,87 +158,258 @@ def kernel_info() -> dict[str, dict]:
 
 
 class DevicePlan:
-    """Key-region index arrays on the device for one ``T``: ``global_idx`` int32 ``[G]`` (sorted),
-    ``gmask`` uint8 ``[T]`` (1 at key-region tokens), ``local_window``."""
+    """Key-region index arrays on the device for one ``T``, and their host metadata.
 
-    def __init__(self, global_idx, gmask, T: int, local_window: int):
+    Device: ``global_idx`` int32 ``[G]`` (sorted), ``gmask`` uint8 ``[T]`` (1 at key-region tokens).
+    Host: ``T``, ``local_window``, ``n_global`` (``G``: a launch parameter, never read from the device per
+    call), ``host_idx`` (numpy int32 ``[G]`` when the plan came from host arrays, else None) and ``info``
+    (what the planner knows: policy, reason, spans, ...; see :func:`hpczeco.gpu.daaf_plan.plan`).
+    """
+
+    def __init__(self, global_idx, gmask, T: int, local_window: int, n_global: int | None = None,
+                 host_idx: np.ndarray | None = None, info: dict | None = None):
         self.global_idx = global_idx
         self.gmask = gmask
         self.T = int(T)
         self.local_window = int(local_window)
-        self.n_global = int(global_idx.size)
-        self._gidx_arg = global_idx if global_idx.size else _runtime().xp.zeros(1, dtype=np.int32)
+        self.n_global = int(global_idx.size) if n_global is None else int(n_global)
+        self.host_idx = host_idx
+        self.info = dict(info or {})
+        # the kernels get a valid pointer even without key-region tokens
+        self._gidx_arg = global_idx if self.n_global else get_array_module(global_idx).zeros(1, dtype=np.int32)
+
+    def with_window(self, local_window: int) -> DevicePlan:
+        """The same key regions (the same device arrays) with another local window."""
+        W = min(check_int("local_window", local_window, 0), self.T)
+        if W == self.local_window:
+            return self
+        return DevicePlan(self.global_idx, self.gmask, self.T, W, self.n_global, self.host_idx, self.info)
 
 
-def _as_device(x: Any, name: str):
-    """CuPy view/copy of numpy, CuPy, torch (CUDA) or list input."""
-    rt = _runtime()
-    cupy = rt.xp
+#: device plans of host index arrays, by content: (xp, device, T, W, G, first, last) -> [(host_idx, plan)]
+_HOST_PLANS: OrderedDict[tuple, list] = OrderedDict()
+HOST_PLAN_CACHE = 32  # entries kept (least recently used dropped)
+#: device plans of hpczeco.daaf.Plan objects (weakly keyed: dropped with the Plan): Plan -> {(xp, device): plan}
+_PLAN_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _device_id(rt) -> int:
+    cuda = getattr(rt.xp, "cuda", None)
+    return int(cuda.runtime.getDevice()) if cuda is not None else 0
+
+
+def _torch_view(x: Any, rt) -> Any:
+    """A CuPy view of a CUDA tensor (bool as uint8)."""
+    import torch  # noqa: PLC0415
+
+    t = x.to(dtype=torch.uint8) if x.dtype == torch.bool else x
+    return rt.xp.from_dlpack(t.contiguous())
+
+
+class _TorchMeta:
+    """Shape and dtype of a CUDA tensor in numpy terms (checked before any view is made)."""
+
+    def __init__(self, x: Any):
+        self.shape = tuple(x.shape)
+        self.ndim = len(self.shape)
+        self.size = int(x.numel())
+        name = str(x.dtype).replace("torch.", "")
+        self.dtype = np.dtype("bool" if name == "bool" else name) if name in ("bool", "uint8") else np.dtype("V1")
+
+
+def _locate(x: Any, name: str, rt, lazy: bool = False) -> tuple[str, Any, Any]:
+    """``("device", array, owner)`` for CuPy / torch CUDA input (``owner``: the torch tensor; ``lazy``: the
+    array is only its shape/dtype, :func:`_torch_view` makes it), else ``("host", numpy array, None)``; no copy
+    between host and device."""
     if rt.is_native(x):
-        return x
+        return "device", x, None
     if type(x).__module__.startswith("torch"):
-        import torch  # noqa: PLC0415
-
         if not x.is_cuda:
-            x = x.cuda()
-        if x.dtype == torch.bool:
-            x = x.to(dtype=torch.uint8)
-        return cupy.from_dlpack(x.contiguous())
+            return "host", x.numpy(), None
+        return "device", (_TorchMeta(x) if lazy else _torch_view(x, rt)), x
     try:
-        return cupy.asarray(np.asarray(x))
+        return "host", np.asarray(x), None
     except Exception as exc:
         raise TypeError(f"{name} must be an array (numpy, CuPy or torch), got {type(x).__name__}") from exc
 
 
-def device_plan(global_idx: Any, local_window: int, T: int, is_global_query_mask: Any = None,
-                validate: bool = True) -> DevicePlan:
-    """Check and upload the plan arrays (see :class:`DevicePlan`).
-
-    ``global_idx``: integer ``[G]``, strictly increasing, in ``[0, T)``. ``is_global_query_mask``: bool
-    ``[T]``, True exactly at ``global_idx`` (built from it when None). ``validate`` checks the contents
-    (one device reduction and one synchronisation); shapes and dtypes are always checked.
-    """
-    cupy = _runtime().xp
-    T = check_int("T", T, 1)
-    W = min(check_int("local_window", local_window, 0), T)
-    gi = _as_device(global_idx, "global_idx")
+def _check_index_meta(gi: Any, T: int) -> None:
     if gi.ndim != 1:
         raise ValueError(f"global_idx must be 1-D [G], got shape {tuple(gi.shape)}")
     if gi.size and gi.dtype.kind not in "iu":
         raise TypeError(f"global_idx must hold integers, got dtype {gi.dtype}")
     if gi.size > T:
         raise ValueError(f"global_idx has {gi.size} entries but T={T}")
-    gi = cupy.ascontiguousarray(gi, dtype=np.int32)
-    if is_global_query_mask is None:
-        gm = cupy.zeros(T, dtype=np.uint8)
-        if gi.size:
-            if validate and (int(gi.min()) < 0 or int(gi.max()) >= T):
-                raise ValueError(f"global_idx must lie in [0, {T}), got [{int(gi.min())}, {int(gi.max())}]")
-            gm[gi] = 1
-    else:
-        gm = _as_device(is_global_query_mask, "is_global_query_mask")
-        if gm.ndim != 1 or gm.shape[0] != T:
-            raise ValueError(f"is_global_query_mask must have shape [{T}], got {tuple(gm.shape)}")
-        if gm.dtype != np.bool_ and gm.dtype != np.uint8:
-            raise TypeError(f"is_global_query_mask must be bool, got dtype {gm.dtype}")
-        gm = cupy.ascontiguousarray(gm).view(np.uint8)
-    if validate and gi.size:
-        bad = cupy.zeros(4, dtype=np.int32)
-        bad[0] = (gi < 0).any() | (gi >= T).any()
-        if gi.size > 1:
-            bad[1] = (gi[1:] <= gi[:-1]).any()
-        bad[2] = (gm[cupy.clip(gi, 0, T - 1)] == 0).any()
-        bad[3] = int(gi.size) != gm.astype(np.int64).sum()
-        b = to_numpy(bad)
-        if b[0]:
-            raise ValueError(f"global_idx must lie in [0, {T})")
-        if b[1]:
-            raise ValueError("global_idx must be strictly increasing (sorted, no repeats)")
-        if b[2] or b[3]:
-            raise ValueError("is_global_query_mask must be True exactly at global_idx")
-    elif validate and is_global_query_mask is not None and bool((gm != 0).any()):
-        raise ValueError("is_global_query_mask must be True exactly at global_idx (global_idx is empty)")
-    return DevicePlan(gi, gm, T, W)
+
+
+def _check_mask_meta(gm: Any, T: int) -> None:
+    if gm.ndim != 1 or gm.shape[0] != T:
+        raise ValueError(f"is_global_query_mask must have shape [{T}], got {tuple(gm.shape)}")
+    if gm.dtype != np.bool_ and gm.dtype != np.uint8:
+        raise TypeError(f"is_global_query_mask must be bool, got dtype {gm.dtype}")
+
+
+def _raise_range(T: int, lo: int, hi: int) -> None:
+    raise ValueError(f"global_idx must lie in [0, {T}), got [{lo}, {hi}]")
+
+
+_SORTED = "global_idx must be strictly increasing (sorted, no repeats)"
+_EXACT = "is_global_query_mask must be True exactly at global_idx"
+
+
+def _check_on_device(gi, G: int, T: int, gm_in, gm_out, validate: bool) -> None:
+    """One launch of ``daaf_plan_index``: the mask scatter into ``gm_out`` and/or the checks (read back, one
+    synchronisation, when ``validate``)."""
+    from . import daaf_plan  # noqa: PLC0415 - imports this module
+
+    rt = daaf_plan._runtime()
+    flags = rt.xp.empty(4, dtype=np.int32)
+    rt.launch("daaf_plan_index", (1,), (daaf_plan.INDEX_THREADS,),
+              (gi if G else None, np.int32(G), np.int32(T), gm_in, gm_out, flags))
+    if not validate:
+        return
+    f = daaf_plan._to_host(flags)
+    if f[0] & 1:
+        _raise_range(T, int(f[2]), int(f[3]))
+    if f[0] & 2:
+        raise ValueError(_SORTED)
+    if gm_in is not None and (f[0] & 4 or int(f[1]) != G):
+        raise ValueError(_EXACT + (" (global_idx is empty)" if G == 0 else ""))
+
+
+def _host_plan_cached(gi: np.ndarray, W: int, T: int, rt, info: dict | None = None) -> DevicePlan:
+    """The device plan of the (valid) host index ``gi`` int32 ``[G]``: from the content cache, or uploaded
+    (a cache miss uploads two arrays and synchronises once, so later calls on any stream may use them)."""
+    xp = rt.xp
+    G = int(gi.size)
+    key = (id(xp), _device_id(rt), T, W, G, int(gi[0]) if G else -1, int(gi[-1]) if G else -1)
+    bucket = _HOST_PLANS.get(key)
+    if bucket is not None:
+        for host, dp in bucket:
+            if np.array_equal(host, gi):
+                _HOST_PLANS.move_to_end(key)
+                return dp
+    gm = np.zeros(T, dtype=np.uint8)
+    gm[gi] = 1
+    host = gi.copy()
+    dp = DevicePlan(xp.asarray(host), xp.asarray(gm), T, W, G, host, info)
+    cuda = getattr(xp, "cuda", None)
+    if cuda is not None:
+        cuda.get_current_stream().synchronize()
+    _HOST_PLANS.setdefault(key, []).append((host, dp))
+    _HOST_PLANS.move_to_end(key)
+    while len(_HOST_PLANS) > HOST_PLAN_CACHE:
+        _HOST_PLANS.popitem(last=False)
+    return dp
+
+
+#: device masks found equal to a host index: id(tensor) -> (weakref, _version, data_ptr, T, host index)
+_CHECKED_TORCH_MASKS: dict[int, tuple] = {}
+
+
+def _torch_mask_checked(owner: Any, gi: np.ndarray, T: int) -> bool:
+    if owner is None:
+        return False
+    got = _CHECKED_TORCH_MASKS.get(id(owner))
+    return (got is not None and got[0]() is owner and got[1] == owner._version and got[2] == owner.data_ptr()
+            and got[3] == T and np.array_equal(got[4], gi))
+
+
+def _remember_torch_mask(owner: Any, gi: np.ndarray, T: int) -> None:
+    if owner is None:
+        return
+    key = id(owner)
+    try:
+        ref = weakref.ref(owner, lambda _r, key=key: _CHECKED_TORCH_MASKS.pop(key, None))
+    except TypeError:  # pragma: no cover - not weakly referenceable
+        return
+    _CHECKED_TORCH_MASKS[key] = (ref, owner._version, owner.data_ptr(), T, gi.copy())
+
+
+def device_plan(global_idx: Any, local_window: int, T: int, is_global_query_mask: Any = None,
+                validate: bool = True) -> DevicePlan:
+    """Check the plan arrays and put them on the device (see :class:`DevicePlan`).
+
+    ``global_idx``: integer ``[G]``, strictly increasing, in ``[0, T)``. ``is_global_query_mask``: bool
+    ``[T]``, True exactly at ``global_idx`` (only checked: the device mask is built from ``global_idx``,
+    or is the given device mask when ``global_idx`` is on the device). Shapes and dtypes are always checked;
+    ``validate`` checks the contents too.
+
+    Costs: host ``global_idx`` (numpy, list, CPU tensor) is checked on the host (no device synchronisation)
+    and its device arrays come from a content-keyed cache (uploaded, with one synchronisation, on first
+    use); a device mask next to it is checked on the device once (one synchronisation), and not again for
+    the same unmodified torch tensor. Device ``global_idx`` (CuPy, CUDA tensor) is used in place (cast to
+    int32 if needed); ``validate`` checks it with one kernel and one synchronisation, ``validate=False``
+    costs no synchronisation. To reuse a plan across calls and layers, build it once and pass ``plan=``.
+    """
+    rt = _runtime()
+    xp = rt.xp
+    T = check_int("T", T, 1)
+    W = min(check_int("local_window", local_window, 0), T)
+    where, gi, _ = _locate(global_idx, "global_idx", rt)
+    _check_index_meta(gi, T)
+    gm_where, gm, gm_owner = (None, None, None) if is_global_query_mask is None else _locate(
+        is_global_query_mask, "is_global_query_mask", rt, lazy=True)
+    if gm is not None:
+        _check_mask_meta(gm, T)
+        if isinstance(gm, _TorchMeta) and (where == "device" or (validate and not _torch_mask_checked(
+                gm_owner, np.ascontiguousarray(gi, dtype=np.int32), T))):
+            gm = _torch_view(gm_owner, rt)  # needed: the device index's mask, or a check
+    G = int(gi.size)
+    if where == "host":
+        if validate and G:
+            lo, hi = int(gi.min()), int(gi.max())
+            if lo < 0 or hi >= T:
+                _raise_range(T, lo, hi)
+        gi = np.ascontiguousarray(gi, dtype=np.int32)
+        if validate and G > 1 and not bool((gi[1:] > gi[:-1]).all()):
+            raise ValueError(_SORTED)
+        if validate and gm is not None:
+            if gm_where == "host":
+                m = gm.view(np.uint8) if gm.dtype == np.bool_ else gm
+                if int(np.count_nonzero(m)) != G or (G and not bool(m[gi].all())):
+                    raise ValueError(_EXACT + (" (global_idx is empty)" if G == 0 else ""))
+            elif not isinstance(gm, _TorchMeta):  # a device mask not checked before
+                dp = _host_plan_cached(gi, W, T, rt)
+                _check_on_device(dp._gidx_arg, G, T, xp.ascontiguousarray(gm).view(np.uint8), None, True)
+                _remember_torch_mask(gm_owner, gi, T)
+                return dp
+        return _host_plan_cached(gi, W, T, rt)
+    gi = xp.ascontiguousarray(gi, dtype=np.int32)
+    if gm is None:
+        out = xp.zeros(T, dtype=np.uint8)
+        _check_on_device(gi, G, T, None, out, validate)
+        return DevicePlan(gi, out, T, W, G)
+    if gm_where == "host":
+        gm = xp.asarray(np.ascontiguousarray(gm).view(np.uint8))
+    gm = xp.ascontiguousarray(gm).view(np.uint8)
+    if validate:
+        _check_on_device(gi, G, T, gm, None, True)
+    return DevicePlan(gi, gm, T, W, G)
+
+
+def plan_on_device(plan: Any) -> DevicePlan:
+    """The device arrays of a :class:`hpczeco.daaf.Plan`, built once per plan and device (kept while the
+    plan lives). A Plan is valid by construction: nothing is checked or read back; the first call uploads
+    (one synchronisation), later calls cost a dictionary lookup."""
+    from ..daaf.planner import Plan  # noqa: PLC0415
+
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a hpczeco.daaf.Plan or a DevicePlan, got {type(plan).__name__}")
+    rt = _runtime()
+    key = (id(rt.xp), _device_id(rt))
+    per = _PLAN_PLANS.get(plan)
+    if per is None:
+        per = _PLAN_PLANS[plan] = {}
+    dp = per.get(key)
+    if dp is None:
+        gi = np.flatnonzero(plan.global_mask).astype(np.int32)
+        info = {"policy": plan.policy, "reason": plan.reason, "threshold": plan.threshold, "regions": plan.regions,
+                "n_regions": len(plan.regions)}
+        dp = copy.copy(_host_plan_cached(gi, min(plan.local_window, plan.T), plan.T, rt))
+        dp.info = info
+        per[key] = dp
+    return dp
 
 
 # --------------------------------------------------------------------------- launches
@@ -269,11 +444,14 @@ class Prepared:
 
 def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = None,
             is_global_query_mask: Any = None, *, impl: str = "auto", storage: str | None = None,
-            validate: bool = True, out=None, reverse: bool = True, plan: DevicePlan | None = None) -> Prepared:
+            validate: bool = True, out=None, reverse: bool = True, plan: Any = None) -> Prepared:
     """Check everything once and return a :class:`Prepared` launch (for repeated calls and timing).
 
-    ``reverse`` schedules the last query tiles (the longest rows) first. ``plan`` reuses a
-    :class:`DevicePlan` (then ``global_idx``/``is_global_query_mask`` are ignored).
+    ``reverse`` schedules the last query tiles (the longest rows) first. ``plan``: a :class:`DevicePlan`
+    (e.g. from :func:`device_plan` or :func:`hpczeco.gpu.daaf_plan.plan`) or a :class:`hpczeco.daaf.Plan`
+    (its device arrays cached, :func:`plan_on_device`); then ``global_idx``, ``local_window`` and
+    ``is_global_query_mask`` are ignored. Nothing here reads the device: the only synchronisations are
+    those :func:`device_plan` documents (none for ``plan=``, none for host ``global_idx`` seen before).
     """
     rt = _runtime()
     cupy = rt.xp
@@ -305,11 +483,14 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
         raise ValueError(f"scale must be positive and finite, got {scale}")
     if plan is None:
         plan = device_plan(global_idx, local_window, T, is_global_query_mask, validate=validate)
-    elif plan.T != T:
+    elif not isinstance(plan, DevicePlan):
+        plan = plan_on_device(plan)
+    if plan.T != T:
         raise ValueError(f"plan covers T={plan.T} tokens, q has T={T}")
 
     def prep(x):
-        x = cupy.ascontiguousarray(x)
+        if not x.flags.c_contiguous:
+            x = cupy.ascontiguousarray(x)
         if rt.ptr(x) % 16:
             x = x.copy()
         return x
@@ -337,15 +518,16 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
 
 def attention(q, k, v, global_idx: Any, local_window: int, scale: float | None = None,
               is_global_query_mask: Any = None, *, impl: str = "auto", storage: str | None = None,
-              validate: bool = True, out=None):
+              validate: bool = True, out=None, plan: Any = None):
     """DAAF causal attention on the GPU (CuPy arrays). See the module docstring for the rule and shapes.
 
     ``global_idx``: sorted key-region positions ``[G]`` (numpy/CuPy ints); ``is_global_query_mask``:
     bool ``[T]``, True exactly there (built from ``global_idx`` when None); ``scale`` defaults to
-    ``D ** -0.5``. Runs on the current CuPy stream; returns ``o`` ``[B, T, H, Dv]``.
+    ``D ** -0.5``; ``plan``: a :class:`DevicePlan` or :class:`hpczeco.daaf.Plan` instead of the index
+    arrays (see :func:`prepare`). Runs on the current CuPy stream; returns ``o`` ``[B, T, H, Dv]``.
     """
     return prepare(q, k, v, global_idx, local_window, scale, is_global_query_mask, impl=impl,
-                   storage=storage, validate=validate, out=out)()
+                   storage=storage, validate=validate, out=out, plan=plan)()
 
 
 # --------------------------------------------------------------------------- PyTorch tensors (DLPack)
@@ -385,7 +567,7 @@ class _TorchPrepared:
 
 def prepare_torch(q, k, v, global_idx: Any, local_window: int, scale: float | None = None,
                   is_global_query_mask: Any = None, *, impl: str = "auto", validate: bool = True,
-                  reverse: bool = True, plan: DevicePlan | None = None):
+                  reverse: bool = True, plan: Any = None):
     """:func:`prepare` for PyTorch CUDA tensors ``[B, T, H, D]`` (zero-copy DLPack views; launches on
     torch's current stream). Calling the result returns the output tensor (the same tensor each call).
     ``plan``: a :class:`DevicePlan` to reuse (e.g. across layers)."""
@@ -410,7 +592,7 @@ def prepare_torch(q, k, v, global_idx: Any, local_window: int, scale: float | No
 
 def attention_torch(q, k, v, global_idx: Any, local_window: int, scale: float | None = None,
                     is_global_query_mask: Any = None, *, impl: str = "auto", validate: bool = True,
-                    plan: DevicePlan | None = None):
+                    plan: Any = None):
     """DAAF attention for PyTorch CUDA tensors (bf16/fp16/fp32) ``[B, T, H, D]`` -> ``[B, T, H, Dv]``."""
     return prepare_torch(q, k, v, global_idx, local_window, scale, is_global_query_mask, impl=impl,
                          validate=validate, plan=plan)()

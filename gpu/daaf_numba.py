@@ -12,6 +12,9 @@
   int32 ``[T + 1]`` (block counts, a scan of the counts, a block-local scan and scatter).
 - :func:`threshold_plan`: tokens -> the threshold rule's arrays, all on the device.
 
+The planner the attention API uses is :mod:`hpczeco.gpu.daaf_plan` (two CuPy RawKernels, one host read); these
+kernels (several launches and host reads per plan) stay as its former version, for comparison.
+
 Arrays: CuPy arrays (launched on CuPy's current stream), or numpy arrays (copied by Numba; this is
 how the tests run them under the CUDA simulator, ``NUMBA_ENABLE_CUDASIM=1``). Knows nothing of MPI.
 """

@@ -139,13 +139,20 @@ def test_nvcc_builds_sm90(nvcc_build):
 
 @pytest.fixture(scope="module")
 def emu():
-    """The wrappers of gpu/daaf.py on the CPU emulation of the kernels (numpy arrays as device memory)."""
+    """The wrappers of gpu/daaf.py on the CPU emulation of the kernels (numpy arrays as device memory; the
+    index checks of device plans run gpu/daaf_plan.cu's kernel, emulated as well)."""
     if gemu.compiler() is None:
         pytest.skip("g++ not found: the CPU emulation of the kernels needs it")
+    from hpczeco.gpu import daaf_plan as dpl
+
     rt = gemu.EmuRuntime(gd.kernel_source(), gd.kernel_names())
     old = gd._set_runtime(rt)
+    old_plan = dpl._set_runtime(gemu.EmuRuntime(dpl.kernel_source(), dpl.kernel_names()))
+    old_threads, dpl.INDEX_THREADS = dpl.INDEX_THREADS, 64
     yield rt
     gd._set_runtime(old)
+    dpl._set_runtime(old_plan)
+    dpl.INDEX_THREADS = old_threads
 
 
 def _emu_tc(rt, q, k, v, g, W, elem, mt, reverse=True):

@@ -5,11 +5,13 @@ query ``t`` sees keys ``[t - W, t]``, plus every earlier key-region key; a key-r
 every key ``j <= t``; softmax over the union. The CPU path is blockwise (numpy + BLAS, online
 softmax): key-region queries are full causal rows, cost ``O(t)`` each; every other query costs
 ``O(W + block + n_global_before)``; no ``[T, T]`` mask is ever built. CuPy inputs are dispatched to
-``hpczeco.gpu.daaf.attention(q, k, v, global_idx, local_window, scale, is_global_query_mask)``.
+``hpczeco.gpu.daaf.attention(q, k, v, None, local_window, scale, plan=...)`` with the plan's device arrays
+cached on the plan (no upload, check or host synchronisation per call; see :func:`attention`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -18,7 +20,7 @@ import numpy as np
 from ..base.backend import is_device_array
 from ..base.checks import check_array, check_finite, check_same_dtype
 from .kernels import causal_rows, finalize, local_rows
-from .planner import Plan, plan_arrays
+from .planner import Plan
 
 __all__ = ["attention", "exact_attention", "check_qkv", "resolve_scale", "QUERY_BLOCK"]
 
@@ -66,19 +68,49 @@ def _heads_major(x: np.ndarray, dtype) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(x).transpose(0, 2, 1, 3), dtype=dtype)
 
 
-def _gpu_attention(q, k, v, plan: Plan, scale: float):
+#: side stream of the value checks per device (they reduce while the attention kernel runs)
+_SIDE: dict[int, Any] = {}
+
+
+def _side_stream(cupy: Any) -> Any:
+    dev = int(cupy.cuda.runtime.getDevice())
+    if dev not in _SIDE:  # the highest priority: its few blocks go first as the kernel's blocks retire
+        try:
+            prio = cupy.cuda.runtime.deviceGetStreamPriorityRange()[1]
+            _SIDE[dev] = cupy.cuda.Stream(non_blocking=True, priority=prio)
+        except (AttributeError, TypeError):  # an older CuPy
+            _SIDE[dev] = cupy.cuda.Stream(non_blocking=True)
+    return _SIDE[dev]
+
+
+def _gpu_attention(q, k, v, plan: Plan, scale: float, check: bool):
+    """CuPy path: the plan's device arrays are cached on the plan (built once); with ``check`` the NaN/Inf
+    checks of q, k, v reduce on a side stream while the kernel runs, and their flags are read once the
+    kernel is queued (one wait on the side stream; the kernel's stream is not drained). Without ``check``
+    nothing synchronises."""
     try:
+        from hpczeco.gpu import checks as gpu_checks  # noqa: PLC0415
         from hpczeco.gpu import daaf as gpu_daaf  # noqa: PLC0415 - imports CuPy
     except ImportError as exc:
         raise RuntimeError(
             "q, k, v are CuPy arrays but the DAAF GPU kernels (hpczeco.gpu.daaf) are not available "
             f"({exc}); pass numpy arrays for the CPU path"
         ) from exc
-    import cupy as cp  # noqa: PLC0415
+    import cupy  # noqa: PLC0415
 
-    arr = plan_arrays(plan)
-    return gpu_daaf.attention(q, k, v, cp.asarray(arr["global_idx"]), arr["local_window"], scale,
-                              cp.asarray(arr["is_global_query_mask"]))
+    dp = gpu_daaf.plan_on_device(plan)
+    if not check:
+        return gpu_daaf.attention(q, k, v, None, plan.local_window, scale, plan=dp)
+    side = _side_stream(cupy)
+    arrays = {"q": q, "k": k, "v": v}
+    flags = gpu_checks.start_value_flags([(x, False) for x in arrays.values()], stream=side)
+    out = gpu_daaf.attention(q, k, v, None, plan.local_window, scale, plan=dp)
+    with side:
+        found = flags.result()
+    for (name, _), f in zip(arrays.items(), found):
+        if f & gpu_checks.NONFINITE:
+            raise ValueError(f"{name} contains NaN or Inf")
+    return out
 
 
 def daaf_heads_major(qh: np.ndarray, kh: np.ndarray, vh: np.ndarray, global_mask: np.ndarray,
@@ -116,37 +148,47 @@ def exact_heads_major(qh: np.ndarray, kh: np.ndarray, vh: np.ndarray, scale: flo
     return out
 
 
-def attention(q: Any, k: Any, v: Any, plan: Plan, scale: float | None = None) -> Any:
+def attention(q: Any, k: Any, v: Any, plan: Plan, scale: float | None = None, *, check: bool = True) -> Any:
     """DAAF causal attention. ``q, k: [B, T, H, D]``, ``v: [B, T, H, Dv]`` -> ``o: [B, T, H, Dv]`` (q's dtype).
 
     ``plan`` is a :class:`~hpczeco.daaf.planner.Plan` over the same ``T`` tokens; ``scale`` defaults
     to ``D ** -0.5``. numpy arrays run the blockwise CPU kernel (float64 stays float64, other
-    dtypes compute in float32); CuPy arrays run ``hpczeco.gpu.daaf.attention``.
+    dtypes compute in float32); CuPy arrays run ``hpczeco.gpu.daaf.attention`` with the plan's device
+    arrays built once per plan (:func:`hpczeco.gpu.daaf.plan_on_device`). ``check``: the NaN/Inf checks
+    of q, k, v (on CuPy arrays: fused reductions on a side stream during the kernel, one wait for their
+    flags); ``check=False`` skips them: shapes and dtypes are still checked, and nothing synchronises.
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a hpczeco.daaf.Plan, got {type(plan).__name__}")
-    check_qkv(q, k, v, plan.T)
+    device = is_device_array(q)
+    check_qkv(q, k, v, plan.T, finite=check and not device)
     scale = resolve_scale(scale, q.shape[-1])
-    if is_device_array(q):
-        return _gpu_attention(q, k, v, plan, scale)
+    if device:
+        return _gpu_attention(q, k, v, plan, scale, check)
     dt = _compute_dtype(q)
     oh = daaf_heads_major(_heads_major(q, dt), _heads_major(k, dt), _heads_major(v, dt),
                           plan.global_mask, plan.local_window, scale)
     return oh.transpose(0, 2, 1, 3).astype(q.dtype, copy=False)
 
 
-def exact_attention(q: Any, k: Any, v: Any, scale: float | None = None) -> Any:
-    """Dense causal attention (blockwise, online softmax). Shapes and dtypes as :func:`attention`.
+@functools.lru_cache(maxsize=8)
+def _dense_plan(T: int) -> Plan:
+    from .planner import plan_from_mask  # noqa: PLC0415
+
+    return plan_from_mask(np.ones(T, bool), 0, "exact")
+
+
+def exact_attention(q: Any, k: Any, v: Any, scale: float | None = None, *, check: bool = True) -> Any:
+    """Dense causal attention (blockwise, online softmax). Shapes, dtypes and ``check`` as :func:`attention`.
 
     The dense prefill path and the quality reference. CuPy arrays go to the GPU DAAF kernel with
     every token global (which is exact causal attention).
     """
-    check_qkv(q, k, v)
+    device = is_device_array(q)
+    check_qkv(q, k, v, finite=check and not device)
     scale = resolve_scale(scale, q.shape[-1])
-    if is_device_array(q):
-        from .planner import plan_from_mask  # noqa: PLC0415
-
-        return _gpu_attention(q, k, v, plan_from_mask(np.ones(q.shape[1], bool), 0, "exact"), scale)
+    if device:
+        return _gpu_attention(q, k, v, _dense_plan(int(q.shape[1])), scale, check)
     dt = _compute_dtype(q)
     oh = exact_heads_major(_heads_major(q, dt), _heads_major(k, dt), _heads_major(v, dt), scale)
     return oh.transpose(0, 2, 1, 3).astype(q.dtype, copy=False)

@@ -11,6 +11,8 @@ means an unbounded vocabulary, i.e. ``log2(window)``). With ``bias_correction="m
 plug-in estimate gets the Miller–Madow term ``(m - 1) / (2 N ln 2)`` bits (``m`` distinct ids,
 ``N = window``), which removes most of the downward bias of the plug-in estimate on short windows;
 the normalised score is then clipped to ``[0, 1]``. The default is no correction (the seed's rule).
+A score depends only on the multiset of id counts of its window (summed in ascending count order), so
+windows that differ by a permutation of ids score exactly equal and rank by position.
 
 Selection policies (recorded in ``Plan.policy`` with a human-readable ``Plan.reason``)
 -----------------------------------------------------------------------------------------
@@ -56,6 +58,8 @@ __all__ = [
     "attention_pairs",
     "dense_pairs",
     "check_tokens",
+    "choose_windows",
+    "WindowChoice",
     "FALLBACK_POLICIES",
 ]
 
@@ -139,9 +143,12 @@ def _entropy_rows(tok: np.ndarray, starts: np.ndarray, window: int, bias: str) -
         same_row[:-1] = row_id[1:] == row_id[:-1]
         same_row[-1] = False
         ends = np.where(same_row, ends, window)
-        counts = (ends - col).astype(np.float64)
-        p = counts / window
-        h = np.bincount(row_id, weights=-p * np.log2(p), minlength=n)
+        counts = ends - col
+        # summed per row in ascending count order: the score is a function of the row's count multiset
+        # (windows equal up to a permutation of ids score exactly equal, so ties rank by position)
+        by = np.lexsort((counts, row_id))
+        p = counts[by].astype(np.float64) / window
+        h = np.bincount(row_id[by], weights=-p * np.log2(p), minlength=n)
         if bias == "miller-madow":
             m = np.bincount(row_id, minlength=n).astype(np.float64)
             h = h + (m - 1.0) / (2.0 * window * math.log(2.0))
@@ -366,22 +373,78 @@ def plan(
     if T < window:  # nothing to rank: one score for the whole text (the density), dense attention
         weights = window_entropy(tok, T, None, vocab_size, bias_correction)
         return _make(T, np.ones(T, bool), W, window, stride or window, np.zeros(1, np.int64), weights,
-                     np.ones(1, bool), "dense",
-                     f"text of {T} tokens is shorter than one window ({window}): dense attention", None)
+                     np.ones(1, bool), "dense", short_text_reason(T, window), None)
 
     stride = window if stride is None else stride
     starts = window_starts(T, window, stride)
     ent = window_entropy(tok, window, stride, vocab_size, bias_correction)
-    order = np.argsort(-ent, kind="stable")  # descending score, ties: earlier window first
-    spread = float(ent.max() - ent.min())
-    common = dict(T=T, W=W, window=window, stride=stride, starts=starts, weights=ent)
+    ch = choose_windows(ent, starts, T, window, W, threshold, budget, policy, work_budget=work_budget,
+                        fallback_budget=fallback_budget, uniform_eps=uniform_eps)
+    mask = np.ones(T, bool) if ch.dense else _mask_of(T, starts, window, ch.selected)
+    return _make(T=T, mask=mask, W=W, window=window, stride=stride, starts=starts, weights=ent,
+                 selected=ch.selected, policy=ch.policy, reason=ch.reason, threshold=ch.threshold, extra=ch.extra)
 
-    def by_prefix(k: int, pol: str, reason: str, extra=None) -> Plan:
+
+@dataclass(frozen=True, eq=False)
+class WindowChoice:
+    """The key windows a selection policy picks: ``selected`` bool ``[n_windows]``, the ``policy`` used and why
+    (``reason``), the effective ``threshold`` (None when no threshold applies), ``dense`` (every token global,
+    whatever the windows: the dense fallback) and the policy's parameters (``extra``)."""
+
+    selected: np.ndarray
+    policy: str
+    reason: str
+    threshold: float | None
+    dense: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def short_text_reason(T: int, window: int) -> str:
+    """``Plan.reason`` of a text shorter than one window."""
+    return f"text of {T} tokens is shorter than one window ({window}): dense attention"
+
+
+def threshold_reason(n_selected: int, n_windows: int, threshold: float) -> str:
+    """``Plan.reason`` of a threshold plan."""
+    return f"{n_selected} of {n_windows} windows with entropy >= {threshold}"
+
+
+def undecided_reason(emin: float, emax: float, threshold: float, uniform_eps: float) -> str | None:
+    """Why the threshold rule cannot decide on scores in ``[emin, emax]`` (None: it can)."""
+    spread = float(emax - emin)
+    if spread < uniform_eps:
+        return f"window entropies too uniform to separate (spread {spread:.4f} < {uniform_eps})"
+    if not emax >= threshold:
+        return f"no window reached threshold {threshold} (max entropy {emax:.3f})"
+    return None
+
+
+def choose_windows(
+    ent: np.ndarray,
+    starts: np.ndarray,
+    T: int,
+    window: int,
+    local_window: int,
+    threshold: float = 0.8,
+    budget: float | None = None,
+    policy: str = "dense",
+    *,
+    work_budget: float | None = None,
+    fallback_budget: float = 0.25,
+    uniform_eps: float = 0.02,
+) -> WindowChoice:
+    """The key windows of :func:`plan` (every rule in the module docstring) from the window scores ``ent``
+    ``[n]`` (float64) at ``starts`` ``[n]`` over ``T >= window`` tokens; arguments already checked."""
+    ent = np.asarray(ent, dtype=np.float64)
+    starts = np.asarray(starts, dtype=np.int64)
+    W = int(local_window)
+    order = np.argsort(-ent, kind="stable")  # descending score, ties: earlier window first
+
+    def by_prefix(k: int, pol: str, reason: str, extra=None) -> WindowChoice:
         chosen = np.zeros(len(ent), dtype=bool)
         chosen[order[:k]] = True
         thr = float(ent[order[k - 1]]) if k > 0 else None
-        return _make(mask=_mask_of(T, starts, window, chosen), selected=chosen, policy=pol, reason=reason,
-                     threshold=thr, extra=extra, **common)
+        return WindowChoice(chosen, pol, reason, thr, False, dict(extra or {}))
 
     def coverage_prefix(frac: float) -> int:
         cap = max(frac * T, window) if frac > 0 else 0.0
@@ -419,19 +482,13 @@ def plan(
             reason = "budget = 0: explicit local-only plan"
         return by_prefix(k, "budget", reason, {"budget": budget})
 
-    why = None
-    if spread < uniform_eps:
-        why = f"window entropies too uniform to separate (spread {spread:.4f} < {uniform_eps})"
-    elif not (ent >= threshold).any():
-        why = f"no window reached threshold {threshold} (max entropy {ent.max():.3f})"
+    why = undecided_reason(float(ent.min()), float(ent.max()), threshold, uniform_eps)
     if why is None:
         chosen = ent >= threshold
-        return _make(mask=_mask_of(T, starts, window, chosen), selected=chosen, policy="threshold",
-                     reason=f"{int(chosen.sum())} of {len(ent)} windows with entropy >= {threshold}",
-                     threshold=threshold, **common)
+        return WindowChoice(chosen, "threshold", threshold_reason(int(chosen.sum()), len(ent), threshold), threshold)
     if policy == "dense":
-        return _make(mask=np.ones(T, bool), selected=np.ones(len(ent), bool), policy="fallback-dense",
-                     reason=why + "; fallback: dense attention", threshold=None, **common)
+        return WindowChoice(np.ones(len(ent), bool), "fallback-dense", why + "; fallback: dense attention", None,
+                            True)
     k = coverage_prefix(fallback_budget)
     return by_prefix(k, "fallback-budget", why + f"; fallback: top {k} windows by percentile "
                      f"(budget {fallback_budget:.3f})", {"budget": fallback_budget})

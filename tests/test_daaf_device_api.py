@@ -1,0 +1,475 @@
+"""DAAF on the device without a GPU: the device planner (gpu/daaf_plan.cu) against the CPU planner, and the
+per-call attention API (hpczeco.daaf.attention on CuPy arrays, hpczeco.gpu.daaf.attention) counted for host
+synchronisations and uploads.
+
+The kernels run on the CPU emulation (gpu/emu); CuPy is a numpy stand-in that counts every host read of device
+memory (tests/counting_cupy.py). On a GPU (marked ``gpu``): the device planner against the CPU planner at 32k
+tokens and the per-call API's outputs against the prepared launch.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import counting_cupy
+import numpy as np
+import pytest
+from hpczeco.gpu import daaf as gd
+from hpczeco.gpu import daaf_plan as dpl
+from hpczeco.gpu import emu as gemu
+
+import hpczeco.daaf as daaf
+from hpczeco.daaf import planner
+
+# --------------------------------------------------------------------------- fixtures
+
+
+class _CountingEmu(gemu.EmuRuntime):
+    """The emulated kernels with the counting CuPy as ``xp``: only its arrays are "device" arrays."""
+
+    def __init__(self, source, names, xp):
+        super().__init__(source, names)
+        self.xp = xp
+
+    def is_native(self, x):
+        return isinstance(x, self.xp.ndarray)
+
+
+@pytest.fixture(scope="module")
+def emu_sources():
+    if gemu.compiler() is None:
+        pytest.skip("g++ not found: the CPU emulation of the kernels needs it")
+    return (gd.kernel_source(), ["daaf_simple_f32"]), (dpl.kernel_source(), dpl.kernel_names())
+
+
+@pytest.fixture
+def plan_emu(emu_sources, monkeypatch):
+    """The device planner on the emulation with numpy arrays as device memory (small blocks)."""
+    rt = gemu.EmuRuntime(*emu_sources[1])
+    old = dpl._set_runtime(rt)
+    monkeypatch.setattr(dpl, "INDEX_THREADS", 64)
+    yield rt
+    dpl._set_runtime(old)
+
+
+@pytest.fixture
+def cp(emu_sources, monkeypatch):
+    """The counting CuPy as ``cupy``, in both runtime slots (emulated kernels), and fresh plan caches."""
+    mod = counting_cupy.make()
+    monkeypatch.setitem(sys.modules, "cupy", mod)
+    old_a = gd._set_runtime(_CountingEmu(*emu_sources[0], mod))
+    old_p = dpl._set_runtime(_CountingEmu(*emu_sources[1], mod))
+    monkeypatch.setattr(dpl, "INDEX_THREADS", 64)
+    gd._HOST_PLANS.clear()
+    yield mod
+    gd._set_runtime(old_a)
+    dpl._set_runtime(old_p)
+    gd._HOST_PLANS.clear()
+
+
+def _stream(rng, pieces) -> np.ndarray:
+    """Token ids: ``pieces`` of (length, vocabulary) drawn uniformly (small vocabulary: low entropy)."""
+    return np.concatenate([rng.integers(0, v, n) for n, v in pieces]).astype(np.int64)
+
+
+def _same_plan(dp, cpu: planner.Plan, ent_rtol: float = 1e-12) -> None:
+    hp = dpl.host_plan(dp)
+    assert hp.policy == cpu.policy, (hp.reason, cpu.reason)
+    assert hp.reason == cpu.reason
+    np.testing.assert_allclose(hp.weights, cpu.weights, rtol=ent_rtol, atol=1e-15)
+    np.testing.assert_array_equal(hp.selected, cpu.selected)
+    np.testing.assert_array_equal(hp.global_mask, cpu.global_mask)
+    np.testing.assert_array_equal(hp.window_starts, cpu.window_starts)
+    assert hp.regions == cpu.regions and hp.stride == cpu.stride
+    # a percentile rule's threshold is a window's score (equal up to rounding)
+    assert (hp.threshold is None) == (cpu.threshold is None)
+    assert hp.threshold is None or hp.threshold == pytest.approx(cpu.threshold, rel=ent_rtol, abs=1e-15)
+    assert dp.n_global == cpu.n_global == int(np.asarray(dp.global_idx).size)
+    np.testing.assert_array_equal(np.asarray(dp.global_idx), np.flatnonzero(cpu.global_mask))
+    np.testing.assert_array_equal(np.asarray(dp.info["spans"]), np.asarray(cpu.regions, np.int64).reshape(-1, 2))
+
+
+# --------------------------------------------------------------------------- device planner vs CPU planner
+
+
+@pytest.mark.parametrize("window,stride,vocab,bias", [(64, None, None, "none"), (50, 47, 4000, "miller-madow"),
+                                                       (40, 55, 2**17, "none"), (96, 32, 2**17, "miller-madow")])
+def test_device_entropy_matches_cpu(plan_emu, rng, window, stride, vocab, bias):
+    top = vocab or 2**17
+    tok = _stream(rng, [(150, 3), (int(rng.integers(100, 260)), top), (90, 2), (77, top), (31, 5)])
+    got = dpl.window_entropy(tok, window, stride, vocab, bias, threads=32)
+    want = planner.window_entropy(tok, window, stride, vocab, bias)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
+
+
+def test_device_plan_threshold_rule_matches_cpu(plan_emu, rng):
+    for trial in range(3):  # fresh streams: low/high entropy regions, T not a multiple of the window
+        pieces = [(int(rng.integers(40, 300)), int(rng.choice([2, 4, 3000, 2**17]))) for _ in range(5)]
+        tok = _stream(rng, pieces)
+        window, W = int(rng.choice([32, 64, 100])), int(rng.integers(0, 40))
+        vocab = 2**17 if trial == 2 else None
+        dp = dpl.plan(tok, window, 0.8, W, vocab_size=vocab, threads=32, select_threads=64, n_global_before=True)
+        cpu = planner.plan(tok, window, 0.8, W, vocab_size=vocab)
+        _same_plan(dp, cpu)
+        before = planner.plan_arrays(cpu)["n_global_before"]
+        np.testing.assert_array_equal(np.asarray(dp.info["n_global_before"]), before)
+
+
+def test_device_plan_at_the_default_window(plan_emu, rng):
+    """window 512 (one 512-id sort per block), int32 ids up to 2^17, T not a multiple of the window."""
+    tok = _stream(rng, [(700, 6), (1200, 2**17), (313, 9)]).astype(np.int32)
+    dp = dpl.plan(tok, 512, 0.8, 128, vocab_size=2**17, threads=64, select_threads=128)
+    _same_plan(dp, planner.plan(tok, 512, 0.8, 128, vocab_size=2**17))
+    assert dp.info["policy"] == "threshold" and dp.n_global > 0
+
+
+def test_device_plan_short_text_and_fallbacks(plan_emu, rng):
+    kw = dict(threads=32, select_threads=64)
+    short = _stream(rng, [(45, 1000)])  # T < window: dense, one window over the whole text
+    _same_plan(dpl.plan(short, 64, 0.8, 8, **kw), planner.plan(short, 64, 0.8, 8))
+    uniform = _stream(rng, [(500, 2**17)])  # every window scores ~1: too uniform to separate
+    _same_plan(dpl.plan(uniform, 64, 0.8, 8, **kw), planner.plan(uniform, 64, 0.8, 8))
+    low = _stream(rng, [(200, 3), (200, 40)])  # no window reaches the threshold
+    for pol in ("dense", "budget"):
+        cpu = planner.plan(low, 64, 0.95, 8, policy=pol, uniform_eps=0.0)
+        assert cpu.policy == f"fallback-{pol}"
+        _same_plan(dpl.plan(low, 64, 0.95, 8, policy=pol, uniform_eps=0.0, **kw), cpu)
+
+
+def test_device_plan_percentile_rules(plan_emu, rng):
+    tok = _stream(rng, [(130, 4), (150, 3000), (90, 2), (120, 500), (61, 7)])
+    kw = dict(threads=32, select_threads=64)
+    for args in (dict(budget=0.3), dict(budget=0.0), dict(work_budget=0.4), dict(stride=20, budget=0.5)):
+        _same_plan(dpl.plan(tok, 48, 0.8, 10, **args, **kw), planner.plan(tok, 48, 0.8, 10, **args))
+
+
+def test_device_plan_ties_at_the_threshold(plan_emu, rng):
+    """A score equal to the threshold is chosen on both sides: all-distinct windows score exactly 1.0 and
+    constant windows exactly 0.0."""
+    tok = np.concatenate([np.zeros(64, np.int64), rng.permutation(5000)[:128], np.zeros(64, np.int64) + 7])
+    for thr in (1.0, 0.0 + 1e-300, 0.5):
+        cpu = planner.plan(tok, 32, thr, 4)
+        dp = dpl.plan(tok, 32, thr, 4, threads=32, select_threads=32)
+        _same_plan(dp, cpu, ent_rtol=0.0)
+    assert planner.plan(tok, 32, 1.0, 4).selected.sum() == 4  # the 4 all-distinct windows
+
+
+def test_permuted_windows_tie_and_rank_by_position(plan_emu, rng):
+    """Windows equal up to a permutation of ids score exactly equal on each side, so a percentile rule that
+    can take only some of them takes the earliest, on the device as on the CPU."""
+    base = rng.integers(0, 9, 32)
+    tok = np.concatenate([rng.integers(0, 2, 32)] + [rng.permutation(base) + 100 * i for i in range(6)]
+                         + [rng.integers(0, 2, 32)])
+    cpu = planner.plan(tok, 32, 0.8, 4, budget=3 * 32 / len(tok))
+    w = planner.window_entropy(tok, 32)
+    assert len(set(w[1:7].tolist())) == 1 and cpu.selected[1:4].all() and not cpu.selected[4:].any()
+    _same_plan(dpl.plan(tok, 32, 0.8, 4, budget=3 * 32 / len(tok), threads=32, select_threads=32), cpu)
+    d = np.asarray(dpl.window_entropy(tok, 32, threads=32))
+    assert len(set(d[1:7].tolist())) == 1
+
+
+def test_device_plan_bad_inputs(plan_emu):
+    with pytest.raises(ValueError, match="tokens must be non-negative"):
+        dpl.plan(np.array([1, -2, 3, 4]), 2, threads=32, select_threads=32)
+    with pytest.raises(ValueError, match="vocab_size"):
+        dpl.plan(np.arange(40), 8, vocab_size=39, threads=32, select_threads=32)
+    with pytest.raises(ValueError, match="vocab_size"):  # an id in a gap between windows (stride > window)
+        dpl.window_entropy(np.r_[np.zeros(5, int), 99, np.zeros(10, int)], 4, 6, vocab_size=50, threads=32)
+    with pytest.raises(ValueError, match="larger than the text"):
+        dpl.window_entropy(np.arange(10), 11, threads=32)
+    with pytest.raises(ValueError, match="window <= "):
+        dpl.plan(np.arange(10), dpl.MAX_WINDOW + 1)
+    with pytest.raises(TypeError, match="tokens must hold int"):
+        dpl.plan(np.array([1.5, 2.0]), 2)
+    with pytest.raises(ValueError, match="tokens is empty"):
+        dpl.plan(np.array([], np.int64), 2)
+    with pytest.raises(ValueError, match="policy"):
+        dpl.plan(np.arange(10), 2, policy="local")
+    with pytest.raises(ValueError, match="threads"):
+        dpl.plan(np.arange(10), 2, threads=48)
+
+
+# --------------------------------------------------------------------------- device index checks (daaf_plan_index)
+
+
+def test_device_index_checks(plan_emu, emu_sources, rng):
+    """Device ``global_idx`` (every numpy array is a device array on the plain emulation): the one-kernel
+    checks raise the host checks' errors; the mask is built on the device."""
+    old = gd._set_runtime(gemu.EmuRuntime(*emu_sources[0]))
+    try:
+        T = 30
+        g = np.sort(rng.choice(T, 7, replace=False)).astype(np.int32)
+        dp = gd.device_plan(g, 4, T)
+        want = np.zeros(T, np.uint8)
+        want[g] = 1
+        np.testing.assert_array_equal(dp.gmask, want)
+        assert dp.n_global == 7
+        m = want.astype(bool)
+        assert gd.device_plan(g, 4, T, m).n_global == 7
+        with pytest.raises(ValueError, match="strictly increasing"):
+            gd.device_plan(g[::-1].copy(), 4, T)
+        with pytest.raises(ValueError, match=r"\[0, 30\), got \[-1, "):
+            gd.device_plan(np.r_[-1, g].astype(np.int32), 4, T)
+        with pytest.raises(ValueError, match=r"\[0, 30\)"):
+            gd.device_plan(np.r_[g, 30].astype(np.int32), 4, T, np.r_[m, False][:T])
+        bad = m.copy()
+        bad[int(np.flatnonzero(~m)[0])] = True
+        with pytest.raises(ValueError, match="exactly at global_idx"):
+            gd.device_plan(g, 4, T, bad)
+        with pytest.raises(ValueError, match="global_idx is empty"):
+            gd.device_plan(np.zeros(0, np.int32), 4, T, bad)
+        gd.device_plan(g[::-1].copy(), 4, T, validate=False)  # unchecked: no error
+    finally:
+        gd._set_runtime(old)
+
+
+# --------------------------------------------------------------------------- per-call API: synchronisations
+
+
+def _qkv(cp, rng, T, H=1, D=16):
+    host = [rng.standard_normal((1, T, H, D)).astype(np.float32) for _ in range(3)]
+    return host, [cp.asarray(x) for x in host]
+
+
+class _HostFlags:
+    """Stand-in for hpczeco.gpu.checks.start_value_flags (its reductions are CuPy ReductionKernels): the same
+    flags from the numpy mirror; reading them is one synchronisation, as on the GPU."""
+
+    def __init__(self, cp):
+        self.cp = cp
+
+    def __call__(self, arrays, stream=None):
+        from hpczeco.gpu import checks
+
+        flags = [checks.value_flags_host(np.asarray(x), gate) for x, gate in arrays]
+        cp = self.cp
+
+        class Result:
+            def result(self):
+                cp.cuda.Event().synchronize()
+                return flags
+
+        return Result()
+
+
+def test_daaf_attention_per_call_costs_no_synchronisation(cp, rng, monkeypatch):
+    from hpczeco.gpu import checks
+
+    from hpczeco.daaf.reference import attention_reference
+
+    monkeypatch.setattr(checks, "start_value_flags", _HostFlags(cp))
+    T, W = 40, 5
+    g = np.zeros(T, bool)
+    g[[3, 4, 5, 20, 21]] = True
+    p = planner.plan_from_mask(g, W)
+    host, (q, k, v) = _qkv(cp, rng, T)
+    ref = attention_reference(*host, g, None, local_window=W)
+    o = daaf.attention(q, k, v, p, check=False)  # first call: the plan's device arrays are built
+    assert isinstance(o, cp.ndarray)
+    np.testing.assert_allclose(np.asarray(o), ref, rtol=0, atol=1e-4)
+    cp.reset()
+    cp.state["strict"] = True
+    for _ in range(3):
+        o = daaf.attention(q, k, v, p, check=False)
+    cp.state["strict"] = False
+    assert cp.counts == {"sync": 0, "upload": 0}
+    np.testing.assert_allclose(np.asarray(o), ref, rtol=0, atol=1e-4)
+    # with the value checks: one wait for their flags per call, after the kernel is queued
+    cp.reset()
+    for _ in range(2):
+        daaf.attention(q, k, v, p)
+    assert cp.counts == {"sync": 2, "upload": 0} and cp.state["where"] == ["event.synchronize"] * 2
+    bad = cp.asarray(np.where(np.arange(T)[None, :, None, None] == 7, np.nan, host[1]).astype(np.float32))
+    with pytest.raises(ValueError, match="k contains NaN or Inf"):
+        daaf.attention(q, bad, v, p)
+    daaf.attention(q, bad, v, p, check=False)  # unchecked: no error
+    daaf.exact_attention(q, k, v, check=False)  # the dense plan is cached per T as well
+    cp.reset()
+    e = daaf.exact_attention(q, k, v, check=False)
+    assert cp.counts == {"sync": 0, "upload": 0}
+    np.testing.assert_allclose(np.asarray(e), attention_reference(*host, np.ones(T, bool), None, local_window=0),
+                               rtol=0, atol=1e-4)
+
+
+def test_gpu_attention_per_call_synchronisations(cp, rng):
+    T, W = 40, 3
+    g = np.array([0, 1, 2, 17, 30, 31], np.int32)
+    m = np.zeros(T, bool)
+    m[g] = True
+    host, (q, k, v) = _qkv(cp, rng, T)
+    from hpczeco.daaf.reference import attention_reference
+
+    ref = attention_reference(*host, m, None, local_window=W)
+
+    def count(fn, n=3):
+        fn()  # warm: a cache miss may upload (and synchronise once)
+        cp.reset()
+        cp.state["strict"] = True
+        try:
+            for _ in range(n):
+                out = fn()
+        finally:
+            cp.state["strict"] = False
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=0, atol=1e-4)
+        return dict(cp.counts)
+
+    none = {"sync": 0, "upload": 0}
+    # host index (and host mask): checked on the host, device arrays from the content cache
+    assert count(lambda: gd.attention(q, k, v, g, W, impl="simple")) == none
+    assert count(lambda: gd.attention(q, k, v, list(g), W, None, m, impl="simple")) == none
+    assert count(lambda: gd.attention(q, k, v, g.copy(), W, None, m.astype(np.uint8), impl="simple")) == none
+    # a device plan, a Plan
+    dp = gd.device_plan(g, W, T)
+    assert count(lambda: gd.attention(q, k, v, None, 0, plan=dp, impl="simple")) == none
+    p = planner.plan_from_mask(m, W)
+    assert count(lambda: gd.attention(q, k, v, None, 0, plan=p, impl="simple")) == none
+    # a device index: used in place; unchecked costs nothing, checked costs one read of the flags per call
+    gdev, mdev = cp.asarray(g), cp.asarray(m)
+    assert count(lambda: gd.attention(q, k, v, gdev, W, validate=False, impl="simple")) == none
+    assert count(lambda: gd.attention(q, k, v, gdev, W, None, mdev, validate=False, impl="simple")) == none
+    cp.reset()
+    gd.attention(q, k, v, gdev, W, None, mdev, impl="simple")
+    assert cp.counts == {"sync": 1, "upload": 0} and cp.state["where"] == ["get"]
+    # the prepared launch itself
+    pr = gd.prepare(q, k, v, g, W, impl="simple")
+    assert count(pr) == none
+
+
+def test_gpu_attention_bad_plans_still_raise(cp, rng):
+    T = 16
+    _, (q, k, v) = _qkv(cp, rng, T)
+    m = np.zeros(T, bool)
+    m[[2, 5]] = True
+    for gi in (np.array([5, 2]), cp.asarray(np.array([5, 2], np.int32))):
+        with pytest.raises(ValueError, match="strictly increasing"):
+            gd.attention(q, k, v, gi, 2, impl="simple")
+    for gi in (np.array([2, 16]), cp.asarray(np.array([2, 16], np.int32))):
+        with pytest.raises(ValueError, match=r"\[0, 16\)"):
+            gd.attention(q, k, v, gi, 2, impl="simple")
+    for mm in (np.roll(m, 1), cp.asarray(np.roll(m, 1))):
+        with pytest.raises(ValueError, match="exactly at global_idx"):
+            gd.attention(q, k, v, np.array([2, 5]), 2, None, mm, impl="simple")
+    with pytest.raises(ValueError, match="exactly at global_idx"):
+        gd.attention(q, k, v, cp.asarray(np.array([2, 5], np.int32)), 2, None, cp.asarray(np.roll(m, 1)),
+                     impl="simple")
+    with pytest.raises(ValueError, match="shape"):
+        gd.attention(q, k, v, np.array([2, 5]), 2, None, m[:-1], impl="simple")
+    with pytest.raises(TypeError, match="integers"):
+        gd.attention(q, k, v, np.array([2.0, 5.0]), 2, impl="simple")
+    with pytest.raises(ValueError, match="plan covers T=17"):
+        gd.attention(q, k, v, None, 2, plan=planner.plan_from_mask(np.zeros(17, bool), 2), impl="simple")
+    with pytest.raises(TypeError, match="plan must be"):
+        gd.attention(q, k, v, None, 2, plan=m, impl="simple")
+
+
+def test_host_index_cache_is_by_content(cp, rng):
+    """The same host index array, changed in place, gets the device arrays of its new content."""
+    T = 24
+    g = np.array([1, 4, 9], np.int32)
+    a = gd.device_plan(g, 2, T)
+    assert gd.device_plan(g.copy(), 2, T) is a
+    g[1] = 5
+    b = gd.device_plan(g, 2, T)
+    assert b is not a and np.flatnonzero(np.asarray(b.gmask)).tolist() == [1, 5, 9]
+    assert gd.device_plan(g, 3, T) is not b and gd.device_plan(g, 3, T).local_window == 3
+
+
+def test_device_planner_reads_back_once(cp, rng):
+    tok = cp.asarray(_stream(rng, [(100, 3), (90, 3000), (70, 5)]))
+    cp.reset()
+    dp = dpl.plan(tok, 32, 0.8, 4, threads=32, select_threads=32)
+    assert cp.counts == {"sync": 1, "upload": 0}
+    _same_plan(dp, planner.plan(np.asarray(tok), 32, 0.8, 4))
+    cp.reset()
+    dpl.plan(tok, 32, 0.8, 4, budget=0.3, threads=32, select_threads=32)  # host ranking: scores back, chosen up
+    assert cp.counts == {"sync": 2 + 1, "upload": 1}  # info, scores, info again
+
+
+# --------------------------------------------------------------------------- on a GPU
+
+
+def _gpu_or_skip():
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("no device")
+    except Exception as exc:
+        pytest.skip(f"needs a CUDA GPU with CuPy ({type(exc).__name__}: {exc})")
+    return cupy
+
+
+@pytest.mark.gpu
+def test_gpu_device_planner_matches_cpu_at_32k(rng):
+    cupy = _gpu_or_skip()
+    for vocab in (32000, 2**17):
+        tok = _stream(rng, [(5000, 50), (3000, vocab), (9000, 200), (4096, vocab), (11671, 30)])
+        dp = dpl.plan(cupy.asarray(tok), 512, 0.8, 128, vocab_size=vocab, n_global_before=True)
+        cpu = planner.plan(tok, 512, 0.8, 128, vocab_size=vocab)
+        _same_plan(dp, cpu, ent_rtol=1e-10)
+        assert dp.n_global > 0
+
+
+@pytest.mark.gpu
+def test_gpu_per_call_equals_prepared(rng):
+    cupy = _gpu_or_skip()
+    T, H, D, W = 2048 + 77, 4, 128, 128
+    g = np.zeros(T, bool)
+    g[:300] = True
+    g[1000:1100] = True
+    q, k, v = (cupy.asarray(rng.standard_normal((1, T, H, D)).astype(np.float16)) for _ in range(3))
+    p = planner.plan_from_mask(g, W)
+    want = gd.prepare(q, k, v, np.flatnonzero(g), W)().get()
+    for o in (daaf.attention(q, k, v, p), daaf.attention(q, k, v, p, check=False),
+              gd.attention(q, k, v, np.flatnonzero(g), W), gd.attention(q, k, v, None, W, plan=p),
+              gd.attention(q, k, v, cupy.asarray(np.flatnonzero(g).astype(np.int32)), W, validate=False)):
+        np.testing.assert_array_equal(o.get(), want)
+    assert math.isfinite(float(np.abs(want.astype(np.float32)).max()))
+
+
+def test_planner_kernels_build_for_sm90(tmp_path):
+    """nvcc builds gpu/daaf_plan.cu for sm_90a without spills (NVRTC compiles the same source on the GPU)."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    nvcc = next((c for c in (shutil.which("nvcc"), "/usr/local/bin/nvcc", "/usr/local/cuda/bin/nvcc")
+                 if c and Path(c).exists()), None)
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    r = subprocess.run([nvcc, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-c", "-Xptxas", "-v",
+                        str(dpl.KERNEL_SOURCE), "-o", str(tmp_path / "plan.o")], capture_output=True, text=True,
+                       timeout=170)
+    assert r.returncode == 0, r.stderr[-4000:]
+    built = set(re.findall(r"Compiling entry function '(\w+)'", r.stderr))
+    assert built == set(dpl.kernel_names())
+    assert all(int(n) == 0 for n in re.findall(r"(\d+) bytes spill stores", r.stderr)), r.stderr
+
+
+@pytest.mark.gpu
+def test_gpu_torch_per_call_forms(rng):
+    _gpu_or_skip()
+    torch = pytest.importorskip("torch")
+    T, H, D, W = 1000, 2, 64, 32
+    g = np.zeros(T, bool)
+    g[100:300] = True
+    gidx = np.flatnonzero(g)
+    q, k, v = (torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    tg = torch.from_numpy(g).cuda()
+    want = gd.prepare_torch(q, k, v, gidx, W)().clone()
+    p = planner.plan_from_mask(g, W)
+    for o in (gd.attention_torch(q, k, v, gidx, W, None, tg), gd.attention_torch(q, k, v, gidx, W, None, tg),
+              gd.attention_torch(q, k, v, None, W, plan=p), gd.attention_torch(q, k, v, None, W,
+                                                                               plan=gd.device_plan(gidx, W, T))):
+        assert torch.equal(o, want)
+    tg[5] = True  # in place: the checked-mask cache sees the new version
+    with pytest.raises(ValueError, match="exactly at global_idx"):
+        gd.attention_torch(q, k, v, gidx, W, None, tg)
+    tok = torch.from_numpy(_stream(rng, [(3000, 8), (1500, 2**17), (2000, 8)])).cuda()
+    dp = dpl.plan_torch(tok, 512, 0.8, W)
+    _same_plan(dp, planner.plan(tok.cpu().numpy(), 512, 0.8, W), ent_rtol=1e-10)
+    o = gd.attention_torch(q[:, :1], k[:, :1], v[:, :1], None, W, plan=dpl.plan_torch(tok[:1], 512, 0.8, W))
+    assert o.shape == (1, 1, H, D)
