@@ -268,7 +268,8 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco info") -> int:
     if MPI.COMM_WORLD.Get_rank() == 0:
         print(json.dumps(info, indent=2, sort_keys=True) if args.json else render(info), flush=True)
     if info["launcher_mismatch"]:  # every process of a mismatched launch is a rank 0 of its own world
-        print(f"{prog}: {info['launcher_mismatch']}", file=sys.stderr, flush=True)
+        if args.json:  # (the text output has it already)
+            print(f"{prog}: {info['launcher_mismatch']}", file=sys.stderr, flush=True)
         return 1
     return 0
 

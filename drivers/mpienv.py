@@ -226,7 +226,7 @@ def mpicc_mismatch(mpicc: str | None = None) -> str | None:
 
 #: environment variables through which launchers tell a process how many processes they started
 _LAUNCHER_SIZE_VARS = (
-    ("PMI_SIZE", "a PMI launcher (MPICH's Hydra mpiexec, or srun --mpi=pmi2)"),
+    ("PMI_SIZE", "a PMI launcher (MPICH's mpiexec or srun --mpi=pmi2)"),
     ("OMPI_COMM_WORLD_SIZE", "Open MPI's mpiexec/mpirun"),
 )
 
@@ -246,30 +246,28 @@ def launcher_mismatch(comm_size: int, environ: Mapping[str, str] | None = None) 
     if comm_size != 1:
         return None
     env = os.environ if environ is None else environ
-    lib = None
     try:
-        lib = f"{library_version()} ({library_path()})"
+        lib = f"{library_version().split(',')[0]} ({library_path()})"
     except Exception:  # noqa: BLE001 - the message is still useful without it
-        lib = "its MPI library"
-    tail = (f"mpi4py uses {lib}: launch with that MPI's mpiexec (or srun --mpi=pmi2 for MPICH, pmix for Open MPI), "
-            "or rebuild mpi4py for the launcher's MPI (pip install --no-cache-dir --force-reinstall "
-            "--no-binary=mpi4py mpi4py)")
+        lib = "another MPI library"
+    tail = (f"mpi4py uses {lib}. Launch with that MPI's mpiexec (srun: --mpi=pmi2 for MPICH, pmix for Open MPI), "
+            "or rebuild mpi4py for the launcher's MPI: pip install --no-cache-dir --force-reinstall "
+            "--no-binary=mpi4py mpi4py")
     for var, who in _LAUNCHER_SIZE_VARS:
         n = _int(env.get(var))
         if n is not None:
             if n > 1:
                 return (f"launcher/library mismatch: {who} started {n} processes ({var}={n}) but MPI_COMM_WORLD "
-                        f"has size 1 here; {tail}")
+                        f"has size 1: {tail}")
             return None  # the launcher itself says 1
     rank = _int(env.get("PMIX_RANK"))
     if rank is not None and rank > 0:
         return (f"launcher/library mismatch: a PMIx launcher started this process as rank {rank} "
-                f"(PMIX_RANK={rank}) but MPI_COMM_WORLD has size 1 here; {tail}")
+                f"(PMIX_RANK={rank}) but MPI_COMM_WORLD has size 1: {tail}")
     n = _int(env.get("SLURM_STEP_NUM_TASKS"))
     if n is not None and n > 1 and rank is None:
         return (f"launcher/library mismatch: srun started {n} tasks (SLURM_STEP_NUM_TASKS={n}) with no MPI "
-                f"plugin this library understands, so each is a world of size 1; pass srun --mpi=pmi2 (MPICH) or "
-                f"--mpi=pmix (Open MPI), see srun --mpi=list; {tail}")
+                f"plugin this library understands, so each is a world of size 1: {tail}")
     return None
 
 
