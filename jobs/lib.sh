@@ -43,13 +43,15 @@ hz_choose_launcher() {
         else HPCZECO_MPIEXEC=$(command -v mpiexec || command -v mpirun || echo mpiexec); fi
     fi
     if [[ "$HPCZECO_LAUNCHER" == srun && -z "${HPCZECO_SRUN_MPI:-}" ]]; then
-        local why
-        if ! HPCZECO_SRUN_MPI=$("$HZ_PY" -m hpczeco.drivers.mpienv srun-mpi 2>&1); then
-            why=$HPCZECO_SRUN_MPI; HPCZECO_SRUN_MPI=
+        local why errfile
+        errfile=$(mktemp)
+        if ! HPCZECO_SRUN_MPI=$("$HZ_PY" -m hpczeco.drivers.mpienv srun-mpi 2>"$errfile"); then
+            why=$(tail -n 1 "$errfile"); HPCZECO_SRUN_MPI=; rm -f "$errfile"
             [[ -n "$given" ]] && hz_die "HPCZECO_LAUNCHER=srun, but: $why (set HPCZECO_SRUN_MPI to force a plugin)"
             echo "  (srun not used: $why)"
             HPCZECO_LAUNCHER=mpiexec
         fi
+        rm -f "$errfile"
     fi
     HPCZECO_CPU_BIND=${HPCZECO_CPU_BIND-cores}
     # Slurm >= 22.05: srun no longer inherits the job's --cpus-per-task; pass it on explicitly
