@@ -2,9 +2,14 @@
 # a virtual environment in .venv, an MPI, mpi4py, and the package in editable mode.
 #
 #   MPI=wheel  (default) MPICH from PyPI: works unprivileged and oversubscribed on any Linux box.
-#   MPI=system use the MPI already on PATH (mpicc/mpiexec, as on clusters): mpi4py is built
-#              from source against it, and tests/jobs use that mpiexec.
+#   MPI=system use the MPI already on PATH (mpicc/mpiexec, as on clusters after `module load`):
+#              mpi4py is built from source against $(MPICC) (never from pip's cache) and checked
+#              against it; tests and `make run` use $(MPIEXEC).
+#              Two MPIs side by side (Debian's openmpi-bin + mpich): pick one per call with
+#              MPICC=mpicc.openmpi MPIEXEC=mpiexec.openmpi (or mpicc.mpich / mpiexec.mpich).
 #   NP=4       ranks for `make run`.
+#   make phdf5 (MPI=system, Open MPI): h5py built against Debian's parallel HDF5 (libhdf5-openmpi-dev)
+#              into the venv, so checkpoints use driver="mpio"; `make test-phdf5` tests that path.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -13,54 +18,94 @@ NP     ?= 4
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.hpczeco-installed-$(MPI)
 ifeq ($(MPI),system)
+MPICC   ?= mpicc
 MPIEXEC ?= mpiexec
+export MPICC
 else
 MPIEXEC ?= $(abspath $(VENV))/bin/mpiexec
 endif
 export MPIEXEC
-# settings for oversubscribed runs (harmless where not needed)
-export HYDRA_LAUNCHER ?= fork
-export MPIR_CVAR_CH4_PROGRESS_THROTTLE ?= true
-export OMPI_ALLOW_RUN_AS_ROOT ?= 1
-export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
-export PRTE_MCA_rmaps_default_mapping_policy ?= :oversubscribe
 # one BLAS thread per process: ranks and tests parallelise themselves (threaded BLAS thrashes oversubscribed cores)
 export OPENBLAS_NUM_THREADS ?= 1
 export OMP_NUM_THREADS ?= 1
+# single-node oversubscription / run-as-root settings (MPICH, Open MPI 4 and 5): hpczeco/drivers/mpienv.py
+MPIRUN_ENV := $(VPY) -m hpczeco.drivers.mpienv run --
+# parallel HDF5 for `make phdf5`: Debian's libhdf5-openmpi-dev (on a cluster: HDF5_DIR=<the module's prefix>)
+HDF5_PKGCONFIG_NAME ?= hdf5-openmpi
+PHDF5_STAMP := $(VENV)/.hpczeco-phdf5
 
-.PHONY: all run test install lint gpu-check clean help
+.PHONY: all run test install check-mpi lint gpu-check test-net phdf5 test-phdf5 clean help
 
 help:
 	@echo "make run    - the main job: $(NP)-rank demo under mpiexec (bootstraps .venv)"
 	@echo "make test   - the whole test suite, serial and under mpiexec -n 2..5 (bootstraps .venv)"
 	@echo "make lint   - ruff"
+	@echo "make phdf5  - h5py with parallel HDF5 in the venv (MPI=system, Open MPI; ~10 min build)"
+	@echo "make test-phdf5 - the checkpoint tests with driver='mpio' at n = 2..4 (after make phdf5)"
 	@echo "make gpu-check - GPU tests (on a machine with CuPy and a CUDA GPU)"
-	@echo "options: MPI=wheel|system  NP=4  PYTHON=python3"
+	@echo "make test-net - scans/ZeCO/train across 2-4 network namespaces over TCP (root), then the scan bench"
+	@echo "options: MPI=wheel|system  MPICC=mpicc  MPIEXEC=mpiexec  NP=4  PYTHON=python3  VENV=.venv"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q -U pip 'setuptools>=68' wheel
+	$(VPY) -m pip install -q -U pip 'setuptools>=77' wheel
 ifeq ($(MPI),system)
-	$(VPY) -m pip install -q --no-binary=mpi4py mpi4py
+	@command -v $(MPICC) >/dev/null || { echo "MPI=system: no $(MPICC) on PATH (module load <mpi>, or apt-get install libopenmpi-dev)"; exit 2; }
+	$(VPY) -m pip install -q --no-cache-dir --force-reinstall --no-binary=mpi4py mpi4py
 else
 	$(VPY) -m pip install -q mpich mpi4py
 endif
 	$(VPY) -m pip install -q -e '.[test]'
+	@# PyTorch for the tests of the optional torch extra, pinned here only (2.13.0 is a local CPU build on these
+	@# machines; another version would download a multi-GB CUDA build); where it is missing those tests skip
+	$(VPY) -m pip install -q torch==2.13.0 || echo "torch==2.13.0 not installed: the PyTorch tests will skip"
+ifeq ($(MPI),system)
+	$(VPY) -m hpczeco.drivers.mpienv check-mpicc
+endif
 	@rm -f $(VENV)/.hpczeco-installed-*
 	@touch $@
 
 install: $(STAMP)
 
-run: $(STAMP)
-	$(MPIEXEC) -n $(NP) $(VPY) -m hpczeco demo
+# mpi4py's library is MPICC's (MPI=system), and $(MPIEXEC) starts 2 ranks that see each other
+check-mpi: $(STAMP)
+ifeq ($(MPI),system)
+	@$(VPY) -m hpczeco.drivers.mpienv check-mpicc
+endif
+	@$(MPIRUN_ENV) $(MPIEXEC) -n 2 $(VPY) -m hpczeco info >/dev/null || { \
+	  echo "check-mpi: '$(MPIEXEC) -n 2 hpczeco info' failed: is $(MPIEXEC) the launcher of mpi4py's MPI?"; exit 2; }
 
-test: $(STAMP)
+run: check-mpi
+	$(MPIRUN_ENV) $(MPIEXEC) -n $(NP) $(VPY) -m hpczeco demo
+
+test: check-mpi
 	$(VPY) tests/run_suite.py
 
-# on a GPU machine (CuPy + a CUDA GPU): the GPU tests, then the 2-rank transport tests
+$(PHDF5_STAMP): $(STAMP)
+	@test "$(MPI)" = system || { echo "make phdf5: needs MPI=system (h5py must link the MPI that mpi4py uses)"; exit 2; }
+	@pkg-config --exists $(HDF5_PKGCONFIG_NAME) || [ -n "$$HDF5_DIR" ] || { echo "make phdf5: no parallel HDF5:" \
+	  "apt-get install --no-install-recommends libhdf5-openmpi-dev pkg-config (or set HDF5_DIR)"; exit 2; }
+	$(VPY) -m pip install -q 'setuptools>=77' packaging wheel cython pkgconfig numpy
+	H5PY_SETUP_REQUIRES=0 CC=$(MPICC) HDF5_MPI=ON HDF5_PKGCONFIG_NAME=$(HDF5_PKGCONFIG_NAME) \
+	  $(VPY) -m pip install -q --no-cache-dir --no-build-isolation --no-binary=h5py --no-deps --force-reinstall h5py
+	$(VPY) -c "import h5py; assert h5py.get_config().mpi, 'h5py has no MPI'; print('h5py', h5py.version.version, 'parallel HDF5', h5py.version.hdf5_version)"
+	@touch $@
+
+phdf5: $(PHDF5_STAMP)
+
+test-phdf5: $(PHDF5_STAMP) check-mpi
+	HPCZECO_TEST_RANKS="2 3 4" $(VPY) tests/run_suite.py tests/test_checkpoint.py tests/test_checkpoint_mpio.py
+
+# on a GPU machine (CuPy + a CUDA GPU): the GPU tests, then the 2-rank device tests
 gpu-check: $(STAMP)
-	$(VPY) -m pytest -q tests/test_cuda_build.py tests/test_gpu_gla.py tests/test_gpu_transport.py tests/test_gpu_daaf.py
-	$(MPIEXEC) -n 2 $(VPY) -m pytest -q -m mpi tests/test_gpu_transport.py
+	$(VPY) -m pytest -q -m gpu tests/
+	$(MPIRUN_ENV) $(MPIEXEC) -n 2 $(VPY) -m pytest -q -m "mpi and gpu" tests/
+
+# scans, ZeCO and train/resume across 2-4 network namespaces over TCP (root; MPICH and Open MPI), then the
+# scan benchmark there (tests/netns/README or docs/benchmarks/network.md)
+test-net: $(STAMP)
+	HPCZECO_NETNS_HOSTS="2 3 4" HPCZECO_NETNS_MPI="mpich openmpi" $(VPY) -m pytest -v tests/test_netns.py
+	PYTHON=$(abspath $(VPY)) tests/netns/bench.sh runs/netns
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

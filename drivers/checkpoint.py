@@ -23,8 +23,9 @@ external storage and virtual datasets (which point at other files) are refused.
 
 Parallelism: parameters are replicated, so every rank passes the same arrays (checked by comparing
 their checksums across ranks). With a parallel h5py (``h5py.get_config().mpi``) the file is opened
-by every rank with ``driver='mpio'`` and rank 0 writes the data; with the serial PyPI wheels (the
-usual case; the only path tested on the development machine) rank 0 writes the file alone.
+by every rank with ``driver='mpio'`` and rank 0 writes the data (``make phdf5`` builds such an h5py,
+``make test-phdf5`` tests this path); with the serial PyPI wheels (the usual case) rank 0 writes the
+file alone. Both paths write the same file contents.
 Loading is done by rank 0 and broadcast, so a checkpoint written by P ranks loads on any number of
 ranks.
 """
@@ -415,8 +416,8 @@ class CheckpointWriter:
 
     def _write_mpio(self, tmp: Path, host, manifest, stored, root_attrs) -> str | None:
         """Parallel HDF5: object creation and attributes are collective (same values on every rank);
-        the replicated data are written by rank 0 alone (independent I/O). Untested here: the PyPI
-        h5py wheels are serial."""
+        the replicated data are written by rank 0 alone (independent I/O). Tested by
+        tests/test_checkpoint_mpio.py with an h5py from ``make phdf5``."""
         err = None
         try:
             with h5py.File(tmp, "w", driver="mpio", comm=self.comm) as f:

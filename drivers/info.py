@@ -16,6 +16,8 @@ import socket
 import sys
 from typing import Any
 
+from hpczeco.drivers.mpienv import launcher_mismatch
+
 CUDA_AWARE_ENV = "HPCZECO_CUDA_AWARE"
 # MPI settings that decide GPU-buffer support, shown when set
 _GPU_ENV = ("MPIR_CVAR_ENABLE_GPU", "MPIR_CVAR_CH4_GPU_SUPPORT", "UCX_TLS", "UCX_MEMTYPE_CACHE",
@@ -93,6 +95,28 @@ def env_flag(name: str) -> bool | None:
     return v.strip().lower() in ("1", "true", "yes", "on")
 
 
+def cpu_affinity() -> list[int] | None:
+    """The CPUs this process may run on (its binding, e.g. from ``srun --cpu-bind``); ``None`` where unknown."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def format_cpus(cpus: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``'0-2,5'``."""
+    parts: list[str] = []
+    start = prev = None
+    for c in [*cpus, None]:
+        if c is not None and prev is not None and c == prev + 1:
+            prev = c
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = c
+    return ",".join(parts)
+
+
 def gpu_info() -> dict[str, Any]:
     """This rank's CUDA devices through CuPy; ``{'count': 0, 'why': ...}`` without CuPy or GPUs."""
     try:
@@ -151,7 +175,8 @@ def collect(comm=None) -> dict[str, Any]:
     libpath = mpi_library_path()
     gpus = gpu_info()
     mine = {"rank": rank, "host": socket.gethostname(), "processor": MPI.Get_processor_name(),
-            "pid": os.getpid(), "gpus": gpus["count"]}
+            "pid": os.getpid(), "gpus": gpus["count"], "cpus": cpu_affinity(),
+            "omp_threads": os.environ.get("OMP_NUM_THREADS")}
     ranks = comm.gather(mine, root=0)
     mpix = mpix_cuda_support(libpath)
     opt_in = env_flag(CUDA_AWARE_ENV)
@@ -165,6 +190,7 @@ def collect(comm=None) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001
         h5 = {"h5py": f"not importable ({type(exc).__name__})", "hdf5": "?"}
     lib_version = MPI.Get_library_version().replace("\x00", "").strip()
+    mismatch = launcher_mismatch(size)
     info = {
         "hpczeco": hpczeco.__version__,
         "python": f"{platform.python_version()} ({sys.executable})",
@@ -179,6 +205,7 @@ def collect(comm=None) -> dict[str, Any]:
             "thread_level": _THREAD_LEVELS[thread] if 0 <= thread < 4 else str(thread),
         },
         "ranks": {"size": size, "hosts": sorted({r["host"] for r in ranks}) if ranks else None, "per_rank": ranks},
+        "launcher_mismatch": mismatch,
         "cuda_aware": {
             "effective": cuda_aware,
             "detected": detected,
@@ -207,8 +234,13 @@ def render(info: dict[str, Any]) -> str:
         f"  mpi4py        {m['mpi4py']}   thread level {m['thread_level']}",
         f"ranks           {r['size']} on {len(r['hosts'] or [])} host(s): {', '.join(r['hosts'] or [])}",
     ]
+    if info.get("launcher_mismatch"):
+        lines.append(f"  WARNING       {info['launcher_mismatch']}")
     for pr in r["per_rank"] or []:
-        lines.append(f"  rank {pr['rank']:<4d}     {pr['host']} pid {pr['pid']} gpus {pr['gpus']}")
+        cpus = pr.get("cpus")
+        bound = f"cpus {format_cpus(cpus)} ({len(cpus)})" if cpus else "cpus ?"
+        lines.append(f"  rank {pr['rank']:<4d}     {pr['host']} pid {pr['pid']} {bound} "
+                     f"OMP_NUM_THREADS={pr.get('omp_threads') or '-'} gpus {pr['gpus']}")
     q = ", ".join(f"{k}={'n/a' if v is None else v}" for k, v in c["query"].items())
     src = f"{CUDA_AWARE_ENV}={c[CUDA_AWARE_ENV]}" if c[CUDA_AWARE_ENV] is not None else "detection"
     lines.append(f"CUDA-aware MPI  {'yes' if c['effective'] else 'no'} (from {src}; {q})")
@@ -235,6 +267,10 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco info") -> int:
     info = collect(MPI.COMM_WORLD)
     if MPI.COMM_WORLD.Get_rank() == 0:
         print(json.dumps(info, indent=2, sort_keys=True) if args.json else render(info), flush=True)
+    if info["launcher_mismatch"]:  # every process of a mismatched launch is a rank 0 of its own world
+        if args.json:  # (the text output has it already)
+            print(f"{prog}: {info['launcher_mismatch']}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -74,13 +73,9 @@ def run_short_bench(folder: Path, nps: list[int], sizes: str, mpiexec: str | Non
 
         bench_scan.main(common)
         return
-    env = dict(os.environ)
-    env.setdefault("HYDRA_LAUNCHER", "fork")
-    env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "true")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
-    env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
+    from hpczeco.drivers.mpienv import launch_env
+
+    env = launch_env()  # a short single-node bench: oversubscribed, possibly as root
     for P in nps:
         cmd = [exe, "-n", str(P), sys.executable, "-m", "hpczeco", "bench", "scan", *common]
         print("report: " + " ".join(cmd), flush=True)

@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,6 +38,28 @@ FAULT_KILL_ENV = "HPCZECO_FAULT_KILL"
 #: ``N``: every rank prints one ``soak:`` line (VmRSS, scan handles in flight, pooled buffers) to stderr
 #: after step N and after the last step (leak checks in the reliability tests).
 SOAK_REPORT_ENV = "HPCZECO_SOAK_REPORT"
+#: with --ckpt-dir, this signal (sent by a batch script before the walltime, e.g. Slurm's --signal=B:USR1@120
+#: forwarded to the ranks) makes every rank finish its step, write a checkpoint and stop.
+CHECKPOINT_SIGNAL = signal.SIGUSR1
+
+
+class _SignalFlag:
+    """Sets ``raised`` when ``signum`` arrives (installed from the main thread only; else inert)."""
+
+    def __init__(self, signum: int):
+        self.signum: int | None = signum
+        self.raised = False
+        try:
+            self._old = signal.signal(signum, self._handler)
+        except ValueError:  # not the main thread
+            self.signum = None
+
+    def _handler(self, signum, frame) -> None:
+        self.raised = True
+
+    def restore(self) -> None:
+        if self.signum is not None:
+            signal.signal(self.signum, self._old)
 
 
 def _fault_kill_at() -> tuple[int, int] | None:
@@ -154,6 +177,7 @@ class TrainResult:
     wall_s: float = 0.0  # the whole loop, checkpoints included
     checkpoint: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    stopped_by: str | None = None  # "SIGUSR1" when CHECKPOINT_SIGNAL ended the run early (after a checkpoint)
 
 
 class FlatParams:
@@ -364,6 +388,7 @@ def run(argv: list[str] | None, comm, prog: str = "hpczeco train") -> TrainResul
     last_saved = step0 if args.resume else -1
     fault = _fault_kill_at()
     soak_at = int(os.environ.get(SOAK_REPORT_ENV, "0") or 0)
+    stop_flag = _SignalFlag(CHECKPOINT_SIGNAL) if writer is not None else None
     try:
         for step in range(step0 + 1, args.steps + 1):
             t0 = time.perf_counter()
@@ -377,14 +402,15 @@ def run(argv: list[str] | None, comm, prog: str = "hpczeco train") -> TrainResul
                 weights = params.views
             part, grads = model.loss_and_grads(weights, x, y, n_total)
             if fault is not None and fault == (rank, step):
-                import signal
-
                 sys.stderr.write(f"hpczeco train: fault injection: rank {rank} SIGKILLs itself in step {step} "
                                  f"at t={time.time():.3f}\n")
                 sys.stderr.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
             g = allreduce_sum(comm, params.pack(grads), args.allreduce)
-            loss = float(allreduce_sum(comm, np.array([part], np.float64), args.allreduce)[0])
+            # the loss and "did any rank get CHECKPOINT_SIGNAL" in one reduction: all ranks stop at the same step
+            raised = float(stop_flag is not None and stop_flag.raised)
+            reduced = allreduce_sum(comm, np.array([part, raised], np.float64), args.allreduce)
+            loss, signalled = float(reduced[0]), bool(reduced[1] > 0)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr")
             gnorm = float(np.sqrt(np.dot(g.astype(np.float64), g.astype(np.float64))))
@@ -421,16 +447,23 @@ def run(argv: list[str] | None, comm, prog: str = "hpczeco train") -> TrainResul
             if soak_at and (step == soak_at or step == args.steps):
                 sys.stderr.write(_soak_line(comm, step))
                 sys.stderr.flush()
+            if signalled:
+                result.stopped_by = signal.Signals(CHECKPOINT_SIGNAL).name
+                say(f"hpczeco train: {result.stopped_by} received: checkpoint at step {step}, then stop "
+                    "(continue with --resume)")
+                break
         result.wall_s = time.perf_counter() - t_run
         result.tokens_per_s = float(np.median(rates[1:] if len(rates) > 1 else rates)) if rates else 0.0
         if writer is not None and last_saved != result.step:
             result.checkpoint = save(result.step, loss)
     finally:
+        if stop_flag is not None:
+            stop_flag.restore()
         if bar is not None:
             bar.close()
     result.params = {n: a.copy() for n, a in params.views.items()}
     emit({"event": "end", "step": result.step, "loss": loss, "tokens_per_s": result.tokens_per_s,
-          "wall_s": result.wall_s, "checkpoint": result.checkpoint})
+          "wall_s": result.wall_s, "checkpoint": result.checkpoint, "stopped_by": result.stopped_by})
     if log is not None:
         log.close()
     if rank == 0:
@@ -448,7 +481,12 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco train") -> int:
     from mpi4py import MPI
 
     from .checkpoint import CheckpointError
+    from .mpienv import launcher_mismatch
 
+    mismatch = launcher_mismatch(MPI.COMM_WORLD.Get_size())
+    if mismatch:  # refuse: each process would train alone on the whole sequence
+        print(f"{prog}: error: {mismatch}", file=sys.stderr, flush=True)
+        return 2
     try:
         run(argv, MPI.COMM_WORLD, prog=prog)
     except (CheckpointError, ValueError, FloatingPointError) as exc:  # raised on every rank alike

@@ -1,7 +1,13 @@
 #!/usr/bin/env python3
 """Run the whole test suite: once in one process, then the ``mpi``-marked tests under
 ``mpiexec -n N`` for each N in ``--ranks``. Prints each stage's pytest summary and a total line
-``N passed, N failed, N skipped``; exits non-zero if any stage failed or timed out.
+``N passed, N failed, N skipped``; exits non-zero if any stage failed, timed out or left no summary.
+
+Each stage's counts come from a JSON result file that rank 0 writes at the end of the stage (this
+file is also loaded into pytest as a plugin, ``-p run_suite``), not from pytest's terminal text,
+which Open MPI's ``mpiexec`` colours (its ranks see a terminal); every stage also runs with
+``--color=no``. Stages run with the single-node oversubscription settings of
+``hpczeco.drivers.mpienv`` (MPICH, Open MPI 4 and 5, as root).
 
 Environment: ``MPIEXEC`` (default: the venv's mpiexec, else ``mpiexec`` on PATH),
 ``MPIEXEC_TIMEOUT`` (seconds per MPI stage, default 600), ``HPCZECO_TEST_RANKS`` (e.g. ``2 3 4``).
@@ -10,16 +16,22 @@ Environment: ``MPIEXEC`` (default: the venv's mpiexec, else ``mpiexec`` on PATH)
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+HERE = Path(__file__).resolve().parent
+RESULT_ENV = "HPCZECO_SUITE_RESULT"
 _WORDS = "passed|failed|skipped|errors?|deselected|xfailed|xpassed|warnings?"
 SUMMARY = re.compile(rf"^=*\s*((?:\d+ (?:{_WORDS})(?:, )?)+) in [\d.]+s")
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_COUNTED = ("passed", "failed", "errors", "skipped", "xfailed", "xpassed")
 
 
 def find_mpiexec() -> str:
@@ -35,75 +47,124 @@ def find_mpiexec() -> str:
 
 
 def counts(line: str) -> dict[str, int]:
+    """Counts from a pytest summary line such as ``3 failed, 10 passed, 2 skipped in 4.1s``."""
     out: dict[str, int] = {}
-    for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", line):
+    for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", ANSI.sub("", line)):
         key = "errors" if word.startswith("error") else word
         out[key] = out.get(key, 0) + int(n)
     return out
 
 
-def run_stage(name: str, cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int, dict[str, int]]:
+# ------------------------------------------------------------------------------ pytest plugin (-p run_suite)
+
+
+def _world_rank() -> int:
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi.COMM_WORLD.Get_rank() if mpi is not None and mpi.Is_initialized() else 0
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Rank 0 writes the stage's counts to ``$HPCZECO_SUITE_RESULT`` (JSON) when that is set. The
+    harness (conftest.py) agrees every MPI test's outcome over the ranks, so rank 0's counts are the
+    stage's."""
+    path = os.environ.get(RESULT_ENV)
+    if not path or _world_rank() != 0:
+        return
+    result: dict[str, int] = {}
+    for category, reports in terminalreporter.stats.items():
+        key = "errors" if category == "error" else category
+        if key in _COUNTED:
+            result[key] = sum(1 for r in reports if getattr(r, "count_towards_summary", True))
+    result["exitstatus"] = int(exitstatus)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(result, fh)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------ stages
+
+
+def run_stage(name: str, cmd: list[str], env: dict[str, str], timeout: float, result_file: Path):
+    """Run one stage; returns ``(exit code, counts or {}, seconds)``."""
     print(f"\n### stage {name}: {' '.join(cmd)}", flush=True)
+    result_file.unlink(missing_ok=True)
+    env = dict(env, **{RESULT_ENV: str(result_file)})
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    summary: dict[str, int] = {}
+    text_summary: dict[str, int] = {}
     assert proc.stdout is not None
     try:
         for line in proc.stdout:
             sys.stdout.write(line)
-            m = SUMMARY.search(line)
+            m = SUMMARY.search(ANSI.sub("", line))
             if m:
-                summary = counts(m.group(1))
+                text_summary = counts(m.group(1))
         rc = proc.wait(timeout=max(1.0, timeout - (time.time() - t0)))
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.wait()
         print(f"### stage {name}: TIMED OUT after {timeout:.0f}s (deadlock?)", flush=True)
-        return 124, summary
-    print(f"### stage {name}: exit {rc} in {time.time() - t0:.1f}s", flush=True)
-    return rc, summary
+        return 124, text_summary, time.time() - t0
+    seconds = time.time() - t0
+    summary = text_summary
+    if result_file.exists():
+        data = json.loads(result_file.read_text())
+        summary = {k: v for k, v in data.items() if k in _COUNTED and v}
+        if not summary and data.get("exitstatus") == 5:  # no tests collected
+            summary = {"passed": 0}
+    print(f"### stage {name}: exit {rc} in {seconds:.1f}s", flush=True)
+    return rc, summary, seconds
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default=os.environ.get("HPCZECO_TEST_RANKS", "2 3 4 5"))
     ap.add_argument("--serial-only", action="store_true")
-    ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (e.g. -k scan)")
+    ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (e.g. -k scan, or test files)")
     args = ap.parse_args()
 
+    from hpczeco.drivers.mpienv import launch_env
+
     py = sys.executable
-    env = dict(os.environ)
+    env = launch_env()
     env.setdefault("PYTHONUNBUFFERED", "1")
-    # mpi4py's own CI settings for oversubscribed runs of the MPICH wheel (harmless elsewhere).
-    env.setdefault("HYDRA_LAUNCHER", "fork")
-    env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "true")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
-    env.setdefault("PRTE_MCA_rmaps_default_mapping_policy", ":oversubscribe")
+    # this file is the plugin that writes each stage's result file
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), *filter(None, [env.get("PYTHONPATH")])])
     stage_timeout = float(env.setdefault("MPIEXEC_TIMEOUT", "600"))
+    pytest = [py, "-m", "pytest", "-q", "--color=no", "-p", "run_suite", "-p", "no:cacheprovider"]
+    t_all = time.time()
+    workdir = Path(tempfile.mkdtemp(prefix="hpczeco-suite-"))
 
     results = []
-    rc, summ = run_stage("serial (1 process)", [py, "-m", "pytest", "-q", *args.pytest_args], env, 3 * stage_timeout)
-    results.append(("serial", rc, summ))
-    if not args.serial_only:
-        mpiexec = find_mpiexec()
-        for n in args.ranks.split():
-            cmd = [mpiexec, "-n", n, py, "-m", "pytest", "-q", "-m", "mpi", "-p", "no:cacheprovider", *args.pytest_args]
-            rc, summ = run_stage(f"mpiexec -n {n}", cmd, env, stage_timeout)
-            results.append((f"n={n}", rc, summ))
+    try:
+        rc, summ, sec = run_stage("serial (1 process)", [*pytest, *args.pytest_args], env, 3 * stage_timeout,
+                                  workdir / "serial.json")
+        results.append(("serial", rc, summ, sec))
+        if not args.serial_only:
+            mpiexec = find_mpiexec()
+            for n in args.ranks.split():
+                cmd = [mpiexec, "-n", n, *pytest, "-m", "mpi", *args.pytest_args]
+                rc, summ, sec = run_stage(f"mpiexec -n {n}", cmd, env, stage_timeout, workdir / f"n{n}.json")
+                results.append((f"n={n}", rc, summ, sec))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
 
     total: dict[str, int] = {}
     print("\n### summary")
     ok = True
-    for name, rc, summ in results:
+    for name, rc, summ, sec in results:
         for k, v in summ.items():
             total[k] = total.get(k, 0) + v
-        bad = rc not in (0, 5)
+        bad = rc not in (0, 5) or not summ
         ok &= not bad
         desc = ", ".join(f"{v} {k}" for k, v in summ.items()) or "no summary"
-        print(f"  {name:10s} exit {rc:3d}  {desc}{'  <-- FAILED' if bad else ''}")
-    failed = total.get("failed", 0) + total.get("errors", 0) + (0 if ok else 1 if not total.get("failed") else 0)
-    print(f"{total.get('passed', 0)} passed, {failed} failed, {total.get('skipped', 0)} skipped")
+        print(f"  {name:10s} exit {rc:3d}  {sec:6.0f} s  {desc}{'  <-- FAILED' if bad else ''}")
+    failed = total.get("failed", 0) + total.get("errors", 0)
+    if not ok and failed == 0:
+        failed = 1  # a stage crashed or timed out without reporting a failed test
+    print(f"{total.get('passed', 0)} passed, {failed} failed, {total.get('skipped', 0)} skipped "
+          f"in {(time.time() - t_all) / 60:.1f} min")
     return 0 if ok else 1
 
 

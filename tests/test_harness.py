@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from hpczeco.drivers.mpienv import launch_env
 
 HERE = Path(__file__).parent
 
@@ -18,27 +21,31 @@ def _mpiexec():
     return find_mpiexec()
 
 
-def _run_pytest_under_mpi(tmp_path: Path, body: str, n: int, extra: list[str], timeout: float = 120):
+def _run_pytest_under_mpi(tmp_path: Path, body: str, n: int, extra: list[str], timeout: float = 120,
+                          color: str = "no", env_extra: dict[str, str] | None = None):
     (tmp_path / "conftest.py").write_text((HERE / "conftest.py").read_text())
     (tmp_path / "test_probe.py").write_text(textwrap.dedent(body))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HYDRA_LAUNCHER="fork", MPIEXEC_TIMEOUT="60")
-    cmd = [_mpiexec(), "-n", str(n), sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    env = dict(launch_env(), PYTHONUNBUFFERED="1", MPIEXEC_TIMEOUT="60", **(env_extra or {}))
+    # --color=no by default: under Open MPI's mpiexec the ranks see a terminal and pytest colours its summary
+    cmd = [_mpiexec(), "-n", str(n), sys.executable, "-m", "pytest", "-q", f"--color={color}", "-p", "no:cacheprovider",
            "-m", "mpi", "--rootdir", str(tmp_path), *extra, str(tmp_path / "test_probe.py")]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
 
 
+_ONE_RANK_FAILS = """
+    import pytest
+    from mpi4py import MPI
+    @pytest.mark.mpi
+    def test_only_rank_one_fails():
+        assert MPI.COMM_WORLD.Get_rank() != 1, "planted failure on rank 1"
+    @pytest.mark.mpi
+    def test_passes_everywhere():
+        assert MPI.COMM_WORLD.allreduce(1) == MPI.COMM_WORLD.Get_size()
+"""
+
+
 def test_failure_on_one_rank_fails_the_run(tmp_path):
-    body = """
-        import pytest
-        from mpi4py import MPI
-        @pytest.mark.mpi
-        def test_only_rank_one_fails():
-            assert MPI.COMM_WORLD.Get_rank() != 1, "planted failure on rank 1"
-        @pytest.mark.mpi
-        def test_passes_everywhere():
-            assert MPI.COMM_WORLD.allreduce(1) == MPI.COMM_WORLD.Get_size()
-    """
-    res = _run_pytest_under_mpi(tmp_path, body, 2, [])
+    res = _run_pytest_under_mpi(tmp_path, _ONE_RANK_FAILS, 2, [])
     out = res.stdout + res.stderr
     assert res.returncode != 0, out
     assert "1 failed, 1 passed" in out, out
@@ -59,3 +66,21 @@ def test_deadlock_fails_with_timeout(tmp_path):
     out = res.stdout + res.stderr
     assert res.returncode != 0, out
     assert "Timeout" in out, out
+
+
+def test_stage_counts_come_from_the_result_file_not_the_colours(tmp_path):
+    """run_suite's plugin: rank 0 writes the counts as JSON, whatever colours the terminal text has."""
+    result = tmp_path / "result.json"
+    pythonpath = os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])
+    res = _run_pytest_under_mpi(tmp_path, _ONE_RANK_FAILS, 3, ["-p", "run_suite"], color="yes",
+                                env_extra={"HPCZECO_SUITE_RESULT": str(result), "PYTHONPATH": pythonpath})
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "\x1b[" in out, out  # coloured on purpose
+    data = json.loads(result.read_text())
+    assert data["failed"] == 1 and data["passed"] == 1 and data["exitstatus"] == 1, data
+    # and the text fallback reads the coloured summary line too
+    sys.path.insert(0, str(HERE))
+    from run_suite import counts
+
+    summary = [line for line in out.splitlines() if "passed" in line and " in " in line]
+    assert summary and counts(summary[-1]) == {"failed": 1, "passed": 1}, out

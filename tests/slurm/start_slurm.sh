@@ -6,7 +6,9 @@
 #   --install   apt-get install Debian's slurm-wlm first if sbatch is missing (needs root; Debian/Ubuntu)
 #   DIR         folder for slurm.conf, state, spool, logs and pid files (created)
 #
-# Environment: SLURM_TEST_CPUS (CPUs the node advertises, default: nproc), SLURM_TEST_CTLD_PORT /
+# Environment: SLURM_TEST_CPUS (CPUs the node advertises, default: nproc), SLURM_TEST_TASK_PLUGIN
+# (default task/affinity: srun binds each task to its CPUs, `--cpu-bind=verbose` shows it; task/none
+# where sched_setaffinity is not allowed), SLURM_TEST_CTLD_PORT /
 # SLURM_TEST_SLURMD_PORT (default: two free ports), SLURM_TEST_WAIT (seconds to wait for the
 # node to become idle, default 60).
 #
@@ -63,7 +65,7 @@ SlurmdLogFile=$dir/log/slurmd.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=${SLURM_TEST_TASK_PLUGIN:-task/affinity}
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 JobAcctGatherType=jobacct_gather/none
