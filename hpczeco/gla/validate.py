@@ -27,6 +27,8 @@ __all__ = [
     "check_gate_values",
     "compute_dtype_name",
     "state_dtype_ok",
+    "check_cu_seqlens",
+    "check_document_states",
 ]
 
 _HALF = ("float16", "bfloat16")
@@ -197,3 +199,57 @@ def raise_for_flags(arrays: dict[str, Any], flags: list[int]) -> None:
         if f & POSITIVE:
             raise ValueError(f"{name} is a log forget gate and must be <= 0 everywhere (max is "
                              f"{float(x.astype('float32').max())})")
+
+
+def check_cu_seqlens(cu_seqlens: Any, B: int, T: int | None = None) -> np.ndarray:
+    """Packed documents (flash-linear-attention's / FlashAttention's ``cu_seqlens``): an integer array ``[N + 1]``
+    (numpy, CuPy -- copied to the host -- or a sequence of ints) with ``cu_seqlens[0] == 0``, non-decreasing,
+    ``N >= 1``, ending at ``T`` (when ``T`` is given; the ZeCO layer checks the global end collectively), and
+    ``B == 1`` (the documents are packed along T). Document ``i`` is the tokens ``cu_seqlens[i] .. cu_seqlens[i+1]
+    - 1`` (length 0 allowed). Returns the offsets as a host ``int64`` array. Raises ``TypeError`` (not integers) or
+    ``ValueError``, naming ``cu_seqlens``. Local."""
+    if is_device_array(cu_seqlens):
+        cu_seqlens = cu_seqlens.get()
+    if isinstance(cu_seqlens, np.ndarray):
+        cu = cu_seqlens
+    elif isinstance(cu_seqlens, (list, tuple)):
+        if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in cu_seqlens):
+            raise TypeError("cu_seqlens must hold integers (document offsets [N + 1])")
+        cu = np.asarray(cu_seqlens, dtype=np.int64)
+    else:
+        raise TypeError(f"cu_seqlens must be an integer array [N + 1] (numpy, cupy or a list), got "
+                        f"{type(cu_seqlens).__name__}")
+    if cu.dtype.kind not in "iu":
+        raise TypeError(f"cu_seqlens must have an integer dtype, got {cu.dtype}")
+    if cu.ndim != 1 or cu.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with N + 1 >= 2 entries (N documents), got shape {list(cu.shape)}")
+    cu = cu.astype(np.int64)
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the batch size must be 1 (documents packed along T), got B={B}")
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
+    steps = np.diff(cu)
+    if (steps < 0).any():
+        i = int(np.flatnonzero(steps < 0)[0])
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {int(cu[i])} then {int(cu[i + 1])} at index {i}")
+    if T is not None and cu[-1] != T:
+        raise ValueError(f"cu_seqlens must end at the sequence length T={T}, got {int(cu[-1])}")
+    return cu
+
+
+def check_document_states(name: str, x: Any, N: int, H: int, K: int, V: int, q: Any,
+                          check_values: bool = True) -> None:
+    """A per-document state (``initial_state``, ``dht`` with ``cu_seqlens``): an array ``[N, H, K, V]`` on the side
+    of ``q`` (numpy or CuPy), of ``q``'s dtype (float32 too for half inputs), finite when ``check_values`` (host
+    arrays; device values are the caller's). ``TypeError``/``ValueError`` naming ``name``. Local."""
+    check_array(name, x, ndim=4)
+    check_shape(name, x, (N, H, K, V), "([N, H, K, V]: one state per document of cu_seqlens)")
+    dt = dtype_name(q)
+    if not state_dtype_ok(dt, dtype_name(x)):
+        allowed = dt + (" or float32" if dt in _HALF else "")
+        raise TypeError(f"{name} has dtype {dtype_name(x)}, expected {allowed} (the dtype of q)")
+    if is_device_array(x) != is_device_array(q):
+        where = "cupy" if is_device_array(q) else "numpy"
+        raise TypeError(f"{name} must live where q does (a {where} array)")
+    if check_values and not is_device_array(x):
+        check_finite_values(name, x)
