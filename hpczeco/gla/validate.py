@@ -15,6 +15,7 @@ import numpy as np
 
 from ..base.backend import get_array_module, is_device_array
 from ..base.checks import check_array, check_finite, check_log_gate, check_same_dtype, check_shape, dtype_name
+from ..base.packing import check_cu_seqlens
 
 __all__ = [
     "validate_gla_inputs",
@@ -199,42 +200,6 @@ def raise_for_flags(arrays: dict[str, Any], flags: list[int]) -> None:
         if f & POSITIVE:
             raise ValueError(f"{name} is a log forget gate and must be <= 0 everywhere (max is "
                              f"{float(x.astype('float32').max())})")
-
-
-def check_cu_seqlens(cu_seqlens: Any, B: int, T: int | None = None) -> np.ndarray:
-    """Packed documents (flash-linear-attention's / FlashAttention's ``cu_seqlens``): an integer array ``[N + 1]``
-    (numpy, CuPy -- copied to the host -- or a sequence of ints) with ``cu_seqlens[0] == 0``, non-decreasing,
-    ``N >= 1``, ending at ``T`` (when ``T`` is given; the ZeCO layer checks the global end collectively), and
-    ``B == 1`` (the documents are packed along T). Document ``i`` is the tokens ``cu_seqlens[i] .. cu_seqlens[i+1]
-    - 1`` (length 0 allowed). Returns the offsets as a host ``int64`` array. Raises ``TypeError`` (not integers) or
-    ``ValueError``, naming ``cu_seqlens``. Local."""
-    if is_device_array(cu_seqlens):
-        cu_seqlens = cu_seqlens.get()
-    if isinstance(cu_seqlens, np.ndarray):
-        cu = cu_seqlens
-    elif isinstance(cu_seqlens, (list, tuple)):
-        if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in cu_seqlens):
-            raise TypeError("cu_seqlens must hold integers (document offsets [N + 1])")
-        cu = np.asarray(cu_seqlens, dtype=np.int64)
-    else:
-        raise TypeError(f"cu_seqlens must be an integer array [N + 1] (numpy, cupy or a list), got "
-                        f"{type(cu_seqlens).__name__}")
-    if cu.dtype.kind not in "iu":
-        raise TypeError(f"cu_seqlens must have an integer dtype, got {cu.dtype}")
-    if cu.ndim != 1 or cu.shape[0] < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with N + 1 >= 2 entries (N documents), got shape {list(cu.shape)}")
-    cu = cu.astype(np.int64)
-    if B != 1:
-        raise ValueError(f"with cu_seqlens the batch size must be 1 (documents packed along T), got B={B}")
-    if cu[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {int(cu[0])}")
-    steps = np.diff(cu)
-    if (steps < 0).any():
-        i = int(np.flatnonzero(steps < 0)[0])
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {int(cu[i])} then {int(cu[i + 1])} at index {i}")
-    if T is not None and cu[-1] != T:
-        raise ValueError(f"cu_seqlens must end at the sequence length T={T}, got {int(cu[-1])}")
-    return cu
 
 
 def check_document_states(name: str, x: Any, N: int, H: int, K: int, V: int, q: Any,
