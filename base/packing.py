@@ -8,10 +8,12 @@ token rows and per-document state rows, and calls what it is given.
 
 Buckets: the documents are grouped by length, and each group runs as one call of the plain function on a
 padded copy ``[n, P, H, D]`` (``n`` documents, ``P`` the longest of them; padding rows zero). Documents sorted by
-length, longest first, join the current bucket while its padded work ``n w(P)`` stays within ``1 + PAD_WASTE``
-times ``sum w(L_i)``, with ``w(L)`` a document's cost alone (``L`` rounded up to whole chunks). A bucket of one
-document is a view of the input (no copy), documents all of one length are one reshape (no copy), other buckets
-gather their tokens with one indexed copy per array and scatter the outputs back with one. The documents of
+length, longest first, join the current bucket while the work each adds (its padding ``w(P) - w(L)``, ``w(L)``
+its cost alone: ``L`` rounded up to whole chunks, plus the cost of copying it) stays below what one call costs
+(``MERGE_TOKENS``): short documents share a call (and its threads), long ones run alone. A bucket of one document
+is a view of the input (no copy), documents all of one length are one reshape (no copy), other buckets gather
+their tokens (host: a slice copy per document and array; device: one indexed copy per array) and scatter the
+outputs back likewise. The documents of
 length 0 form one bucket of ``P = 0`` (run like the others, so that results keep the plain function's dtypes).
 Where zero padding is a no-op of the function (gated linear attention: ``q = k = v = g = 0`` leave the state
 unchanged, give ``o = 0``, and ``do = 0`` adds no gradient), the results are exactly each document alone.
@@ -28,7 +30,8 @@ import numpy as np
 
 from .backend import get_array_module, is_device_array
 
-__all__ = ["PAD_WASTE", "Bucket", "check_cu_seqlens", "plan_buckets", "packed_forward", "packed_backward"]
+__all__ = ["MERGE_TOKENS", "COPY_COST", "COPY_COST_DEVICE", "Bucket", "check_cu_seqlens", "plan_buckets",
+           "packed_forward", "packed_backward"]
 
 ForwardRunner = Callable[..., tuple[Any, Any]]  # (x..., states, poll) -> (y [n, P, ...], final [n, ...])
 BackwardRunner = Callable[..., tuple[Any, ...]]  # (x..., states, dstates, poll) -> (grads [n, P, ...]..., d0 [n, ...])
@@ -70,8 +73,9 @@ def check_cu_seqlens(cu_seqlens: Any, B: int, T: int | None = None) -> np.ndarra
     return cu
 
 
-PAD_WASTE = 0.125  # padded work a bucket may add over its documents' own work (fraction)
-
+MERGE_TOKENS = 64  # extra work (tokens) worth one call saved: a call costs about 64 tokens (one chunk) of work
+COPY_COST = 0.05  # work (tokens) per token of a gather copy, host: one memcpy per array and document
+COPY_COST_DEVICE = 0.02  # ... on a device: one indexed copy kernel per array for the whole bucket
 
 
 @dataclass(frozen=True)
@@ -87,21 +91,28 @@ def _work(L: int, C: int) -> int:
     return L if L <= C else -(-L // C) * C
 
 
-def plan_buckets(cu_seqlens: np.ndarray, chunk_size: int) -> list[Bucket]:
-    """The buckets of the documents of ``cu_seqlens`` (host int64 ``[N + 1]``): non-empty documents longest first,
-    each bucket's padded work at most ``1 + PAD_WASTE`` times its documents' own; then one bucket of the empty
-    documents (``length`` 0), if any. Every document is in exactly one bucket."""
+def plan_buckets(cu_seqlens: np.ndarray, chunk_size: int, copy_cost: float = COPY_COST) -> list[Bucket]:
+    """The buckets of the documents of ``cu_seqlens`` (host int64 ``[N + 1]``): the non-empty documents longest
+    first; a document joins the current bucket (of longest document ``P``) while what it adds -- its padding
+    ``w(P) - w(L)`` plus ``copy_cost L`` for gathering it (and ``copy_cost P`` for the first document, once, when
+    the bucket stops being a view) -- is at most ``MERGE_TOKENS``, the work one call costs. Then one bucket of the
+    empty documents (``length`` 0), if any. Every document is in exactly one bucket, so long documents run alone
+    (views, no copy) and short ones share a call."""
     lengths = np.diff(cu_seqlens)
     nonempty = np.flatnonzero(lengths > 0)
     order = nonempty[np.argsort(-lengths[nonempty], kind="stable")]
-    works = [_work(int(L), chunk_size) for L in lengths[order]]
+    sizes = [int(L) for L in lengths[order]]
     buckets, i = [], 0
     while i < len(order):
-        j, acc = i + 1, works[i]
-        while j < len(order) and (j - i + 1) * works[i] <= (1 + PAD_WASTE) * (acc + works[j]):
-            acc += works[j]
+        P = sizes[i]
+        wP, j = _work(P, chunk_size), i + 1
+        while j < len(order):
+            L = sizes[j]
+            extra = wP - _work(L, chunk_size) + copy_cost * (L + (P if j == i + 1 else 0))
+            if extra > MERGE_TOKENS:
+                break
             j += 1
-        buckets.append(Bucket(np.sort(order[i:j]), int(lengths[order[i]])))
+        buckets.append(Bucket(np.sort(order[i:j]), P))
         i = j
     empty = np.flatnonzero(lengths == 0)
     if len(empty):
@@ -110,8 +121,9 @@ def plan_buckets(cu_seqlens: np.ndarray, chunk_size: int) -> list[Bucket]:
 
 
 class _Layout:
-    """How a bucket's rows map to the packed tokens: a view (one document, or all of one length), or an
-    index gather/scatter (``tok`` packed positions, ``jj, tt`` row and column in the padded bucket)."""
+    """How a bucket's rows map to the packed tokens: a view (one document, or all of one length), or a gather
+    into a zero-padded batch and a scatter back -- on the host one slice copy per document (memcpy-like), on a
+    device one indexed copy (``tok`` packed positions, ``jj, tt`` row and column in the bucket)."""
 
     def __init__(self, xp: Any, cu: np.ndarray, bucket: Bucket, all_equal: bool):
         self.xp, self.n, self.P = xp, len(bucket.docs), bucket.length
@@ -119,10 +131,13 @@ class _Layout:
         self.kind = "reshape" if all_equal else ("slice" if self.n == 1 or self.P == 0 else "gather")
         if self.kind == "gather":
             starts, lens = cu[bucket.docs], np.diff(cu)[bucket.docs]
-            mask = np.arange(self.P)[None, :] < lens[:, None]
-            jj, tt = np.nonzero(mask)
-            tok = starts[jj] + tt
-            self.jj, self.tt, self.tok = (xp.asarray(a.astype(np.int64)) for a in (jj, tt, tok))
+            self.spans = [(int(a), int(L)) for a, L in zip(starts, lens)]
+            self.host = xp is np
+            if not self.host:
+                mask = np.arange(self.P)[None, :] < lens[:, None]
+                jj, tt = np.nonzero(mask)
+                tok = starts[jj] + tt
+                self.jj, self.tt, self.tok = (xp.asarray(a.astype(np.int64)) for a in (jj, tt, tok))
 
     def rows(self, x: Any) -> Any:
         """``x [1, T, H, D]`` -> the bucket's ``[n, P, H, D]`` (padding zeros)."""
@@ -133,7 +148,11 @@ class _Layout:
                 return self.xp.zeros((self.n, 0) + tuple(x.shape[2:]), dtype=x.dtype)
             return x[:, self.bos : self.bos + self.P]
         out = self.xp.zeros((self.n, self.P) + tuple(x.shape[2:]), dtype=x.dtype)
-        out[self.jj, self.tt] = x[0, self.tok]
+        if self.host:
+            for j, (a, L) in enumerate(self.spans):
+                out[j, :L] = x[0, a : a + L]
+        else:
+            out[self.jj, self.tt] = x[0, self.tok]
         return out
 
     def put(self, out: Any, y: Any) -> None:
@@ -144,6 +163,9 @@ class _Layout:
             out[...] = y.reshape(out.shape)
         elif self.kind == "slice":
             out[:, self.bos : self.bos + self.P] = y
+        elif self.host:
+            for j, (a, L) in enumerate(self.spans):
+                out[0, a : a + L] = y[j, :L]
         else:
             out[0, self.tok] = y[self.jj, self.tt]
 
@@ -151,7 +173,10 @@ class _Layout:
 def _layouts(xp: Any, cu: np.ndarray, chunk_size: int) -> list[tuple[Bucket, _Layout]]:
     lengths = np.diff(cu)
     all_equal = len(lengths) > 1 and bool(lengths[0] > 0) and bool((lengths == lengths[0]).all())
-    buckets = [Bucket(np.arange(len(lengths)), int(lengths[0]))] if all_equal else plan_buckets(cu, chunk_size)
+    if all_equal:
+        buckets = [Bucket(np.arange(len(lengths)), int(lengths[0]))]
+    else:
+        buckets = plan_buckets(cu, chunk_size, COPY_COST if xp is np else COPY_COST_DEVICE)
     # non-empty buckets first: their results fix the output dtypes before the empty documents' bucket
     return [(b, _Layout(xp, cu, b, all_equal)) for b in buckets]
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import emulated_gla_runtime, log_gates, rel
 from hpczeco.base import bf16
-from hpczeco.base.packing import PAD_WASTE, plan_buckets
+from hpczeco.base.packing import COPY_COST, MERGE_TOKENS, plan_buckets
 
 from hpczeco.gla import chunk_gla, chunk_gla_bwd, recurrent_gla, recurrent_gla_bwd
 from hpczeco.gla import protocol as protocol_mod
@@ -160,8 +160,10 @@ def test_reference_is_each_document_alone(rng):
 
 
 def test_bucket_plan(rng):
+    """Every document in exactly one bucket; a bucket's documents are within its length, each joined one adding at
+    most MERGE_TOKENS of padding and copies; long documents of distinct chunk counts run alone, short ones share."""
     for _ in range(50):
-        lengths = np.concatenate([rng.integers(0, 300, size=int(rng.integers(1, 60))), [0] * int(rng.integers(3))])
+        lengths = np.concatenate([rng.integers(0, 3000, size=int(rng.integers(1, 60))), [0] * int(rng.integers(3))])
         rng.shuffle(lengths)
         cu = np.concatenate([[0], np.cumsum(lengths)])
         C = int(rng.choice([16, 64]))
@@ -173,10 +175,15 @@ def test_bucket_plan(rng):
             assert (np.diff(b.docs) > 0).all() and b.length == lengths[b.docs].max()
             if b.length == 0:
                 assert (lengths[b.docs] == 0).all()
-            else:
-                assert (lengths[b.docs] > 0).all()
-                own = sum(work(int(L)) for L in lengths[b.docs])
-                assert len(b.docs) * work(b.length) <= (1 + PAD_WASTE) * own
+                continue
+            others = sorted((int(L) for L in lengths[b.docs]), reverse=True)[1:]
+            for n, L in enumerate(others):
+                extra = work(b.length) - work(L) + COPY_COST * (L + (b.length if n == 0 else 0))
+                assert 0 < L and extra <= MERGE_TOKENS
+    short = np.concatenate([[0], np.cumsum(rng.integers(1, 33, size=500))])
+    assert len(plan_buckets(short, 64)) <= 2  # 500 documents of 1 .. 32 tokens: one or two calls
+    long = np.concatenate([[0], np.cumsum([5000, 3000, 1000, 200])])
+    assert [len(b.docs) for b in plan_buckets(long, 64)] == [1, 1, 1, 1]  # each alone, on a view
 
 
 # ------------------------------------------------------------------------------------------- packed split protocol

@@ -11,8 +11,8 @@ similar length, and each bucket runs as one batched call of the plain chunked GL
 *]``. Padding tokens ``q = k = v = g = 0`` (and ``do = 0``) leave the state unchanged (decay ``exp(0) = 1``, no
 ``k^T v``), so row ``j``'s final state is its document's, the padding's outputs are dropped and the real
 tokens' gradients are exact; nothing inside the chunk kernels changes. Short documents so share one call (and
-its threads over ``n H`` sequences) instead of paying a call each; a long document is a view of the input; a
-bucket adds at most ``PAD_WASTE`` (1/8) padded work over its documents run alone.
+its threads over ``n H`` sequences) instead of paying a call each; a long document runs alone on a view of the
+input; a document joins a bucket only when its padding and copies cost less than the call it saves.
 
 Runners: :func:`chunk_gla_varlen` / :func:`chunk_gla_varlen_bwd` (what :func:`hpczeco.gla.chunk_gla` calls with
 ``cu_seqlens``) check everything first. On the host, with ``check_values=True`` every bucket runs the fused
