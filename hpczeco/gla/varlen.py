@@ -83,11 +83,10 @@ def _gpu_varlen():
 def check_varlen_call(q: Any, k: Any, v: Any, g: Any, cu_seqlens: Any, scale: Any, chunk_size: Any,
                       initial_state: Any = None, do: Any = None, dht: Any = None,
                       check_values: bool = True) -> np.ndarray:
-    """The checks of a packed call, before any work: the token arrays
-    (:func:`~hpczeco.gla.validate.validate_gla_inputs`), ``cu_seqlens`` (:func:`~hpczeco.gla.validate.check_cu_seqlens`),
-    the per-document states ``[N, H, K, V]``, ``scale`` and ``chunk_size``. Values (with ``check_values``): of
-    device arrays here; host values are scanned by the fused kernels of each bucket (every token and state row
-    is in one bucket). Returns the host offsets. Local."""
+    """The checks of a packed call, before any work: the token arrays (``validate_gla_inputs``), ``cu_seqlens``
+    (:func:`~hpczeco.gla.validate.check_cu_seqlens`), the per-document states ``[N, H, K, V]``, ``scale`` and
+    ``chunk_size``. Values (with ``check_values``): of device arrays here; host values are scanned by the fused
+    kernels of each bucket (every token and state row is in one bucket). Returns the host offsets. Local."""
     device = is_device_array(q)
     chunk_size = check_chunk_size(chunk_size, device=device)
     B, T, H, K, V = validate_gla_inputs(q, k, v, g, do=do, check_values=check_values and device)
