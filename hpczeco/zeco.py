@@ -22,10 +22,20 @@ the local state, ``overlap(poll)``, ``finish``), implemented on numpy (:mod:`hpc
 (:mod:`hpczeco.gla.device_split`), so each has one code path. ``scan="serial"`` is LASP-1: it serialises
 the compute too (receive the state, compute the slice with it, send the final state on), so it is the
 baseline it claims to be.
+
+Packed documents (``cu_seqlens``, :mod:`hpczeco.zeco_varlen`): the global offsets ``cu_seqlens [N + 1]`` (B == 1)
+are given on every rank (the same array: agreed collectively, its end checked against the sum of the slice
+lengths); documents may start, end or cross inside any slice. A document start inside a slice is a zero decay for
+everything before it, so the scan element is ``a = 0`` and the last document's state there; the collectives are
+unchanged. Per-document inputs (``initial_state``, ``dht``: ``[N, H, K, V]``) are the same on every rank (or
+None on every rank), each rank reading the rows of the documents that start (end) in its slice; per-document
+outputs are this rank's rows: ``final_state [len(documents.ends), H, K, V]``, ``dh0 [len(documents.starts), H,
+K, V]``, with ``documents`` (:class:`~hpczeco.zeco_varlen.RankDocuments`) naming them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,11 +43,13 @@ from typing import Any
 import numpy as np
 
 from .base.backend import get_array_module
-from .collectives import agree_fast, local_error
+from .collectives import CollectiveInputError, agree_fast, local_error
 from .collectives.names import TOPOLOGIES, check_blocks
 from .gla import chunk_gla, chunk_gla_bwd, validate_gla_inputs
 from .gla.protocol import split_backward, split_forward
-from .gla.validate import check_chunk_size, raise_for_flags
+from .gla.validate import check_chunk_size, check_cu_seqlens, check_document_states, raise_for_flags
+from .gla.varlen import chunk_gla_varlen, chunk_gla_varlen_bwd
+from .zeco_varlen import RankDocuments, local_rows, owned_rows, rank_documents
 
 __all__ = ["ZeCOGLA", "zeco_gla", "SCANS"]
 
@@ -109,6 +121,7 @@ class ZeCOGLA:
         self._side: tuple[int, Any] | None = None  # (device id, side stream of the value checks)
         self._saved: dict[str, Any] | None = None
         self._final_state = None
+        self.documents: RankDocuments | None = None  # with cu_seqlens: this rank's share of the documents
 
     # ------------------------------------------------------------------ helpers
     def _start_value_flags(self, arrays: dict[str, Any], gate: str | None = None):
@@ -153,21 +166,46 @@ class ZeCOGLA:
         tm["wait"] = self._now() - t3
         return result
 
+    def _forward_agreement(self, err, shapes: dict[str, Any], q, **extra: Any) -> dict[str, Any]:
+        """What every rank must agree on before the forward communicates (``extra``: the packed call's)."""
+        agree = {
+            "B,H,K,V": None if err else (shapes["B"], shapes["H"], shapes["K"], shapes["V"]),
+            "dtype": str(getattr(q, "dtype", None)),
+            "array module": get_array_module(q).__name__,
+            "scan": self.scan,
+            "blocks": self.blocks,
+            "chunk_size": self.chunk_size,
+            "scale": self.scale,
+            "check_values": self.check_values,
+            "transport": self.transport if self.transport is None or isinstance(self.transport, str)
+            else type(self.transport).__name__,
+            "cu_seqlens": None,
+        }
+        agree.update(extra)
+        return agree
+
     @property
     def final_state(self):
-        """State after this rank's slice ``[B, H, K, V]`` (on the last rank: the global final state)."""
+        """State after this rank's slice ``[B, H, K, V]`` (on the last rank: the global final state). With
+        ``cu_seqlens``: the final states of the documents that end in this slice, ``[len(documents.ends), H, K,
+        V]`` (in the order of ``documents.ends``)."""
         if self._final_state is None:
             raise RuntimeError("final_state is set by forward(); call forward first")
         return self._final_state
 
     # ------------------------------------------------------------------ forward
-    def forward(self, q, k, v, g, initial_state=None):
+    def forward(self, q, k, v, g, initial_state=None, cu_seqlens=None):
         """Output ``o [B, L_p, H, V]`` of this rank's slice. Collective over ``comm``.
 
-        ``initial_state [B, H, K, V]`` is the global initial state: given on rank 0 only.
+        ``initial_state [B, H, K, V]`` is the global initial state: given on rank 0 only. With ``cu_seqlens``
+        (the global document offsets ``[N + 1]``, the same on every rank, B == 1): packed documents;
+        ``initial_state [N, H, K, V]`` is then given on every rank (or on none) -- see the module docstring.
         """
         from .collectives import relay_recv, relay_send
 
+        if cu_seqlens is not None:
+            return self._forward_packed(q, k, v, g, initial_state, cu_seqlens)
+        self.documents = None
         shapes: dict[str, Any] = {}
         self._device = get_array_module(q) is not np
         t_in = self._now()
@@ -195,18 +233,7 @@ class ZeCOGLA:
                     raise_for_flags(arrays, flags.result())
 
         err = local_error(check)
-        agree = {
-            "B,H,K,V": None if err else (shapes["B"], shapes["H"], shapes["K"], shapes["V"]),
-            "dtype": str(getattr(q, "dtype", None)),
-            "array module": get_array_module(q).__name__,
-            "scan": self.scan,
-            "blocks": self.blocks,
-            "chunk_size": self.chunk_size,
-            "scale": self.scale,
-            "check_values": self.check_values,
-            "transport": self.transport if self.transport is None or isinstance(self.transport, str)
-            else type(self.transport).__name__,
-        }
+        agree = self._forward_agreement(err, shapes, q)
         agree_fast(self.comm, "ZeCOGLA.forward", err, agree)  # one Allreduce when all is well
         has_h0 = self.comm.bcast(initial_state is not None, root=0) if self.size > 1 else initial_state is not None
 
@@ -259,12 +286,16 @@ class ZeCOGLA:
 
         ``do [B, L_p, H, V]``; ``dht [B, H, K, V]`` is the gradient into the global final state,
         given on the last rank only. ``dh0`` (gradient into the global initial state) is returned
-        on rank 0 and ``None`` elsewhere.
+        on rank 0 and ``None`` elsewhere. After a forward with ``cu_seqlens``: ``dht [N, H, K, V]`` (the gradients
+        of every document's final state) on every rank or on none, and ``dh0 [len(documents.starts), H, K, V]``,
+        the gradients of the initial states of the documents that start in this slice.
         """
         from .collectives import relay_recv, relay_send
 
         if self._saved is None:
             raise RuntimeError("backward() needs a forward() first")
+        if self._saved.get("docs") is not None:
+            return self._backward_packed(do, dht)
         sv = self._saved
         q, k, v, g, a, s_in, scale = (sv[n] for n in ("q", "k", "v", "g", "a", "s_in", "scale"))
         self._device = get_array_module(q) is not np
@@ -339,6 +370,169 @@ class ZeCOGLA:
         tm["total"] = self._now() - t_in
         self.timings.bwd = tm
         return dq, dk, dv, dg, (dh0 if self.rank == 0 else None)
+
+    # ------------------------------------------------------------------ packed documents
+    def _forward_packed(self, q, k, v, g, initial_state, cu_seqlens):
+        """:meth:`forward` with ``cu_seqlens`` (module docstring; the bookkeeping is :mod:`hpczeco.zeco_varlen`)."""
+        from .collectives import relay_recv, relay_send
+
+        self._device = get_array_module(q) is not np
+        t_in = self._now()
+        shapes: dict[str, Any] = {}
+        host_values = self.check_values and not self._device
+
+        def check() -> None:
+            B, T, H, K, V = validate_gla_inputs(q, k, v, g, check_values=host_values)
+            shapes.update(B=B, T=T, H=H, K=K, V=V, cu=check_cu_seqlens(cu_seqlens, B))
+            if initial_state is not None:
+                check_document_states("initial_state", initial_state, len(shapes["cu"]) - 1, H, K, V, q,
+                                      check_values=host_values)
+            if self._device:
+                check_chunk_size(self.chunk_size, device=True)
+                if self.check_values:
+                    arrays = {"q": q, "k": k, "v": v, "g": g}
+                    if initial_state is not None:
+                        arrays["initial_state"] = initial_state
+                    raise_for_flags(arrays, self._start_value_flags(arrays, gate="g").result())
+
+        err = local_error(check)
+        cu = shapes.get("cu")
+        digest = None if cu is None else (
+            f"N={len(cu) - 1}, end={int(cu[-1])}, blake2b={hashlib.blake2b(cu.tobytes(), digest_size=8).hexdigest()}")
+        agree = self._forward_agreement(err, shapes, q, cu_seqlens=digest,
+                                        **{"initial_state per document": initial_state is not None})
+        agree_fast(self.comm, "ZeCOGLA.forward", err, agree)
+        lengths = self.comm.allgather(shapes["T"]) if self.size > 1 else [shapes["T"]]
+        if int(cu[-1]) != sum(lengths):  # the same data on every rank: the same error everywhere
+            raise CollectiveInputError(f"ZeCOGLA.forward: cu_seqlens ends at {int(cu[-1])}, but the slices of the "
+                                       f"{self.size} ranks hold {sum(lengths)} tokens (lengths {lengths})")
+        docs = rank_documents(cu, np.concatenate([[0], np.cumsum(lengths)]), self.rank)
+        self.documents = docs
+
+        xp = get_array_module(q)
+        H, K, V = shapes["H"], shapes["K"], shapes["V"]
+        row = (H, K, V)
+        sdt = _state_dtype(q)
+        scale = float(self.scale) if self.scale is not None else K ** -0.5
+        pieces = len(docs.pieces) > 0
+        t0 = self._now()
+        tm: dict[str, float] = {"checks": t0 - t_in}
+
+        def used_states(s_in):
+            """The initial state of every piece as run: ``S_in`` for a continued first piece, else its own."""
+            if not pieces:
+                return None
+            return local_rows(xp, initial_state, docs, drop_first=docs.continues,
+                              first=s_in if docs.continues else None, shape=row, dtype=sdt)
+
+        if self.scan == "serial":
+            # LASP-1: receive the state at the slice start, run the slice's pieces, send the state at its end
+            s_in = xp.zeros((1, H, K, V), dtype=sdt)
+            relay_recv(s_in, self.comm, transport=self.transport)
+            tm["wait"] = self._now() - t0
+            h0_used = used_states(s_in)
+            if pieces:
+                o, finals = chunk_gla_varlen(q, k, v, g, docs.cu_local, scale=scale, initial_state=h0_used,
+                                             output_final_state=True, chunk_size=self.chunk_size, check_values=False)
+                out = finals[-1:]
+            else:
+                o, finals, out = xp.zeros((1, 0, H, V), dtype=q.dtype), None, s_in
+            relay_send(xp.ascontiguousarray(out.astype(sdt)), self.comm, transport=self.transport)
+            tm["compute"] = self._now() - t0 - tm["wait"]
+        else:
+            if pieces:
+                fs = split_forward(q, k, v, g, scale=scale, chunk_size=self.chunk_size, check_values=False,
+                                   cu_seqlens=docs.cu_local,
+                                   initial_state=local_rows(xp, initial_state, docs, drop_first=docs.continues,
+                                                            dtype=sdt))
+                a = fs.a if docs.continues else xp.zeros_like(fs.a)  # a piece starting here cuts off S_in
+            else:
+                fs = split_forward(q, k, v, g, scale=scale, chunk_size=self.chunk_size, check_values=False)
+                a = fs.a  # an empty slice: the identity (1, 0)
+            tm["states"] = self._now() - t0
+            s_in = self._scan_overlapped(fs, a, fs.S_local, None, False, tm)
+            t4 = self._now()
+            o, finals = fs.finish(s_in if (pieces and docs.continues) else None)
+            tm["correction"] = self._now() - t4
+            h0_used = used_states(s_in)
+        self._final_state = owned_rows(xp, docs.ends, docs, finals, initial_state, row, sdt)
+        tm["total"] = self._now() - t0 + tm["checks"]
+        self.timings.fwd = tm
+        self._saved = dict(q=q, k=k, v=v, g=g, scale=scale, docs=docs, h0_used=h0_used, N=len(cu) - 1)
+        return o
+
+    def _backward_packed(self, do, dht):
+        """:meth:`backward` after a forward with ``cu_seqlens``."""
+        from .base.checks import check_array, check_finite, check_shape
+        from .collectives import relay_recv, relay_send
+
+        sv = self._saved
+        q, k, v, g, scale, docs, h0_used = (sv[n] for n in ("q", "k", "v", "g", "scale", "docs", "h0_used"))
+        self._device = get_array_module(q) is not np
+        t_in = self._now()
+        B, L, H, K = q.shape
+        V = v.shape[-1]
+        row = (H, K, V)
+
+        def check() -> None:
+            check_array("do", do, ndim=4)
+            check_shape("do", do, (B, L, H, V), "(like v)")
+            if get_array_module(do) is not get_array_module(q):
+                raise TypeError(f"do must live where q does (a {get_array_module(q).__name__} array)")
+            if dht is not None:
+                check_document_states("dht", dht, sv["N"], H, K, V, q, check_values=False)
+            values = {"do": do} if dht is None else {"do": do, "dht": dht}
+            if self.check_values and not self._device:
+                for name, x in values.items():
+                    check_finite(name, x)
+            elif self.check_values:
+                raise_for_flags(values, self._start_value_flags(values).result())
+
+        err = local_error(check)
+        agree_fast(self.comm, "ZeCOGLA.backward", err,
+                   {"scan": self.scan, "B,H,K,V": (B, H, K, V), "dht per document": dht is not None})
+        xp = get_array_module(q)
+        sdt = _state_dtype(q)
+        pieces = len(docs.pieces) > 0
+        t0 = self._now()
+        tm: dict[str, float] = {"checks": t0 - t_in}
+
+        if self.scan == "serial":
+            # LASP-1 backward: receive D at the slice end, run the pieces, send the gradient at the slice start
+            d_in = xp.zeros((1, H, K, V), dtype=sdt)
+            relay_recv(d_in, self.comm, reverse=True, transport=self.transport)
+            tm["wait"] = self._now() - t0
+            if pieces:
+                dl = local_rows(xp, dht, docs, drop_last=docs.continues_after,
+                                last=d_in if docs.continues_after else None, shape=row, dtype=sdt)
+                grads = chunk_gla_varlen_bwd(q, k, v, g, do, docs.cu_local, scale=scale, initial_state=h0_used,
+                                             dht=dl, chunk_size=self.chunk_size, check_values=False)
+                out = grads[4][:1] if docs.continues else xp.zeros((1, H, K, V), dtype=sdt)
+            else:  # an empty slice passes the gradient on
+                z = xp.zeros((1, 0, H, K), dtype=q.dtype)
+                grads = (z, z.copy(), xp.zeros((1, 0, H, V), dtype=q.dtype), z.copy(), None)
+                out = d_in
+            relay_send(xp.ascontiguousarray(out.astype(sdt)), self.comm, reverse=True, transport=self.transport)
+            tm["compute"] = self._now() - t0 - tm["wait"]
+        else:
+            if pieces:
+                bs = split_backward(q, k, v, g, do, scale=scale, initial_state=h0_used, chunk_size=self.chunk_size,
+                                    check_values=False, cu_seqlens=docs.cu_local,
+                                    dht=local_rows(xp, dht, docs, drop_last=docs.continues_after, dtype=sdt))
+                # the gradient at the slice start goes left only into a document continued from there
+                a, U = (bs.a, bs.U) if docs.continues else (xp.zeros_like(bs.a), xp.zeros_like(bs.U))
+            else:
+                bs = split_backward(q, k, v, g, do, scale=scale, chunk_size=self.chunk_size, check_values=False)
+                a, U = bs.a, bs.U
+            tm["states"] = self._now() - t0
+            D = self._scan_overlapped(bs, a, U, None, True, tm)
+            t4 = self._now()
+            grads = bs.finish(D if (pieces and docs.continues_after) else None)
+            tm["correction"] = self._now() - t4
+        dh0 = owned_rows(xp, docs.starts, docs, grads[4] if pieces else None, dht, row, sdt)
+        tm["total"] = self._now() - t_in
+        self.timings.bwd = tm
+        return (*grads[:4], dh0)
 
 
 def zeco_gla(q, k, v, g, comm, *, initial_state=None, scan: str = "ring", blocks: int | None = None,

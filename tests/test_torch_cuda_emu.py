@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (the optio
 
 from hpczeco.gpu import emu as gemu  # noqa: E402
 from hpczeco.gpu import gla as ggla  # noqa: E402
-from torch_gla_reference import recurrent_gla_torch  # noqa: E402
+from torch_gla_reference import recurrent_gla_torch, recurrent_gla_varlen_torch  # noqa: E402
 
 import hpczeco.torch as ht  # noqa: E402
 from hpczeco.torch import _arrays, chunk  # noqa: E402
@@ -107,4 +107,29 @@ def test_cuda_branch_on_the_emulated_kernels(cuda_branch, rng, dtype):
     ((ro * do.double()).sum() + (states[-1] * dht.double()).sum()).backward()
     for name, x, r in zip(("q", "k", "v", "g", "initial_state"), ins, refs):
         assert x.grad.dtype == dtype, name
+        assert rel(x.grad, r.grad) < 5 * tol, (name, rel(x.grad, r.grad))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_branch_takes_cu_seqlens(cuda_branch, rng, dtype):
+    """Packed documents on the CUDA branch (hpczeco.gpu.gla_varlen over the emulated kernels) equal each document
+    alone: values, final states and every gradient."""
+    assert ht.supports_cu_seqlens("cuda")
+    cu = torch.tensor([0, 5, 5, 6, 40], dtype=torch.int32)
+    N, T, H, K, V = 4, 40, 1, 8, 8
+    arrays = [rng.standard_normal((1, T, H, K)), rng.standard_normal((1, T, H, K)), rng.standard_normal((1, T, H, V)),
+              rng.uniform(-1.0, 0.0, (1, T, H, K)), rng.standard_normal((1, T, H, V))]
+    q, k, v, g, do = (torch.from_numpy(a).to(dtype) for a in arrays)
+    h0 = torch.from_numpy(rng.standard_normal((N, H, K, V))).float()
+    dht = torch.from_numpy(rng.standard_normal((N, H, K, V))).float()
+    ins = [x.clone().requires_grad_() for x in (q, k, v, g, h0)]
+    o, fin = ht.chunk_gla(*ins[:4], initial_state=ins[4], output_final_state=True, cu_seqlens=cu)
+    assert o.dtype == dtype and fin.shape == (N, H, K, V)
+    refs = [x.double().requires_grad_() for x in (q, k, v, g, h0)]
+    ro, rfin = recurrent_gla_varlen_torch(*refs[:4], cu, initial_state=refs[4])
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel(o, ro) < tol and rel(fin, rfin) < 1e-4
+    ((o * do).sum() + (fin * dht).sum()).backward()
+    ((ro * do.double()).sum() + (rfin * dht.double()).sum()).backward()
+    for name, x, r in zip(("q", "k", "v", "g", "initial_state"), ins, refs):
         assert rel(x.grad, r.grad) < 5 * tol, (name, rel(x.grad, r.grad))

@@ -88,6 +88,7 @@ def chunk_gla(
     initial_state: Any = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
+    cu_seqlens: Any = None,
 ) -> tuple[Any, Any]:
     """Chunked GLA forward: ``(o [B, T, H, V], final_state [B, H, K, V] or None)``.
 
@@ -95,8 +96,13 @@ def chunk_gla(
     ``initial_state: [B, H, K, V]`` or None (zeros), ``scale`` defaults to ``K**-0.5``. float32/float64
     inputs are computed in their own precision; float16/bfloat16 in float32. ``o`` has the input dtype,
     the final state the compute dtype (float32 for half inputs). CuPy inputs run on the device
-    (:func:`hpczeco.gpu.gla.chunk_gla`). Local: no communication.
+    (:func:`hpczeco.gpu.gla.chunk_gla`). Local: no communication. ``cu_seqlens [N + 1]`` (B == 1): packed
+    documents, each run alone, ``initial_state`` and the final state ``[N, H, K, V]`` (:mod:`hpczeco.gla.varlen`).
     """
+    if cu_seqlens is not None:
+        from .varlen import chunk_gla_varlen  # noqa: PLC0415
+
+        return chunk_gla_varlen(q, k, v, g, cu_seqlens, scale, initial_state, output_final_state, chunk_size)
     B, T, H, K, V, s, chunk_size, cdt = check_gla_call(q, k, v, g, scale, initial_state, chunk_size)
     if _any_device(q, k, v, g, initial_state):
         return _gpu_module().chunk_gla(
@@ -167,6 +173,7 @@ def chunk_gla_bwd(
     initial_state: Any = None,
     dht: Any = None,
     chunk_size: int = 64,
+    cu_seqlens: Any = None,
 ) -> tuple[Any, Any, Any, Any, Any]:
     """Analytic backward of :func:`chunk_gla`: ``(dq, dk, dv, dg, dh0)``.
 
@@ -175,8 +182,13 @@ def chunk_gla_bwd(
     initial state ``dh0 [B, H, K, V]`` — returned as an array even when ``initial_state`` is None (it is
     then the gradient with respect to a zero initial state), in the dtype of ``initial_state`` if given,
     else the compute dtype. The chunk states are recomputed (``[N, K, V]`` per head, never per token).
-    CuPy inputs run on the device (:func:`hpczeco.gpu.gla.chunk_gla_bwd`). Local: no communication.
+    CuPy inputs run on the device (:func:`hpczeco.gpu.gla.chunk_gla_bwd`). Local: no communication. With
+    ``cu_seqlens`` (B == 1): packed documents, ``initial_state``, ``dht`` and ``dh0`` ``[N, H, K, V]``.
     """
+    if cu_seqlens is not None:
+        from .varlen import chunk_gla_varlen_bwd  # noqa: PLC0415
+
+        return chunk_gla_varlen_bwd(q, k, v, g, do, cu_seqlens, scale, initial_state, dht, chunk_size)
     B, T, H, K, V, s, chunk_size, cdt = check_gla_call(q, k, v, g, scale, initial_state, chunk_size, do=do, dht=dht)
     if _any_device(q, k, v, g, do, initial_state, dht):
         return _gpu_module().chunk_gla_bwd(

@@ -8,6 +8,10 @@ Semantics (flash-linear-attention's ``chunk_gla``), per batch ``b`` and head ``h
 Layout: ``q, k, g: [B, T, H, K]``; ``v, o: [B, T, H, V]``; states ``[B, H, K, V]``. These are the
 references the chunked and device paths are tested against: simple, slow (a Python loop over T,
 vectorised over B and H), computed in float64 whatever the input dtype.
+
+Packed documents (``cu_seqlens [N + 1]``, ``B == 1``, as flash-linear-attention): literally each document
+``cu_seqlens[i] .. cu_seqlens[i + 1]`` run alone, with its own initial state ``initial_state[i]`` and final
+state / ``dht`` / ``dh0`` row ``i`` (states ``[N, H, K, V]``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..base.backend import to_numpy
-from .validate import check_scale, validate_gla_inputs
+from .validate import check_cu_seqlens, check_document_states, check_scale, validate_gla_inputs
 
 __all__ = ["recurrent_gla", "recurrent_gla_bwd"]
 
@@ -34,11 +38,22 @@ def recurrent_gla(
     scale: float | None = None,
     initial_state: Any = None,
     output_final_state: bool = False,
+    cu_seqlens: Any = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Reference GLA forward: ``(o [B, T, H, V], final_state [B, H, K, V] or None)``.
 
-    Computed in float64 on the host; both results are returned in the dtype of ``q`` (numpy).
+    Computed in float64 on the host; both results are returned in the dtype of ``q`` (numpy). With
+    ``cu_seqlens [N + 1]`` (B == 1): each document alone, ``initial_state`` and the final state ``[N, H, K, V]``.
     """
+    if cu_seqlens is not None:
+        cu = _documents(q, k, v, g, cu_seqlens, initial_state=initial_state)
+        outs, finals = [], []
+        for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+            h0 = None if initial_state is None else initial_state[i : i + 1]
+            o, fin = recurrent_gla(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], scale, h0, True)
+            outs.append(o)
+            finals.append(fin)
+        return np.concatenate(outs, axis=1), (np.concatenate(finals) if output_final_state else None)
     B, T, H, K, V = validate_gla_inputs(q, k, v, g, initial_state=initial_state)
     s = check_scale(scale, K)
     dt = np.dtype(q.dtype)
@@ -61,6 +76,7 @@ def recurrent_gla_bwd(
     scale: float | None = None,
     initial_state: Any = None,
     dht: Any = None,
+    cu_seqlens: Any = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Reference GLA backward (float64, reverse-time recurrence; all results float64).
 
@@ -73,8 +89,17 @@ def recurrent_gla_bwd(
         dq_t = scale do_t S_t^T      dk_t = dS_t v_t      dv_t = k_t dS_t
         dg_t = exp(g_t) * sum_v(S_{t-1} * dS_t)            dh0 = diag(exp(g_0)) dS_0
 
-    Stores all T states ``[T, B, H, K, V]`` in float64: for small test shapes only.
+    Stores all T states ``[T, B, H, K, V]`` in float64: for small test shapes only. With ``cu_seqlens
+    [N + 1]`` (B == 1): each document alone; ``initial_state``, ``dht`` and ``dh0`` are ``[N, H, K, V]``.
     """
+    if cu_seqlens is not None:
+        cu = _documents(q, k, v, g, cu_seqlens, initial_state=initial_state, do=do, dht=dht)
+        parts = []
+        for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+            h0 = None if initial_state is None else initial_state[i : i + 1]
+            d = None if dht is None else dht[i : i + 1]
+            parts.append(recurrent_gla_bwd(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], do[:, a:b], scale, h0, d))
+        return tuple(np.concatenate([p[j] for p in parts], axis=0 if j == 4 else 1) for j in range(5))
     B, T, H, K, V = validate_gla_inputs(q, k, v, g, initial_state=initial_state, do=do, dht=dht)
     s = check_scale(scale, K)
     q64, k64, v64, g64, do64 = (_f64(x) for x in (q, k, v, g, do))
@@ -98,3 +123,14 @@ def recurrent_gla_bwd(
         dg[:, t] = decay * np.einsum("bhkv,bhkv->bhk", states[t], dS)
         dS = decay[..., None] * dS
     return dq, dk, dv, dg, dS
+
+
+def _documents(q: Any, k: Any, v: Any, g: Any, cu_seqlens: Any, **states: Any) -> list[int]:
+    """Checks of a packed call (``do`` among ``states`` is a token array); the offsets as ints."""
+    do = states.pop("do", None)
+    B, T, H, K, V = validate_gla_inputs(q, k, v, g, do=do)
+    cu = check_cu_seqlens(cu_seqlens, B, T)
+    for name, x in states.items():
+        if x is not None:
+            check_document_states(name, x, len(cu) - 1, H, K, V, q)
+    return [int(x) for x in cu]

@@ -9,6 +9,11 @@ objects. :func:`split_forward` / :func:`split_backward` pick by array type.
 Order of use, forward: construct (the local pass from a zero state), scan ``(a, S_local)``,
 ``overlap(poll)`` while the scan is in flight, ``finish(S_in)`` with its result. Backward: construct, scan
 ``(a, U)`` in reverse, ``overlap(poll)``, ``finish(dht)``. ``finish`` runs once per object.
+
+With ``cu_seqlens`` (packed documents in the slice, ``B == 1``) both functions return the packed splits of
+:mod:`hpczeco.gla.varlen_split`: the incoming state reaches only the slice's first document, the incoming state
+gradient only its last, ``a`` is 0 when the slice holds more than one document, and ``finish`` returns the
+per-document states ``[N, H, K, V]`` (final states, ``dh0``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from ..base.backend import is_device_array
 from ._runner import Poll
 from .device_split import DeviceBackwardSplit, DeviceForwardSplit
 from .split import BackwardSplit, ForwardSplit
+from .varlen_split import PackedBackwardSplit, PackedForwardSplit
 
 __all__ = ["SplitForward", "SplitBackward", "split_forward", "split_backward"]
 
@@ -74,19 +80,34 @@ class SplitBackward(Protocol):
 
 
 def split_forward(q: Any, k: Any, v: Any, g: Any, scale: float | None = None, chunk_size: int = 64, *,
-                  check_values: bool = True) -> SplitForward:
+                  check_values: bool = True, cu_seqlens: Any = None, initial_state: Any = None) -> SplitForward:
     """The forward split for these arrays: :class:`hpczeco.gla.split.ForwardSplit` for numpy (validated as
     :func:`hpczeco.gla.chunk_gla`; ``check_values=False`` skips the value scans), the device adapter for CuPy
-    (shapes and dtypes checked by :mod:`hpczeco.gpu.gla`; the value scans are the caller's). Local."""
+    (shapes and dtypes checked by :mod:`hpczeco.gpu.gla`; the value scans are the caller's). With ``cu_seqlens
+    [N + 1]``: :class:`hpczeco.gla.varlen_split.PackedForwardSplit` (``initial_state [N, H, K, V]`` or None, the
+    documents' own initial states; ``S_in`` adds to row 0). ``initial_state`` needs ``cu_seqlens``. Local."""
+    if cu_seqlens is not None:
+        return PackedForwardSplit(q, k, v, g, cu_seqlens, scale=scale, initial_state=initial_state,
+                                  chunk_size=chunk_size, check_values=check_values)
+    if initial_state is not None:
+        raise ValueError("split_forward takes initial_state only with cu_seqlens (else it is finish()'s S_in)")
     if is_device_array(q):
         return DeviceForwardSplit(q, k, v, g, scale=scale, chunk_size=chunk_size)
     return ForwardSplit(q, k, v, g, scale=scale, chunk_size=chunk_size, check_values=check_values)
 
 
 def split_backward(q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None = None, initial_state: Any = None,
-                   chunk_size: int = 64, *, states: Any = None, check_values: bool = True) -> SplitBackward:
+                   chunk_size: int = 64, *, states: Any = None, check_values: bool = True, cu_seqlens: Any = None,
+                   dht: Any = None) -> SplitBackward:
     """The backward split for these arrays (``initial_state [B, H, K, V]`` or None; ``states`` from
-    :attr:`SplitForward.states` or None), chosen and checked as :func:`split_forward`. Local."""
+    :attr:`SplitForward.states` or None), chosen and checked as :func:`split_forward`. With ``cu_seqlens``:
+    :class:`hpczeco.gla.varlen_split.PackedBackwardSplit` (``initial_state``, ``dht`` ``[N, H, K, V]`` or None;
+    the ``dht`` handed to ``finish`` adds to row ``N - 1``; ``states`` is not used). Local."""
+    if cu_seqlens is not None:
+        return PackedBackwardSplit(q, k, v, g, do, cu_seqlens, scale=scale, initial_state=initial_state, dht=dht,
+                                   chunk_size=chunk_size, check_values=check_values)
+    if dht is not None:
+        raise ValueError("split_backward takes dht only with cu_seqlens (else it is finish()'s argument)")
     if is_device_array(q):
         return DeviceBackwardSplit(q, k, v, g, do, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
     return BackwardSplit(q, k, v, g, do, scale=scale, initial_state=initial_state, chunk_size=chunk_size,

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..base.backend import get_array_module, is_device_array
 from ..base.checks import check_array, check_finite, check_log_gate, check_same_dtype, check_shape, dtype_name
+from ..base.packing import check_cu_seqlens
 
 __all__ = [
     "validate_gla_inputs",
@@ -27,6 +28,8 @@ __all__ = [
     "check_gate_values",
     "compute_dtype_name",
     "state_dtype_ok",
+    "check_cu_seqlens",
+    "check_document_states",
 ]
 
 _HALF = ("float16", "bfloat16")
@@ -197,3 +200,21 @@ def raise_for_flags(arrays: dict[str, Any], flags: list[int]) -> None:
         if f & POSITIVE:
             raise ValueError(f"{name} is a log forget gate and must be <= 0 everywhere (max is "
                              f"{float(x.astype('float32').max())})")
+
+
+def check_document_states(name: str, x: Any, N: int, H: int, K: int, V: int, q: Any,
+                          check_values: bool = True) -> None:
+    """A per-document state (``initial_state``, ``dht`` with ``cu_seqlens``): an array ``[N, H, K, V]`` on the side
+    of ``q`` (numpy or CuPy), of ``q``'s dtype (float32 too for half inputs), finite when ``check_values`` (host
+    arrays; device values are the caller's). ``TypeError``/``ValueError`` naming ``name``. Local."""
+    check_array(name, x, ndim=4)
+    check_shape(name, x, (N, H, K, V), "([N, H, K, V]: one state per document of cu_seqlens)")
+    dt = dtype_name(q)
+    if not state_dtype_ok(dt, dtype_name(x)):
+        allowed = dt + (" or float32" if dt in _HALF else "")
+        raise TypeError(f"{name} has dtype {dtype_name(x)}, expected {allowed} (the dtype of q)")
+    if is_device_array(x) != is_device_array(q):
+        where = "cupy" if is_device_array(q) else "numpy"
+        raise TypeError(f"{name} must live where q does (a {where} array)")
+    if check_values and not is_device_array(x):
+        check_finite_values(name, x)

@@ -7,8 +7,8 @@ Per batch ``b`` and head ``h`` (``q, k, g: [B, T, H, K]``, ``v, o: [B, T, H, V]`
 
 CPU tensors run :func:`hpczeco.gla.chunk_gla` / :func:`hpczeco.gla.chunk_gla_bwd` on numpy views;
 CUDA tensors run :func:`hpczeco.gpu.gla.chunk_gla` / :func:`hpczeco.gpu.gla.chunk_gla_bwd` on CuPy views
-(DLPack, zero-copy) on torch's current stream. The backward recomputes the chunk states from the saved
-inputs (nothing per token is kept).
+(DLPack, zero-copy) on torch's current stream (with ``cu_seqlens`` through :mod:`hpczeco.gpu.gla_varlen`). The
+backward recomputes the chunk states from the saved inputs (nothing per token is kept).
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ def _host_functions() -> tuple[Callable, Callable]:
 
 
 def _cuda_functions() -> tuple[Callable, Callable]:
-    from ..gpu import gla  # noqa: PLC0415
+    from ..gpu import gla_varlen  # noqa: PLC0415 - hpczeco.gpu.gla's functions, with cu_seqlens
 
-    return gla.chunk_gla, gla.chunk_gla_bwd
+    return gla_varlen.chunk_gla, gla_varlen.chunk_gla_bwd
 
 
 @functools.cache
