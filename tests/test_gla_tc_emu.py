@@ -53,29 +53,37 @@ def _f(x):
     return bf16.from_bits(x) if x.dtype == np.uint16 else x
 
 
-CASES = [  # B, T, H, K, V, strong, nc, f32 states
-    pytest.param(1, 1, 1, 16, 32, False, None, False, id="T1-K16-V32"),
-    pytest.param(1, 70, 2, 32, 48, True, 1, False, id="T70-K32-V48-strong-2seg"),
-    pytest.param(2, 130, 1, 64, 16, False, 2, True, id="T130-K64-V16-f32states-2seg"),
-    pytest.param(1, 100, 1, 128, 64, False, 1, False, id="T100-K128-V64-KM128"),
-    pytest.param(1, 66, 1, 48, 128, True, None, False, id="T66-K48-V128-strong-KM128"),
+CASES = [  # B, T, H, K, V, strong, nc, f32 states, state walk
+    pytest.param(1, 1, 1, 16, 32, False, None, False, 2, id="T1-K16-V32"),
+    pytest.param(1, 70, 2, 32, 48, True, 1, False, 2, id="T70-K32-V48-strong-2seg"),
+    pytest.param(2, 130, 1, 64, 16, False, 2, True, 2, id="T130-K64-V16-f32states-2seg"),
+    pytest.param(1, 100, 1, 128, 64, False, 1, False, 2, id="T100-K128-V64-KM128"),
+    pytest.param(1, 66, 1, 48, 128, True, None, False, 2, id="T66-K48-V128-strong-KM128"),
+    pytest.param(1, 140, 1, 80, 96, False, 2, False, 2, id="T140-K80-V96-2ktiles-2seg"),
+    pytest.param(1, 70, 2, 32, 48, True, 1, False, 1, id="walk1-T70-K32-V48-strong-2seg"),
+    pytest.param(1, 66, 1, 48, 128, False, None, True, 1, id="walk1-T66-K48-V128-f32states"),
 ]
 
 
+def _walk(f32s: bool, V: int, walk: int, reverse: bool = False) -> str:
+    return st.walk_name("bf16", reverse, f32s, walk, st.km_of(16, V))
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("B,T,H,K,V,strong,nc,f32s", CASES)
-def test_forward_backward_match_float64_recurrence(rt, rng, B, T, H, K, V, strong, nc, f32s):
+@pytest.mark.parametrize("B,T,H,K,V,strong,nc,f32s,walk", CASES)
+def test_forward_backward_match_float64_recurrence(rt, rng, B, T, H, K, V, strong, nc, f32s, walk):
     bits, xs, h0, dht = _inputs(rng, B, T, H, K, V, strong)
     rt.launched.clear()
-    o, ht = gla_fwd_tc.fwd_tc(rt, *bits[:4], initial_state=h0, output_final_state=True, nc=nc, f32_states=f32s)
+    o, ht = gla_fwd_tc.fwd_tc(rt, *bits[:4], initial_state=h0, output_final_state=True, nc=nc, f32_states=f32s,
+                              walk=walk)
     km = st.km_of(K, V)
-    assert st.fwd_name("bf16", km, f32s) in rt.launched and st.walk_name("bf16", False, f32s) in rt.launched
+    assert st.fwd_name("bf16", km, f32s) in rt.launched and _walk(f32s, V, walk) in rt.launched
     assert o.dtype == np.uint16 and o.shape == (B, T, H, V) and ht.dtype == np.float32
     ro, rht = recurrent_gla(*xs[:4], initial_state=h0.astype(np.float64), output_final_state=True)
     assert rel(_f(o), ro) < TOL_O, f"o: {rel(_f(o), ro):.2e}"
     assert rel(ht, rht) < TOL_GRAD, f"final state: {rel(ht, rht):.2e}"
-    grads = gla_bwd_tc.bwd_tc(rt, *bits, initial_state=h0, dht=dht, nc=nc, f32_states=f32s)
-    assert st.bwd_name("bf16", km, f32s) in rt.launched and st.walk_name("bf16", True, f32s) in rt.launched
+    grads = gla_bwd_tc.bwd_tc(rt, *bits, initial_state=h0, dht=dht, nc=nc, f32_states=f32s, walk=walk)
+    assert st.bwd_name("bf16", km, f32s) in rt.launched and _walk(f32s, V, walk, True) in rt.launched
     ref = recurrent_gla_bwd(*xs, initial_state=h0.astype(np.float64), dht=dht.astype(np.float64))
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), grads, ref):
         assert a.shape == b.shape, name
@@ -93,7 +101,7 @@ def test_no_initial_state_no_dht_and_fwd_state_reuse(rt, rng):
     assert plan.finish()[1] is None
     rt.launched.clear()
     grads = gla_bwd_tc.bwd_tc(rt, *bits, fwd=plan)  # the forward's chunk states are reused
-    assert st.walk_name("bf16", False, False) not in rt.launched
+    assert _walk(False, V, 2) not in rt.launched and _walk(False, V, 2, True) in rt.launched
     ref = recurrent_gla_bwd(*xs)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), grads, ref):
         assert rel(_f(a), b) < TOL_GRAD, f"{name}: {rel(_f(a), b):.2e}"
