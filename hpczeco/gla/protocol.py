@@ -47,7 +47,8 @@ class SplitForward(Protocol):
     @property
     def states(self) -> Any:
         """After :meth:`finish`: what :func:`split_backward` may take as ``states`` (the chunk states
-        ``[B, H, N + 1, K, V]`` on numpy), or None where the backend recomputes them."""
+        ``[B, H, N + 1, K, V]`` on numpy, the prepared forward on CuPy), or None where the backend recomputes
+        them."""
         ...
 
 
@@ -88,6 +89,7 @@ def split_backward(q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None 
     """The backward split for these arrays (``initial_state [B, H, K, V]`` or None; ``states`` from
     :attr:`SplitForward.states` or None), chosen and checked as :func:`split_forward`. Local."""
     if is_device_array(q):
-        return DeviceBackwardSplit(q, k, v, g, do, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
+        return DeviceBackwardSplit(q, k, v, g, do, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
+                                   states=states)
     return BackwardSplit(q, k, v, g, do, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
                          states=states, check_values=check_values)
