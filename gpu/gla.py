@@ -391,7 +391,10 @@ def chunk_gla_bwd(
 # ---------------------------------------------------------------------------------------------- numbers
 
 
-def memory_floor(B: int, T: int, H: int, K: int, V: int, itemsize: int = 2, bandwidth: float = 4.3e12) -> dict:
-    """Bytes of q, k, v, g read once and o written once, and that over ``bandwidth`` (seconds)."""
-    nbytes = (3 * B * T * H * K + 2 * B * T * H * V) * itemsize
+def memory_floor(B: int, T: int, H: int, K: int, V: int, itemsize: int = 2, bandwidth: float = 4.3e12,
+                 backward: bool = False) -> dict:  # fmt: skip
+    """Bytes of q, k, v, g read once and o written once (``backward``: q, k, v, g, do read once and dq, dk, dv, dg
+    written once), and that over ``bandwidth`` (seconds)."""
+    E = B * T * H
+    nbytes = (3 * E * K + 2 * E * V) * itemsize if not backward else (6 * E * K + 3 * E * V) * itemsize
     return {"bytes": nbytes, "seconds": nbytes / bandwidth, "bandwidth": bandwidth}

@@ -320,6 +320,32 @@ def decay_total(geo: Geometry, sp: StatePass) -> Any:
     return sp.dec.reshape(geo.B, geo.H, geo.K)
 
 
+# ---------------------------------------------------------------------------------------------- bytes
+
+
+def traffic(geo: Geometry, itemsize: int = 2) -> dict[str, int]:
+    """Bytes each kernel of a forward and of a backward reads and writes in device memory (a model: every input
+    tile once, the state tiles a walk's sibling CTAs or a segment's chunk CTAs share counted once, as if L2 served
+    the repeats). Keys: the kernels (``walk``, ``scan``, ``fwd_out``, ``walk_rev``, ``scan_rev``, ``bwd``) and
+    ``forward`` = walk + scan + fwd_out, ``backward`` (states recomputed) = walk + scan + walk_rev + scan_rev + bwd,
+    ``backward_reusing`` (the forward's states reused) = walk_rev + scan_rev + bwd."""
+    E, BH, NT, NS, K, V = geo.B * geo.T * geo.H, geo.BH, geo.NT, geo.NS, geo.K, geo.V
+    hc = BH * NT * K * V * (4 if geo.f32_states else 2)  # per-chunk states
+    seg = BH * NS * K * V * 4  # segment states (fp32)
+    small = BH * NT * K * 4 + BH * NS * K * 4  # chunk and segment log decays
+    t: dict[str, int] = {}
+    t["walk"] = (2 * E * K + E * V) * itemsize + hc + seg + small
+    t["scan"] = 2 * seg + BH * NS * K * 4 + BH * K * V * 4 + BH * K * 4
+    t["fwd_out"] = (3 * E * K + 2 * E * V) * itemsize + hc + seg + BH * NT * K * 4
+    t["walk_rev"] = (2 * E * K + E * V) * itemsize + hc + seg + BH * NT * K * 4
+    t["scan_rev"] = 2 * seg + BH * NS * K * 4 + BH * K * V * 4
+    t["bwd"] = (6 * E * K + 3 * E * V) * itemsize + 2 * hc + 2 * seg + 2 * BH * NT * K * 4
+    t["forward"] = t["walk"] + t["scan"] + t["fwd_out"]
+    t["backward_reusing"] = t["walk_rev"] + t["scan_rev"] + t["bwd"]
+    t["backward"] = t["walk"] + t["scan"] + t["backward_reusing"]
+    return t
+
+
 # ---------------------------------------------------------------------------------------------- emulation
 
 

@@ -268,9 +268,9 @@ def test_emulated_tensor_core_state_pass_opt_in(emu_rt, rng, monkeypatch):
     q, k, v, g, do, h0, dht = gla_inputs(rng, B, T, H, K, V)
     bits = [bf16.to_bits(x) for x in (q, k, v, g, do)]
     xs = [bf16.from_bits(x).astype(np.float64) for x in bits]
-    monkeypatch.setenv("HPCZECO_TC_STATES", "1")
+    monkeypatch.setenv("HPCZECO_TC_STATES", "1")  # the simt backward's opt-in tensor-core chunk states
     emu_rt.launched.clear()
-    got = ggla.chunk_gla_bwd(*bits, initial_state=h0, dht=dht)
+    got = ggla.chunk_gla_bwd(*bits, initial_state=h0, dht=dht, impl="simt")
     assert "gla_tc_chunk_outer<bf16>" in emu_rt.launched
     ref = recurrent_gla_bwd(*xs, initial_state=h0.astype(np.float64), dht=dht.astype(np.float64))
     for name, a, b in zip(("dq", "dk", "dv", "dg"), got[:4], ref[:4]):

@@ -422,3 +422,70 @@ def test_validate_gla_inputs_on_bf16_device_arrays(gpu, rng):
         with pytest.raises(ValueError) as info:
             validate_gla_inputs(*views(bad), do=bad["do"].view("bfloat16"))
         assert str(info.value).startswith(name + " "), f"{name}: {info.value}"
+
+
+# ------------------------------------------------------------------------------------------- the bench, dry
+
+_BENCH_DRY_RUN = r"""
+import json, re, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])  # gpu/emu/fake_cupy: numpy arrays that look like CuPy arrays
+import cupy
+from hpczeco.drivers import bench_gpu_gla as bg, benchkit
+from hpczeco.gpu import emu as gemu, gla as G
+
+class RandomState:  # what the bench calls of cupy.random.RandomState
+    def __init__(self, seed):
+        self.g = np.random.default_rng(seed)
+    def standard_normal(self, size, dtype="float64"):
+        return self.g.standard_normal(size).astype(dtype).view(cupy.ndarray)
+    def uniform(self, low, high, size):
+        return self.g.uniform(low, high, size).view(cupy.ndarray)
+
+cupy.random = type(sys)("cupy.random")
+cupy.random.RandomState = RandomState
+cupy.get_default_memory_pool = lambda: type("Pool", (), {"free_all_blocks": lambda self: None})()
+names = [n for n in G.kernel_names() if not re.search(r"(?<!b)f16", n)]
+rt = gemu.EmuRuntime(G.kernel_source(), names)
+rt.xp = cupy
+rt.function = lambda name, shared_mem=0: name  # the bench's compile step
+G._set_runtime(rt)
+bg.variant_runtime = lambda defines: rt  # -D builds: the same emulated kernels
+bg.COPY_BYTES = 1 << 20
+bg.GRID_T, bg.GRID_KV, bg.GRID_GN = (1, 65), ((32, 16), (24, 16)), (0.1, 1.0)
+benchkit.cuda_event_time = lambda fn, repeats, warmup=3, sets=1, **kw: (fn(0), {"median_ms": 1.0})[1]
+rc = bg.main(["--out", sys.argv[2], "--shapes", "1x65x2x32x16,1x40x1x16x32", "--grid", "--variants",
+              "walk1,walk1-ctas2,nc2,f32", "--no-fla", "--repeats", "2"])
+sys.exit(rc)
+"""
+
+
+@pytest.mark.timeout(1800)
+def test_bench_gpu_gla_dry_run(tmp_path):
+    """`hpczeco bench gpu-gla` end to end without a GPU: numpy standing in for CuPy, every kernel emulated, tiny
+    shapes, the grid and the variants; each step ran, the checks against simt and the grid cases pass, the table
+    prints."""
+    import json
+    import subprocess
+    import sys
+
+    from hpczeco.gpu import emu as gemu
+
+    if gemu.compiler() is None:
+        pytest.skip("no C++ compiler (g++) for the CUDA emulation")
+    out = tmp_path / "bench"
+    res = subprocess.run([sys.executable, "-c", _BENCH_DRY_RUN, str(gemu._HERE / "fake_cupy"), str(out)],
+                         capture_output=True, text=True, timeout=1700)  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads((out / "gpu_gla.json").read_text())
+    assert not data.get("failures"), data.get("failures")
+    assert [r["shape"] for r in data["summary"]] == ["B=1 T=65 H=2 K=32 V=16", "B=1 T=40 H=1 K=16 V=32"]
+    assert all(c["ok"] and c["impl"] == "tc-chunk" for c in data["checks"]), data["checks"]
+    names = [r["name"] for r in data["timings"]]
+    assert any(n.startswith("ours fwd+bwd, states reused") for n in names)
+    assert any("reverse walk (glatc_walk2" in r["name"] for r in data["kernels"])
+    assert len(data["grid"]) == 8 and all(r["targets ok"] and "error" not in r for r in data["grid"]), data["grid"]
+    assert {r["impl"] for r in data["grid"]} == {"tc-chunk", "simt"}
+    assert [v["variant"] for v in data["variants"]] == ["default", "walk1", "walk1-ctas2", "nc2", "f32"]
+    assert all(v.get("ok", True) and "error" not in v for v in data["variants"]), data["variants"]
+    assert "==== hpczeco bench gpu-gla" in res.stdout and "accuracy grid: 8/8" in res.stdout
