@@ -63,6 +63,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--grid-kv", default="", help="restrict the grid's (K, V) pairs, e.g. '64x64,128x128'")
     p.add_argument("--variants", default="", help=f"'all' or a comma list of: {', '.join(VARIANTS)}")
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-kernel timings")
+    p.add_argument("--quick", action="store_true", help="the first shape only (jobs/device_session.sh)")
     return p
 
 
@@ -608,7 +609,7 @@ def run(args) -> int:
     rec.info.update(seed=seed, args=vars(args))
     rec.say(f"bench gpu-gla: seed {seed}")
     try:
-        shapes = parse_shapes(args.shapes)
+        shapes = parse_shapes(args.shapes)[: 1 if args.quick else None]
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
