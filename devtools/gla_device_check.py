@@ -21,7 +21,8 @@ Steps (each in try/except: a failure is recorded and the run goes on):
 4. timings (CUDA events, 3 warm-up calls, median of 20, two input sets alternating): ours forward, backward,
    forward+backward (the backward reusing the forward's chunk states, and not), per-kernel breakdown; the
    existing forward and forward+backward; fla (with --fla); a 1 GiB device copy (bandwidth ceiling);
-5. --variants: chunks per segment x2 / x0.5, walk register cap (-DGW_MIN_CTAS=2 / 4), fp32 chunk states: each
+5. --variants: the former state walk (walk=1), chunks per segment x2 / x0.5, walk 1's register cap
+   (-DGW_MIN_CTAS=2 / 4), fp32 chunk states: each
    checked (small shape vs float64, bench shape vs the base build) and timed (fwd+bwd), the fastest correct kept;
 6. --grid: T = 1, 63, 777, 1000, 1024, 2048; (K, V) in (64|128)^2; gate normaliser 0.1, 1, 10; h0 and dht;
    B = H = 2: ours (and fla with --fla) against a CuPy float64 recurrence.
@@ -138,7 +139,7 @@ class NvrtcRuntime:
         if "<" not in name:
             return "common"
         args = [a.strip() for a in name[name.index("<") + 1 : name.rindex(">")].split(",")]
-        return f"{args[0]}-{args[-1]}"  # type and fp32-state flag
+        return f"{args[0]}-{args[2]}"  # type and fp32-state flag (the third template argument of every glatc_*)
 
     def _names(self, group: str) -> list[str]:
         if group == "common":
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "gla_device_check_out"))
     p.add_argument("--fla", action="store_true", help="time flash-linear-attention (first fwd+bwd autotunes)")
-    p.add_argument("--variants", default="", help="'all' or a comma list of: nc2,nc05,ctas2,ctas4,f32")
+    p.add_argument("--variants", default="", help="'all' or a comma list of: walk1,nc2,nc05,ctas2,ctas4,f32")
     p.add_argument("--grid", action="store_true", help="accuracy on fla's test grid (CuPy float64 reference)")
     p.add_argument("--shapes", default="0,1,2", help="indices into the bench shapes to run")
     p.add_argument("--reps", type=int, default=20)
@@ -479,10 +480,10 @@ def main(argv: list[str] | None = None) -> int:
             walks = Filtered(rt, lambda n: n.startswith("glatc_walk"))
             scans = Filtered(rt, lambda n: n == "glatc_scan")
             pieces = {
-                "walk fwd (glatc_walk<bf16, false>)": lambda: st.state_pass(
+                f"walk fwd ({st.walk_name('bf16', False, False, geo.walk, st.km_of(16, V))})": lambda: st.state_pass(
                     walks, geo, d0["k"], d0["v"], d0["g"], False),
                 "segment scan (glatc_scan)": lambda: st.state_pass(scans, geo, d0["k"], d0["v"], d0["g"], False),
-                "walk rev (glatc_walk<bf16, true>)": lambda: st.state_pass(
+                f"walk rev ({st.walk_name('bf16', True, False, geo.walk, st.km_of(16, V))})": lambda: st.state_pass(
                     walks, geo, d0["q"], d0["do"], d0["g"], True, scale, fplan.states.gseg),
                 "fwd output (glatc_fwd_out)": lambda: fplan.finish(),
                 "bwd fused (glatc_bwd)": lambda: bplan.finish(),
@@ -554,10 +555,11 @@ def main(argv: list[str] | None = None) -> int:
         geo = st.geometry(rt, B, T, H, K, V, "bf16", None, None)
         allv = {
             "base": ((), {}),
+            "walk1": ((), {"walk": 1}),  # the former 64 x 64 state walk
             "nc2": ((), {"nc": 2 * geo.NC}),
             "nc05": ((), {"nc": max(1, geo.NC // 2)}),
-            "ctas2": (("GW_MIN_CTAS=2",), {}),
-            "ctas4": (("GW_MIN_CTAS=4",), {}),
+            "ctas2": (("GW_MIN_CTAS=2",), {"walk": 1}),  # GW_MIN_CTAS: walk 1's register cap
+            "ctas4": (("GW_MIN_CTAS=4",), {"walk": 1}),
             "f32": ((), {"f32_states": True}),
         }
         pick = list(allv) if a.variants == "all" else ["base"] + [v for v in a.variants.split(",") if v in allv]

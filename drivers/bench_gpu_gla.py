@@ -1,23 +1,35 @@
-"""`hpczeco bench gpu-gla`: timings of the GLA GPU kernels (:mod:`hpczeco.gpu.gla`) on one GPU.
+"""`hpczeco bench gpu-gla`: the GLA GPU kernels (:mod:`hpczeco.gpu.gla`) against flash-linear-attention on one GPU.
 
-At B=1, T=``--T`` (32768), H=16, K=V=128, bf16, two input sets alternating, CUDA events, warm-up
-excluded, median of ``--repeats``: the NVRTC build of each kernel group; a 1 GiB device copy (the
-bandwidth ceiling) beside the memory floor; our forward per tensor-core build (``HPCZECO_TC_VARIANT``),
-the fastest build that agrees with the simt forward at this shape at several chunks per segment
-(``--nc``) and the automatic choice, the simt forward, forward+backward; flash-linear-attention's
-``chunk_gla`` forward and forward+backward beside them (when ``fla`` imports; its backward autotunes
-on first use, so it goes last); the pieces a ZeCO rank adds (prepare, finish, decay cumsum, state
-correction, initial-state gradient), the device value checks of the inputs, and each stage of the
-backward alone.
+Issue 14's table in one run, bf16 (raw bits), at three shapes (``--shapes``; default all):
+B=1 T=32768 H=16 K=V=128, B=8 T=4096 H=16 K=V=128, B=1 T=32768 H=32 K=V=64. Per shape, in one process, two
+input sets alternating, CUDA events, warm-up excluded, median of ``--repeats``:
 
-The correctness of these kernels is checked by ``pytest -m gpu tests/test_gpu_gla*.py``. Results:
-``--out``/gpu_gla.json and gpu_gla_timings.csv, rewritten after every row.
+- ours: forward (``hpczeco.gpu.gla.chunk_gla``, the default chunk-parallel tensor-core kernels), forward+backward
+  with the forward's chunk states reused (``chunk_gla_prepare`` / ``chunk_gla_bwd_prepare(fwd=)``) and with them
+  recomputed (``chunk_gla`` then ``chunk_gla_bwd``); each kernel alone (walks, segment scans, output kernel, fused
+  backward); a check against the simt kernels on the same inputs;
+- flash-linear-attention 0.6 ``chunk_gla`` forward and forward+backward (autograd), unless ``--no-fla`` or it does
+  not import; its first forward+backward per (K, V) autotunes (~150 s; keep Triton's cache between runs);
+- bytes: the memory floor (inputs read once, outputs written once) and the bytes our kernels move
+  (:func:`hpczeco.gpu.gla_tc_states.traffic`), each over the measured copy bandwidth.
+
+``--variants`` (comma list or ``all``) times builds of the same kernels at the first shape: ``walk1`` (the former
+64 x 64 state walk), ``walk1-ctas2`` (it with ``-DGW_MIN_CTAS=2``), ``nc2`` / ``nc05`` (chunks per segment x2 /
+x0.5), ``f32`` (fp32 chunk states); each is checked against the default build. ``--grid`` adds the accuracy table on
+flash-linear-attention's test grid (tests/ops/test_gla.py there: q, k, v, h0 ~ U[0, 1), g = logsigmoid(U[0, 1)) /
+normaliser, do, dht ~ N(0, 1); T = 1, 63, 777, 1000, 1024, 2048; K = 60 (simt path), 64, 128 with V = 64, 128;
+normaliser 0.1, 1, 10; B = H = 2): ours and fla's RMS error ratios against a float64 recurrence on the GPU, the
+targets (o <= 4e-3, final state and gradients <= 5e-3) and ``ours <= 1.5 x fla + 1e-4``.
+
+Every step is guarded: a failure is recorded with its reason and the run goes on. The table prints last. Results:
+``--out``/gpu_gla.json and one CSV per table (timings, summary, variants, grid), rewritten after every row.
+Correctness is tested by ``pytest -m gpu tests/test_gpu_gla*.py``; this is the benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 import sys
 import time
 from typing import Any
@@ -27,6 +39,15 @@ import numpy as np
 from . import benchkit
 
 STEM = "gpu_gla"
+SHAPES = {"0": (1, 32768, 16, 128, 128), "1": (8, 4096, 16, 128, 128), "2": (1, 32768, 32, 64, 64)}
+GRID_T = (1, 63, 777, 1000, 1024, 2048)
+GRID_KV = ((60, 64), (60, 128), (64, 64), (64, 128), (128, 64), (128, 128))
+GRID_GN = (0.1, 1.0, 10.0)
+TARGET = {"o": 4e-3, "ht": 5e-3, "dq": 5e-3, "dk": 5e-3, "dv": 5e-3, "dg": 5e-3, "dh0": 5e-3}
+VS_FLA, VS_FLA_SLACK = 1.5, 1e-4  # ours <= 1.5 x fla + 1e-4 (RMS error ratios)
+NAMES = ("o", "ht", "dq", "dk", "dv", "dg", "dh0")
+VARIANTS = ("walk1", "walk1-ctas2", "nc2", "nc05", "f32")
+COPY_BYTES = 1 << 30  # the device copy that measures the bandwidth the floors are divided by
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -34,9 +55,15 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/gpu_gla", help="folder for the JSON/CSV results")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock, printed)")
     p.add_argument("--repeats", type=int, default=20, help="timed repetitions (median)")
-    p.add_argument("--T", type=int, default=32768, help="tokens of the timed shape")
-    p.add_argument("--nc", type=int, nargs="*", default=[8, 16, 32, 64], help="tensor-core chunks per segment to time")
-    p.add_argument("--quick", action="store_true", help="build only the bf16 kernel groups (the only ones timed)")
+    p.add_argument("--shapes", default="0,1,2",
+                   help="comma list of shapes: 0 = B1 T32768 H16 K=V=128, 1 = B8 T4096 H16 K=V=128, "
+                        "2 = B1 T32768 H32 K=V=64, or BxTxHxKxV")  # fmt: skip
+    p.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention")
+    p.add_argument("--grid", action="store_true", help="accuracy on fla's test grid (ours and fla vs float64)")
+    p.add_argument("--grid-kv", default="", help="restrict the grid's (K, V) pairs, e.g. '64x64,128x128'")
+    p.add_argument("--variants", default="", help=f"'all' or a comma list of: {', '.join(VARIANTS)}")
+    p.add_argument("--no-breakdown", action="store_true", help="skip the per-kernel timings")
+    p.add_argument("--quick", action="store_true", help="the first shape only (jobs/device_session.sh)")
     return p
 
 
@@ -49,266 +76,340 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench gpu-gla") -> 
     return run(args)
 
 
-def _bf16_inputs(rng, cp, B: int, T: int, H: int, K: int, V: int) -> dict[str, Any]:
-    """q, k, v, do ~ N(0, 1), g = logsigmoid(N(0, 1) + 2), as bf16 bit patterns on the device."""
-    from hpczeco.base import bf16  # noqa: PLC0415
-
-    x = {n: rng.standard_normal((B, T, H, K if n in ("q", "k") else V)).astype(np.float32)
-         for n in ("q", "k", "v", "do")}
-    x["g"] = np.log(1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, H, K)) - 2.0))).astype(np.float32)
-    return {n: cp.asarray(bf16.to_bits(a)) for n, a in x.items()}
-
-
-def _guarded(rec: benchkit.Recorder, name: str, fn, derived=None, **extra: Any) -> float | None:
-    """``rec.timing(name, fn(), **extra, **derived(ms))`` (ms); a failure is recorded with its reason instead."""
-    try:
-        ms = fn()
-    except Exception as exc:  # noqa: BLE001 - record and go on
-        rec.failed(name, exc, **extra)
-        return None
-    rec.timing(name, ms, **extra, **(derived(ms) if derived else {}))
-    return ms
+def parse_shapes(text: str) -> list[tuple[int, int, int, int, int]]:
+    """``0,1,2`` (indices into :data:`SHAPES`) or ``BxTxHxKxV`` items."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        if item in SHAPES:
+            out.append(SHAPES[item])
+            continue
+        dims = tuple(int(x) for x in item.lower().split("x"))
+        if len(dims) != 5 or min(dims) < 1:
+            raise ValueError(f"--shapes: {item!r} is neither one of {sorted(SHAPES)} nor BxTxHxKxV")
+        out.append(dims)  # type: ignore[arg-type]
+    return out
 
 
-def run(args) -> int:
-    import cupy as cp  # noqa: PLC0415
-    from hpczeco.base import bf16  # noqa: PLC0415
-    from hpczeco.gpu import gla as G  # noqa: PLC0415
-    from hpczeco.gpu import gla_tc  # noqa: PLC0415
+def tag_of(shape) -> str:
+    B, T, H, K, V = shape
+    return f"B={B} T={T} H={H} K={K} V={V}"
 
-    seed = int(args.seed if args.seed is not None else time.time_ns() % 2**31)
-    rng = np.random.default_rng(seed)
-    rec = benchkit.Recorder(args.out, STEM, info=benchkit.environment(("numpy", "cupy", "numba"), gpu=True))
-    rec.info["seed"] = seed
-    rec.say(f"bench gpu-gla: seed {seed}  {rec.info}")
-    reps = args.repeats
-    ev = lambda fn, r=reps, **kw: benchkit.cuda_event_time(fn, r, **kw)["median_ms"]
 
-    # the NVRTC build of each kernel group (the first use builds one RawModule per .cu file and group)
-    groups = ("common", "bf16") if args.quick else ("common", "bf16", "float", "f16")
-    for file in G._KERNEL_FILES:
-        for group in groups:
-            names = [n for n in G.kernel_names(file) if G.kernel_group(n) == group]
-            if names:
+# ------------------------------------------------------------------------------------------------ device helpers
+
+
+def bf16_bits(cp, x32):
+    """bfloat16 bit patterns (uint16) of a finite float32 CuPy array, round to nearest even."""
+    u = x32.view(cp.uint32)
+    return ((u + cp.uint32(0x7FFF) + ((u >> 16) & cp.uint32(1))) >> 16).astype(cp.uint16)
+
+
+def f32_of(cp, x):
+    """float32 values of a CuPy array (uint16: raw bf16 bits)."""
+    if x.dtype == cp.uint16:
+        return (x.astype(cp.uint32) << 16).view(cp.float32)
+    return x.astype(cp.float32)
+
+
+def bench_inputs(cp, shape, seed: int) -> dict[str, Any]:
+    """q, k, v, do ~ N(0, 1), g = logsigmoid(N(0, 1) + 2) as bf16 bits on the device (generated there)."""
+    B, T, H, K, V = shape
+    rs = cp.random.RandomState(seed)
+    f = lambda *s: normal32(rs, s)  # noqa: E731
+    x = {"q": f(B, T, H, K), "k": f(B, T, H, K), "v": f(B, T, H, V), "do": f(B, T, H, V)}
+    x["g"] = (-cp.log1p(cp.exp(-(f(B, T, H, K) + 2.0)))).astype(cp.float32)
+    return {n: cp.ascontiguousarray(bf16_bits(cp, a)) for n, a in x.items()}
+
+
+def normal32(rs, shape):
+    """float32 N(0, 1) from a CuPy RandomState (generated in float32)."""
+    return rs.standard_normal(shape, dtype="float32")
+
+
+def rel(cp, a, ref) -> float:
+    """RMS error ratio ``||a - ref|| / ||ref||`` in float64 on the device (NaN if ``a`` is not finite)."""
+    a64, r64 = f32_of(cp, a).astype(cp.float64), f32_of(cp, ref).astype(cp.float64)
+    if not bool(cp.isfinite(a64).all()):
+        return float("nan")
+    return float(cp.linalg.norm(a64 - r64) / max(float(cp.linalg.norm(r64)), 1e-300))
+
+
+def recurrence64(cp, q, k, v, g, do, scale: float, h0, dht):
+    """float64 recurrences on the device (hpczeco.gla.naive's formulas): ``(o, S_T, dq, dk, dv, dg, dh0)``.
+    ``q, k, v, g, do``: CuPy arrays (raw bf16 bits or floats), ``h0, dht`` ``[B, H, K, V]``."""
+    q, k, v, g, do = (f32_of(cp, x).astype(cp.float64) for x in (q, k, v, g, do))
+    B, T, H, K = q.shape
+    V = v.shape[3]
+    q, k, v, g, do = (x.transpose(1, 0, 2, 3).reshape(T, B * H, -1) for x in (q, k, v, g, do))
+    S = h0.astype(cp.float64).reshape(B * H, K, V).copy()
+    states = cp.empty((T + 1, B * H, K, V), dtype=cp.float64)
+    states[0] = S
+    o = cp.empty((T, B * H, V))
+    for t in range(T):
+        S = cp.exp(g[t])[:, :, None] * S + k[t][:, :, None] * v[t][:, None, :]
+        states[t + 1] = S
+        o[t] = scale * cp.matmul(q[t][:, None, :], S)[:, 0, :]
+    dS = dht.astype(cp.float64).reshape(B * H, K, V).copy()
+    dq, dk, dg = (cp.empty((T, B * H, K)) for _ in range(3))
+    dv = cp.empty((T, B * H, V))
+    for t in range(T - 1, -1, -1):
+        dS += scale * q[t][:, :, None] * do[t][:, None, :]
+        dq[t] = scale * cp.matmul(states[t + 1], do[t][:, :, None])[:, :, 0]
+        dk[t] = cp.matmul(dS, v[t][:, :, None])[:, :, 0]
+        dv[t] = cp.matmul(k[t][:, None, :], dS)[:, 0, :]
+        e = cp.exp(g[t])
+        dg[t] = e * (states[t] * dS).sum(axis=2)
+        dS = e[:, :, None] * dS
+    back = lambda x: x.reshape(T, B, H, -1).transpose(1, 0, 2, 3)  # noqa: E731
+    return back(o), S.reshape(B, H, K, V), back(dq), back(dk), back(dv), back(dg), dS.reshape(B, H, K, V)
+
+
+class Only:
+    """A kernel runtime that launches only the kernels ``keep(name)`` accepts (to time one kernel of a pass)."""
+
+    def __init__(self, rt: Any, keep):
+        self._rt, self._keep, self.xp = rt, keep, rt.xp
+
+    def launch(self, name, grid, block, args, shared_mem=0):
+        if self._keep(name):
+            self._rt.launch(name, grid, block, args, shared_mem)
+
+    def ptr(self, x):
+        return self._rt.ptr(x)
+
+
+def variant_runtime(defines: tuple[str, ...]) -> Any:
+    """A CuPy kernel runtime of the GLA kernels compiled with extra ``-D`` defines."""
+    from hpczeco.gpu.gla_common import KERNELS  # noqa: PLC0415
+    from hpczeco.gpu.runtime import CupyRuntime  # noqa: PLC0415
+
+    return CupyRuntime(dataclasses.replace(KERNELS, options=KERNELS.options + tuple(f"-D{d}" for d in defines)))
+
+
+# ------------------------------------------------------------------------------------------------ the run
+
+
+class Bench:
+    def __init__(self, args, rec: benchkit.Recorder, cp, seed: int):
+        self.args, self.rec, self.cp, self.seed = args, rec, cp, seed
+        self.reps = args.repeats
+        self.fla = self.torch = None
+        self.summary: dict[str, dict[str, Any]] = {}
+        self.copy_Bps: float | None = None
+
+    # -------------------------------------------------------------------- helpers
+    def ev(self, fn, reps: int | None = None, warmup: int = 3, sets: int = 2) -> float:
+        return benchkit.cuda_event_time(fn, reps or self.reps, warmup=warmup, sets=sets)["median_ms"]
+
+    def guarded(self, name: str, fn, table: str = "timings", **extra: Any) -> Any:
+        """``fn()`` -> ms (recorded as a timing row); a failure is recorded with its reason and None returned."""
+        try:
+            ms = fn()
+        except Exception as exc:  # noqa: BLE001 - record and go on
+            self.rec.failed(name, exc, table=table, **extra)
+            return None
+        self.rec.timing(name, ms, table=table, **extra)
+        return ms
+
+    def step(self, what: str, fn) -> Any:
+        """Run one step; a failure is recorded (``failures`` table) and None returned."""
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001
+            self.rec.record({"step": what, "error": f"{type(exc).__name__}: {exc}"[:300]}, table="failures")
+            return None
+
+    def to_torch(self, x):
+        return self.torch.from_dlpack(x.view(self.cp.int16)).view(self.torch.bfloat16)
+
+    def free(self) -> None:
+        """Give cached device memory back between shapes (CuPy's pool, and torch's when fla ran)."""
+        self.cp.get_default_memory_pool().free_all_blocks()
+        if self.torch is not None:
+            self.torch.cuda.empty_cache()
+
+    # -------------------------------------------------------------------- setup
+    def setup(self) -> None:
+        cp, rec = self.cp, self.rec
+
+        def copy():
+            a = cp.full(COPY_BYTES, 7, dtype=cp.uint8)
+            b = cp.empty_like(a)
+            ms = self.ev(lambda i: cp.copyto(b, a), 10, sets=1)
+            self.copy_Bps = 2 * a.nbytes / (ms * 1e-3)
+            rec.info["copy_GBps"] = round(self.copy_Bps / 1e9, 1)
+            return ms
+
+        self.guarded("device copy 1 GiB (read + write)", copy)
+        cp.get_default_memory_pool().free_all_blocks()
+        if self.args.no_fla:
+            rec.info["fla"] = "skipped (--no-fla)"
+            return
+        try:
+            import fla as fla_mod  # noqa: PLC0415
+            import torch  # noqa: PLC0415
+            from fla.ops.gla import chunk_gla as fla_chunk_gla  # noqa: PLC0415
+
+            self.fla, self.torch = fla_chunk_gla, torch
+            rec.info["fla"] = getattr(fla_mod, "__version__", "?")
+            rec.info["torch"] = torch.__version__
+        except Exception as exc:  # noqa: BLE001
+            rec.info["fla"] = f"import failed: {type(exc).__name__}: {exc}"
+            rec.say(f"flash-linear-attention not available ({exc}); continuing without it")
+
+    def compile_kernels(self) -> None:
+        """The NVRTC build of the modules a bf16 run uses (timed: the first call of each pays it)."""
+        from hpczeco.gpu.gla_common import kernel_group, kernel_names, runtime  # noqa: PLC0415
+
+        rt = runtime()
+        for file in ("gla_tc_states.cu", "gla_fwd_tc.cu", "gla_bwd_tc.cu", "gla_kernels.cu"):  # what the run uses
+            for group in ("common", "bf16"):
+                names = [n for n in kernel_names(file) if kernel_group(n) == group]
+                if not names:
+                    continue
+
                 def build(names=names):
                     t = time.perf_counter()
                     for n in names:
-                        G._runtime().fn(n)
+                        rt.function(n)
                     return (time.perf_counter() - t) * 1e3
 
-                _guarded(rec, f"compile {file} [{group}] (NVRTC, -std=c++17)", build, kernels=len(names))
+                self.guarded(f"compile {file} [{group}] (NVRTC, host ms)", build, kernels=len(names))
 
-    B, T, H, K, V = 1, args.T, 16, 128, 128
-    fl = G.memory_floor(B, T, H, K, V, itemsize=2, bandwidth=4.3e12)
-    flops = B * H * (-(-T // 64)) * (2 * 64 * 64 * K + 2 * 64 * 64 * V + 2 * 64 * K * V * 2)
-    rec.info.update(bench_shape=dict(B=B, T=T, H=H, K=K, V=V, dtype="bf16"), memory_floor=fl,
-                    flops_forward_chunked=flops)
-    rec.say(f"memory floor (q,k,v,g,o bf16 once, 4.3 TB/s): {fl['bytes'] / 1e6:.1f} MB -> {fl['seconds'] * 1e3:.3f} "
-            f"ms; forward matmul work {flops / 1e9:.1f} GFLOP")
-    floor_ms = fl["seconds"] * 1e3
-    sets = [_bf16_inputs(rng, cp, B, T, H, K, V) for _ in range(2)]
-    s0 = sets[0]
-    scale = K**-0.5
+    # -------------------------------------------------------------------- one shape
+    def run_shape(self, shape) -> None:
+        cp, rec = self.cp, self.rec
+        from hpczeco.gpu import gla as G  # noqa: PLC0415
+        from hpczeco.gpu import gla_tc_states as tcs  # noqa: PLC0415
+        from hpczeco.gpu.gla_common import runtime  # noqa: PLC0415
 
-    try:  # device copy: the achieved bandwidth ceiling
-        bufs = [cp.full(1 << 30, 7, dtype=cp.uint8), cp.empty(1 << 30, dtype=cp.uint8)]
-        ms = ev(lambda i: cp.copyto(bufs[1], bufs[0]), 10)
-        rec.timing("device copy 1 GiB (read+write)", ms, GBps=round(2 * (1 << 30) / ms / 1e6, 1))
-        rec.info["copy_GBps"] = 2 * (1 << 30) / ms / 1e6
-        bufs.clear()
-    except Exception as exc:  # noqa: BLE001
-        rec.failed("device copy 1 GiB (read+write)", exc)
+        B, T, H, K, V = shape
+        tag = tag_of(shape)
+        row = self.summary.setdefault(tag, {"shape": tag})
+        sets = self.step(f"inputs {tag}", lambda: [bench_inputs(cp, shape, self.seed + 10 * j) for j in range(2)])
+        if sets is None:
+            return
+        scale = K**-0.5
+        qkvg = ("q", "k", "v", "g")
+        rt = runtime()
+        geo = tcs.geometry(rt, B, T, H, K, V, "bf16", None, None)
+        moved = tcs.traffic(geo)
+        fl_f = G.memory_floor(B, T, H, K, V)["bytes"]
+        fl_b = G.memory_floor(B, T, H, K, V, backward=True)["bytes"]
+        bw = self.copy_Bps or 4.1e12
+        fb_moved = moved["forward"] + moved["backward_reusing"]
+        row.update(NC=geo.NC, floor_fwd_GB=fl_f / 1e9, floor_fwd_ms=fl_f / bw * 1e3,
+                   moved_fwd_GB=moved["forward"] / 1e9, moved_fwd_ms=moved["forward"] / bw * 1e3,
+                   floor_fwdbwd_GB=(fl_f + fl_b) / 1e9, floor_fwdbwd_ms=(fl_f + fl_b) / bw * 1e3,
+                   moved_fwdbwd_GB=fb_moved / 1e9, moved_fwdbwd_ms=fb_moved / bw * 1e3)  # fmt: skip
+        rec.info[f"bytes {tag}"] = {k: v for k, v in moved.items()}
 
-    # which tensor-core builds agree with the simt forward at this shape (only those are used below)
-    o_si, h_si = G.chunk_gla(s0["q"], s0["k"], s0["v"], s0["g"], scale=scale, output_final_state=True, impl="simt")
-    ref_o, ref_h = bf16.from_bits(o_si.get()).astype(np.float64), h_si.get().astype(np.float64)
-    del o_si, h_si
-    chosen = os.environ.get("HPCZECO_TC_VARIANT", gla_tc.DEFAULT_VARIANT)
-    variant_err: dict[str, float] = {}
-    for var in gla_tc.VARIANTS:
-        os.environ["HPCZECO_TC_VARIANT"] = var
-        try:
-            o_tc, h_tc = G.chunk_gla(s0["q"], s0["k"], s0["v"], s0["g"], scale=scale, output_final_state=True,
-                                     impl="tc")
-            a = bf16.from_bits(o_tc.get()).astype(np.float64)
-            errs = [np.linalg.norm(a - ref_o) / np.linalg.norm(ref_o),
-                    np.linalg.norm(h_tc.get() - ref_h) / np.linalg.norm(ref_h)]
-            variant_err[var] = float(max(errs)) if np.isfinite(a).all() else float("inf")
-        except Exception as exc:  # noqa: BLE001
-            variant_err[var] = float("inf")
-            rec.say(f"tensor-core build {var!r} failed: {type(exc).__name__}: {exc}")
-    variant_ok = {v: bool(e <= 1e-2) for v, e in variant_err.items()}
-    rec.info.update(tc_variant_rel_vs_simt=variant_err, tc_variant_ok=variant_ok)
+        def fwd(i):
+            s = sets[i]
+            return G.chunk_gla(*(s[n] for n in qkvg), scale=scale)
 
-    fla = torch = None
-    try:
-        import fla as fla_mod  # noqa: PLC0415
-        import torch  # noqa: PLC0415
-        from fla.ops.gla import chunk_gla as fla  # noqa: PLC0415
+        def fwd_bwd_reuse(i):
+            s = sets[i]
+            plan = G.chunk_gla_prepare(*(s[n] for n in qkvg), scale=scale)
+            plan.finish()
+            G.chunk_gla_bwd_prepare(*(s[n] for n in qkvg), s["do"], scale=scale, fwd=plan).finish()
 
-        rec.info["fla"] = getattr(fla_mod, "__version__", "?")
-        rec.info["torch"] = torch.__version__
-    except Exception as exc:  # noqa: BLE001
-        rec.info["fla"] = f"import failed: {type(exc).__name__}: {exc}"
-        rec.say(f"flash-linear-attention not available ({exc}); continuing without it")
-    tsets = [{n: torch.from_dlpack(a.view(cp.int16)).view(torch.bfloat16) for n, a in s.items()} for s in sets] \
-        if fla is not None else []
+        def fwd_bwd(i):
+            s = sets[i]
+            G.chunk_gla(*(s[n] for n in qkvg), scale=scale)
+            G.chunk_gla_bwd(*(s[n] for n in qkvg), s["do"], scale=scale)
 
-    def fwd_tc(i):
-        G.chunk_gla(sets[i]["q"], sets[i]["k"], sets[i]["v"], sets[i]["g"], scale=scale, impl="tc")
+        def check():  # ours against the simt kernels on the same inputs
+            s = sets[0]
+            plan = G.chunk_gla_prepare(*(s[n] for n in qkvg), scale=scale)
+            o, ht = plan.finish(output_final_state=True)
+            grads = G.chunk_gla_bwd_prepare(*(s[n] for n in qkvg), s["do"], scale=scale, fwd=plan).finish()
+            o_s, ht_s = G.chunk_gla(*(s[n] for n in qkvg), scale=scale, output_final_state=True, impl="simt")
+            g_s = G.chunk_gla_bwd(*(s[n] for n in qkvg), s["do"], scale=scale, impl="simt")
+            errs = {"o": rel(cp, o, o_s), "ht": rel(cp, ht, ht_s)}
+            errs.update({n: rel(cp, a, b) for n, a, b in zip(NAMES[2:], grads, g_s)})
+            row["impl"] = plan.impl
+            row["vs_simt_max"] = max(errs.values())
+            rec.record({"shape": tag, "impl": plan.impl, **errs, "ok": bool(max(errs.values()) <= 1e-2)},
+                       table="checks")  # fmt: skip
 
-    # every tensor-core build at the automatic NC; the fastest agreeing one is used from here on
-    var_ms = {}
-    for var in gla_tc.VARIANTS:
-        os.environ["HPCZECO_TC_VARIANT"] = var
-        ms = _guarded(rec, f"ours fwd tc[{var}] (auto NC)", lambda: ev(fwd_tc, sets=2), correct=variant_ok[var],
-                      derived=lambda ms: {"x_floor": round(ms / floor_ms, 2)})
-        if ms is not None:
-            var_ms[var] = ms
-    fastest = [v for v in sorted(var_ms, key=var_ms.get) if variant_ok.get(v)]
-    chosen = fastest[0] if fastest else chosen
-    os.environ["HPCZECO_TC_VARIANT"] = chosen
-    rec.info["tc_variant_used"] = chosen
-    rec.say(f"tensor-core build used for the rest: {chosen!r}")
-    rate = lambda ms: {"Mtok_s": round(B * T / ms / 1e3, 1), "x_floor": round(ms / floor_ms, 2)}
-    for nc in args.nc:
-        os.environ["HPCZECO_TC_NC"] = str(nc)
-        _guarded(rec, f"ours fwd tc[{chosen}] (NC={nc})", lambda: ev(fwd_tc, sets=2), derived=rate)
-    os.environ.pop("HPCZECO_TC_NC", None)
-    rec.info["auto_NC"] = gla_tc.chunks_per_segment(G._runtime(), B * H, -(-T // 64))
-    fwd_auto = lambda i: G.chunk_gla(sets[i]["q"], sets[i]["k"], sets[i]["v"], sets[i]["g"], scale=scale)
-    best_ms = _guarded(rec, f"ours fwd auto (NC={rec.info['auto_NC']})", lambda: ev(fwd_auto, sets=2), derived=rate)
-    if best_ms is not None:
-        _guarded(rec, "ours fwd auto (repeat, for spread)", lambda: ev(fwd_auto, sets=2))
-    _guarded(rec, "ours fwd simt", lambda: ev(lambda i: G.chunk_gla(
-        sets[i]["q"], sets[i]["k"], sets[i]["v"], sets[i]["g"], scale=scale, impl="simt"), max(5, reps // 4), sets=2))
+        self.step(f"check vs simt {tag}", check)
+        cp.get_default_memory_pool().free_all_blocks()
+        row["ours fwd"] = self.guarded(f"ours fwd [{tag}]", lambda: self.ev(fwd))
+        row["ours fwd+bwd"] = self.guarded(f"ours fwd+bwd, states reused [{tag}]", lambda: self.ev(fwd_bwd_reuse))
+        row["ours fwd+bwd (recomputed)"] = self.guarded(f"ours fwd+bwd, states recomputed [{tag}]",
+                                                        lambda: self.ev(fwd_bwd))  # fmt: skip
+        if not self.args.no_breakdown:
+            self.step(f"breakdown {tag}", lambda: self.breakdown(shape, sets[0], geo, row))
 
-    def ours_fb(i):
-        s = sets[i]
-        G.chunk_gla(s["q"], s["k"], s["v"], s["g"], scale=scale)
-        G.chunk_gla_bwd(s["q"], s["k"], s["v"], s["g"], s["do"], scale=scale)
+        def validate(i):  # the public checks on raw bits: fused bit-pattern reductions, one synchronisation
+            from hpczeco.gla import validate_gla_inputs  # noqa: PLC0415
 
-    rec.info["ours_fwd_bwd_ms"] = _guarded(rec, "ours fwd+bwd",
-                                           lambda: ev(ours_fb, max(5, reps // 2), warmup=2, sets=2))
+            validate_gla_inputs(*(sets[i][n] for n in qkvg), do=sets[i]["do"])
 
-    if fla is not None:
-        t_start = time.time()
-        ms = _guarded(rec, "fla 0.6 chunk_gla fwd", lambda: ev(lambda i: fla(
-            tsets[i]["q"], tsets[i]["k"], tsets[i]["v"], tsets[i]["g"], scale=scale, output_final_state=False),
-            warmup=3, sets=2), derived=lambda ms: {"warm_s": round(time.time() - t_start, 1)})
-        if ms is not None:
-            if best_ms is not None:
-                rec.info["fwd_speedup_vs_fla"] = ms / best_ms
+        self.guarded(f"validate_gla_inputs q, k, v, g, do (uint16 raw bits) [{tag}]",
+                     lambda: self.ev(validate, max(5, self.reps // 2)))  # fmt: skip
+        if self.fla is not None:
+            self.step(f"fla {tag}", lambda: self.fla_shape(shape, sets, row))
+        for key in ("fwd", "fwd+bwd"):
+            ours, theirs = row.get(f"ours {key}"), row.get(f"fla {key}")
+            if ours and theirs:
+                row[f"ours/fla {key}"] = ours / theirs
+        rec.record({k: v for k, v in row.items()}, table="summary")
 
-    _zeco_pieces(rec, G, cp, rng, sets, scale, reps)
-    _value_checks(rec, sets, reps)
-    _backward_stages(rec, G, cp, s0, scale, reps, ours_fb)
-    if fla is not None:  # last: FLA's backward autotunes its Triton kernels on first use (minutes)
-        _fla_backward(rec, fla, torch, cp, tsets, scale, reps)
-    rec.finish()
-    return 0
+    def breakdown(self, shape, s, geo, row) -> None:
+        """Each kernel of the forward and of the backward alone (the default build, 16-bit chunk states)."""
+        from hpczeco.gpu import gla_bwd_tc, gla_fwd_tc  # noqa: PLC0415
+        from hpczeco.gpu import gla_tc_states as tcs  # noqa: PLC0415
+        from hpczeco.gpu.gla_common import runtime  # noqa: PLC0415
 
+        cp = self.cp
+        tag = tag_of(shape)
+        rt = runtime()
+        B, T, H, K, V = shape
+        scale = K**-0.5
+        q, k, v, g, do = (s[n] for n in ("q", "k", "v", "g", "do"))
+        fplan = gla_fwd_tc.fwd_tc_prepare(rt, q, k, v, g, scale)
+        bplan = gla_bwd_tc.bwd_tc_prepare(rt, q, k, v, g, do, scale, fwd=fplan)
+        S0 = cp.asarray(np.random.default_rng(self.seed).standard_normal((B, H, K, V)).astype(np.float32))
+        walks = Only(rt, lambda n: n.startswith("glatc_walk"))
+        scans = Only(rt, lambda n: n == "glatc_scan")
+        vm = tcs.km_of(16, V)
+        moved = tcs.traffic(geo)
+        pieces = {
+            "walk": (f"walk ({tcs.walk_name('bf16', False, False, geo.walk, vm)})",
+                     lambda: tcs.state_pass(walks, geo, k, v, g, False)),
+            "scan": ("segment scan (glatc_scan)", lambda: tcs.state_pass(scans, geo, k, v, g, False)),
+            "fwd_out": ("forward output (glatc_fwd_out)", lambda: fplan.finish()),
+            "walk_rev": (f"reverse walk ({tcs.walk_name('bf16', True, False, geo.walk, vm)})",
+                         lambda: tcs.state_pass(walks, geo, q, do, g, True, scale, fplan.states.gseg)),
+            "scan_rev": ("reverse segment scan", lambda: tcs.state_pass(scans, geo, q, do, g, True, scale,
+                                                                       fplan.states.gseg)),
+            "bwd": ("fused backward (glatc_bwd)", lambda: bplan.finish()),
+            "bwd_h0_dht": ("fused backward with h0 and dht (+2 glatc_combine)", lambda: bplan.finish(S0, S0)),
+            "fwd_prepare": ("forward prepare (walk + scan)", lambda: gla_fwd_tc.fwd_tc_prepare(rt, q, k, v, g, scale)),
+        }  # fmt: skip
+        bw = self.copy_Bps or 4.1e12
+        for key, (name, fn) in pieces.items():
+            extra = {}
+            if key in moved:
+                extra = {"GB": round(moved[key] / 1e9, 3), "floor_ms": round(moved[key] / bw * 1e3, 3)}
+            row[f"kernel {key}"] = self.guarded(f"  {name} [{tag}]", lambda fn=fn: self.ev(lambda i: fn(), sets=1),
+                                                table="kernels", **extra)  # fmt: skip
 
-def _zeco_pieces(rec, G, cp, rng, sets, scale: float, reps: int) -> None:
-    """The pieces a ZeCO rank adds to the single-GPU work (bench shape, bf16)."""
-    s0 = sets[0]
-    B, T, H, K = s0["q"].shape
-    V = s0["v"].shape[-1]
-    S0 = cp.asarray(rng.standard_normal((B, H, K, V)).astype(np.float32))
-    few = max(5, reps // 2)
-    pieces = {
-        "fwd prepare (local pass)": lambda i: G.chunk_gla_prepare(
-            sets[i]["q"], sets[i]["k"], sets[i]["v"], sets[i]["g"], scale=scale),
-        "fwd with initial_state": lambda i: G.chunk_gla(
-            sets[i]["q"], sets[i]["k"], sets[i]["v"], sets[i]["g"], scale=scale, initial_state=S0),
-        "bwd prepare (state passes)": lambda i: G.chunk_gla_bwd_prepare(
-            sets[i]["q"], sets[i]["k"], sets[i]["v"], sets[i]["g"], sets[i]["do"], scale=scale),
-        "decay_cumsum (G, fp32)": lambda i: G.decay_cumsum(sets[i]["g"]),
-        "initial_state_grad (U)": lambda i: G.initial_state_grad(sets[i]["q"], sets[i]["g"], sets[i]["do"],
-                                                                 scale=scale),
-    }
-    for name, fn in pieces.items():
-        _guarded(rec, f"piece: {name}", lambda fn=fn: benchkit.cuda_event_time(fn, few, warmup=2, sets=2)["median_ms"])
-    try:
-        plan = G.chunk_gla_prepare(s0["q"], s0["k"], s0["v"], s0["g"], scale=scale)
-        rec.timing("piece: fwd finish(initial_state)",
-                   benchkit.cuda_event_time(lambda i: plan.finish(S0), few)["median_ms"])
-        bplan = G.chunk_gla_bwd_prepare(s0["q"], s0["k"], s0["v"], s0["g"], s0["do"], scale=scale)
-        rec.timing("piece: bwd finish(initial_state, dht)",
-                   benchkit.cuda_event_time(lambda i: bplan.finish(S0, S0), few)["median_ms"])
-        Gc = G.decay_cumsum(s0["g"])
-        o_tmp = s0["v"].copy()
-        rec.timing("piece: state_correction (o += (q e^G) S_in)", benchkit.cuda_event_time(
-            lambda i: G.state_correction(o_tmp, s0["q"], Gc, S0, scale=scale), few)["median_ms"])
-    except Exception as exc:  # noqa: BLE001
-        rec.failed("piece: finish / correction", exc)
+    def fla_shape(self, shape, sets, row) -> None:
+        torch, fla, cp = self.torch, self.fla, self.cp
+        tag = tag_of(shape)
+        scale = shape[3] ** -0.5
+        tsets = [{n: self.to_torch(x[n]) for n in ("q", "k", "v", "g", "do")} for x in sets]
 
+        def fla_fwd(i):
+            t = tsets[i]
+            return fla(t["q"], t["k"], t["v"], t["g"], scale=scale, output_final_state=False)
 
-def _value_checks(rec, sets, reps: int) -> None:
-    """The layer's input validation on device arrays (fused bit-pattern reductions, one synchronisation)."""
-    try:
-        from hpczeco.gla import validate_gla_inputs  # noqa: PLC0415
-
-        bfs = [{n: sets[i][n].view("bfloat16") for n in ("q", "k", "v", "g", "do")} for i in range(2)]
-        rec.timing("validate_gla_inputs q,k,v,g,do (bf16 device, fused)", benchkit.cuda_event_time(
-            lambda i: validate_gla_inputs(*(bfs[i][n] for n in ("q", "k", "v", "g")), do=bfs[i]["do"]),
-            max(5, reps // 2), sets=2)["median_ms"])
-    except Exception as exc:  # noqa: BLE001
-        rec.failed("validate_gla_inputs", exc)
-
-
-def _backward_stages(rec, G, cp, s0, scale: float, reps: int, ours_fb) -> None:
-    """Where the backward's time goes (bench shape, bf16): each stage of ``chunk_gla_bwd`` alone."""
-    i32, f32 = np.int32, np.float32
-    try:
-        rt = G._runtime()
-        q_, k_, v_, g_, do_ = (s0[n] for n in ("q", "k", "v", "g", "do"))
-        B, T, H, K = q_.shape
-        V = v_.shape[-1]
-        C, NT, BH, t_ = 64, -(-T // 64), B * H, "bf16"
-        geo = (i32(B), i32(T), i32(H), i32(K), i32(V), i32(C), i32(NT))
-        st0, gt0 = G._local_states(rt, k_, v_, g_, t_, B, T, H, K, V, C, NT, 0, 1.0)
-        ds0, _ = G._local_states(rt, q_, do_, g_, t_, B, T, H, K, V, C, NT, 1, scale)
-        A_ = cp.empty((BH, NT, 64, 64), dtype=cp.float32)
-        dA_ = cp.empty_like(A_)
-        dq_, dk_, dv_ = cp.empty_like(q_), cp.empty_like(k_), cp.empty_like(v_)
-        dG_ = cp.empty((B, T, H, K), dtype=cp.float32)
-        stages = {
-            "chunk_outer k^T v (states)": lambda i: G._local_states(rt, k_, v_, g_, t_, B, T, H, K, V, C, NT, 0, 1.0),
-            "chunk_outer q^T do (d-states)": lambda i: G._local_states(rt, q_, do_, g_, t_, B, T, H, K, V, C, NT, 1,
-                                                                       scale),
-            "state scan over chunks": lambda i: G._scan(rt, st0, gt0, None, NT, K, V, BH, reverse=False),
-            "bwd_scores (A, dA)": lambda i: rt.launch(f"gla_bwd_scores<{t_}>", (NT, BH), (256,),
-                                                      (q_, k_, v_, g_, do_, A_, dA_) + geo),
-            "bwd_dqdk": lambda i: rt.launch(
-                f"gla_bwd_dqdk<{t_}>", (NT, BH, -(-K // 32)), (256,),
-                (q_, k_, v_, g_, do_, st0, ds0, dA_, dq_, dk_, dG_, f32(scale)) + geo + (None, None, None, None)),
-            "bwd_dv": lambda i: rt.launch(f"gla_bwd_dv<{t_}>", (NT, BH, -(-V // 64)), (256,),
-                                          (k_, g_, do_, A_, ds0, dv_, f32(scale)) + geo + (None, None)),
-            "dg reverse cumsum": lambda i: G._cumsum_T(rt, dG_, "float", t_, q_.dtype, B, T, H, K, C, reverse=True),
-            "simt forward output kernel": lambda i: rt.launch(
-                f"gla_chunk_output<{t_}>", (NT, BH, -(-V // 64)), (256,),
-                (q_, k_, v_, g_, st0, dv_, f32(scale)) + geo + (None, None)),
-        }
-        few = max(5, reps // 4)
-        for name, fn in stages.items():
-            rec.timing(f"bwd stage: {name}", benchkit.cuda_event_time(fn, few, warmup=1)["median_ms"])
-        os.environ["HPCZECO_TC_STATES"] = "1"  # the opt-in tensor-core state pass, for comparison
-        try:
-            for name in ("chunk_outer k^T v (states)", "chunk_outer q^T do (d-states)"):
-                rec.timing(f"bwd stage: {name} [tensor cores]",
-                           benchkit.cuda_event_time(stages[name], few, warmup=1)["median_ms"])
-            rec.timing("ours fwd+bwd [HPCZECO_TC_STATES=1]",
-                       benchkit.cuda_event_time(ours_fb, max(5, reps // 2), warmup=2, sets=2)["median_ms"])
-        finally:
-            os.environ.pop("HPCZECO_TC_STATES", None)
-    except Exception as exc:  # noqa: BLE001
-        rec.failed("bwd stages", exc)
-
-
-def _fla_backward(rec, fla, torch, cp, tsets, scale: float, reps: int) -> None:
-    """flash-linear-attention's forward+backward (autograd); its first call compiles and autotunes."""
-    try:
+        row["fla fwd"] = self.guarded(f"fla chunk_gla fwd [{tag}]", lambda: self.ev(fla_fwd))
         gsets = []
         for ts in tsets:
             d = {n: ts[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v", "g")}
@@ -320,13 +421,209 @@ def _fla_backward(rec, fla, torch, cp, tsets, scale: float, reps: int) -> None:
             o, _ = fla(d["q"], d["k"], d["v"], d["g"], scale=scale, output_final_state=False)
             torch.autograd.backward(o, d["do"])
 
-        t_start = time.time()
+        t1 = time.time()
         fla_fb(0)
         cp.cuda.Device().synchronize()
-        first_s = round(time.time() - t_start, 1)
-        ms = benchkit.cuda_event_time(fla_fb, max(5, reps // 2), warmup=2, sets=2)["median_ms"]
-        rec.timing("fla 0.6 chunk_gla fwd+bwd", ms, first_call_s=first_s)
-        if rec.info.get("ours_fwd_bwd_ms"):
-            rec.info["fwd_bwd_ours_over_fla"] = rec.info["ours_fwd_bwd_ms"] / ms
-    except Exception as exc:  # noqa: BLE001
-        rec.failed("fla 0.6 chunk_gla fwd+bwd", exc)
+        row["fla first fwd+bwd s"] = round(time.time() - t1, 1)
+        row["fla fwd+bwd"] = self.guarded(f"fla chunk_gla fwd+bwd [{tag}]", lambda: self.ev(fla_fb),
+                                          first_call_s=row["fla first fwd+bwd s"])  # fmt: skip
+
+        def vs_fla():
+            from hpczeco.gpu import gla as G  # noqa: PLC0415
+
+            o = G.chunk_gla(*(sets[0][n] for n in ("q", "k", "v", "g")), scale=scale)[0]
+            of, _ = fla_fwd(0)
+            torch.cuda.synchronize()
+            row["o vs fla"] = rel(cp, o, cp.from_dlpack(of.float().contiguous()))
+
+        self.step(f"ours vs fla o {tag}", vs_fla)
+
+    # -------------------------------------------------------------------- variants
+    def run_variants(self, shape) -> None:
+        from hpczeco.gpu import gla_bwd_tc, gla_fwd_tc  # noqa: PLC0415
+        from hpczeco.gpu import gla_tc_states as tcs  # noqa: PLC0415
+        from hpczeco.gpu.gla_common import runtime  # noqa: PLC0415
+
+        cp, rec = self.cp, self.rec
+        names = VARIANTS if self.args.variants == "all" else [v for v in self.args.variants.split(",") if v]
+        unknown = [v for v in names if v not in VARIANTS]
+        if unknown:
+            rec.record({"step": "variants", "error": f"unknown variants {unknown}; known: {VARIANTS}"}, "failures")
+        B, T, H, K, V = shape
+        sets = [bench_inputs(cp, shape, self.seed + 100 + j) for j in range(2)]
+        rt = runtime()
+        NC = tcs.chunks_per_segment(rt, B * H, -(-T // 64), K, V)
+        table = {"default": ((), {}), "walk1": ((), {"walk": 1}), "walk1-ctas2": (("GW_MIN_CTAS=2",), {"walk": 1}),
+                 "nc2": ((), {"nc": 2 * NC}), "nc05": ((), {"nc": max(1, NC // 2)}), "f32": ((), {"f32_states": True})}
+        qkvg = [sets[0][n] for n in ("q", "k", "v", "g")]
+        base = None
+        for vname in ["default"] + [v for v in names if v in table]:
+            defines, kw = table[vname]
+            out: dict[str, Any] = {"variant": vname, "shape": tag_of(shape), "defines": " ".join(defines),
+                                   "options": " ".join(f"{a}={b}" for a, b in kw.items())}
+            try:
+                r = variant_runtime(defines) if defines else rt
+                plan = gla_fwd_tc.fwd_tc_prepare(r, *qkvg, **kw)
+                o, ht = plan.finish(output_final_state=True)
+                grads = gla_bwd_tc.bwd_tc(r, *qkvg, sets[0]["do"], fwd=plan)
+                got = (o, ht) + tuple(grads)
+                if base is None:
+                    base = got
+                else:
+                    out["vs_default_max"] = max(rel(cp, a, b) for a, b in zip(got, base))
+                    out["ok"] = bool(out["vs_default_max"] <= 1e-2)
+
+                def fwd(i, r=r, kw=kw):
+                    gla_fwd_tc.fwd_tc(r, *(sets[i][n] for n in ("q", "k", "v", "g")), **kw)
+
+                def fb(i, r=r, kw=kw):
+                    s = sets[i]
+                    p = gla_fwd_tc.fwd_tc_prepare(r, *(s[n] for n in ("q", "k", "v", "g")), **kw)
+                    p.finish()
+                    gla_bwd_tc.bwd_tc(r, *(s[n] for n in ("q", "k", "v", "g")), s["do"], fwd=p)
+
+                out["fwd_ms"] = self.ev(fwd)
+                out["fwd_bwd_ms"] = self.ev(fb)
+            except Exception as exc:  # noqa: BLE001
+                out["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rec.record(out, table="variants")
+
+    # -------------------------------------------------------------------- accuracy grid
+    def run_grid(self) -> None:
+        kv = GRID_KV
+        if self.args.grid_kv:
+            want = {tuple(int(x) for x in item.split("x")) for item in self.args.grid_kv.split(",") if item}
+            kv = tuple(p for p in GRID_KV if p in want)
+        rng = np.random.default_rng(self.seed + 7)
+        for K, V in kv:
+            for T in GRID_T:
+                for gn in GRID_GN:
+                    self.grid_case(T, K, V, gn, int(rng.integers(1 << 30)))
+
+    def grid_case(self, T: int, K: int, V: int, gn: float, seed: int) -> None:
+        cp, rec = self.cp, self.rec
+        from hpczeco.gpu import gla as G  # noqa: PLC0415
+
+        row: dict[str, Any] = {"T": T, "K": K, "V": V, "gn": gn}
+        try:
+            B, H = 2, 2
+            rs = cp.random.RandomState(seed)
+            u = lambda *s: rs.uniform(0.0, 1.0, s).astype(cp.float32)  # noqa: E731
+            x = {"q": u(B, T, H, K), "k": u(B, T, H, K), "v": u(B, T, H, V)}
+            x["g"] = (-cp.log1p(cp.exp(-u(B, T, H, K))) / cp.float32(gn)).astype(cp.float32)  # logsigmoid / gn
+            x["do"] = normal32(rs, (B, T, H, V))
+            d = {n: cp.ascontiguousarray(bf16_bits(cp, a)) for n, a in x.items()}
+            h0, dht = u(B, H, K, V), normal32(rs, (B, H, K, V))
+            scale = K**-0.5
+            args = [d[n] for n in ("q", "k", "v", "g", "do")]
+            ref = recurrence64(cp, *args, scale, h0, dht)
+            plan = G.chunk_gla_prepare(*args[:4], scale=scale)
+            o, ht = plan.finish(h0, output_final_state=True)
+            grads = G.chunk_gla_bwd_prepare(*args, scale=scale, fwd=plan).finish(h0, dht)
+            row["impl"] = plan.impl
+            ours = {n: rel(cp, m, r_) for n, m, r_ in zip(NAMES, (o, ht) + tuple(grads), ref)}
+            row.update({f"ours {n}": e for n, e in ours.items()})
+            row["targets ok"] = all(ours[n] <= TARGET[n] for n in NAMES)
+            if self.fla is not None:
+                torch = self.torch
+                t = {n: self.to_torch(d[n]) for n in ("q", "k", "v", "g", "do")}
+                xs = {n: t[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v", "g")}
+                h0t = torch.from_dlpack(h0).clone().requires_grad_(True)
+                of, hf = self.fla(xs["q"], xs["k"], xs["v"], xs["g"], scale=scale, initial_state=h0t,
+                                  output_final_state=True)  # fmt: skip
+                torch.autograd.backward((of, hf), (t["do"], torch.from_dlpack(dht)))
+                got = [of, hf, xs["q"].grad, xs["k"].grad, xs["v"].grad, xs["g"].grad, h0t.grad]
+                theirs = {n: rel(cp, cp.from_dlpack(m.float().contiguous()), r_) for n, m, r_ in zip(NAMES, got, ref)}
+                row.update({f"fla {n}": e for n, e in theirs.items()})
+                row["vs fla ok"] = all(ours[n] <= VS_FLA * theirs[n] + VS_FLA_SLACK for n in NAMES)
+                row["worst ours/fla"] = max(ours[n] / max(theirs[n], 1e-12) for n in NAMES)
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        rec.record(row, table="grid")
+        cp.get_default_memory_pool().free_all_blocks()
+
+    # -------------------------------------------------------------------- the table
+    def table(self) -> str:
+        lines = ["", "==== hpczeco bench gpu-gla (bf16, ms: CUDA events, median; one process) ===="]
+        head = (f"{'shape':32s} {'ours fwd':>9s} {'fla fwd':>9s} {'ratio':>6s} {'ours f+b':>9s} {'fla f+b':>9s} "
+                f"{'ratio':>6s} {'f+b recomp':>10s}")  # fmt: skip
+        lines.append(head)
+        fmt = lambda x, w=9, p=3: (f"{x:{w}.{p}f}" if isinstance(x, (int, float)) else f"{'-':>{w}s}")  # noqa: E731
+        for tag, r in self.summary.items():
+            lines.append(f"{tag:32s} {fmt(r.get('ours fwd'))} {fmt(r.get('fla fwd'))} "
+                         f"{fmt(r.get('ours/fla fwd'), 6, 2)} {fmt(r.get('ours fwd+bwd'))} {fmt(r.get('fla fwd+bwd'))} "
+                         f"{fmt(r.get('ours/fla fwd+bwd'), 6, 2)} {fmt(r.get('ours fwd+bwd (recomputed)'), 10)}")
+        lines.append("targets (issue 14): fwd ratio <= 0.8, fwd+bwd ratio <= 1.0")
+        lines.append("")
+        lines.append(f"{'shape':32s} {'floor fwd':>10s} {'moved fwd':>10s} {'floor f+b':>10s} {'moved f+b':>10s}"
+                     "   (GB; ms at the measured copy bandwidth)")
+        for tag, r in self.summary.items():
+            if "floor_fwd_GB" not in r:
+                continue
+            lines.append(f"{tag:32s} {r['floor_fwd_GB']:5.2f}/{r['floor_fwd_ms']:4.2f} "
+                         f"{r['moved_fwd_GB']:5.2f}/{r['moved_fwd_ms']:4.2f} "
+                         f"{r['floor_fwdbwd_GB']:5.2f}/{r['floor_fwdbwd_ms']:4.2f} "
+                         f"{r['moved_fwdbwd_GB']:5.2f}/{r['moved_fwdbwd_ms']:4.2f}")
+        kernels = self.rec.tables.get("kernels", [])
+        if kernels:
+            lines += ["", "per kernel (ms; GB moved; ms at copy bandwidth):"]
+            for k in kernels:
+                ms = "n/a" if k.get("median_ms") is None else f"{k['median_ms']:8.3f}"
+                extra = f"  {k['GB']:6.3f} GB  floor {k['floor_ms']:6.3f}" if "GB" in k else ""
+                lines.append(f"  {k['name']:75s} {ms}{extra}")
+        var = self.rec.tables.get("variants", [])
+        if var:
+            lines += ["", "variants (first shape): " + ", ".join(
+                f"{v['variant']} fwd {fmt(v.get('fwd_ms'), 0)} f+b {fmt(v.get('fwd_bwd_ms'), 0)}"
+                + ("" if v.get("ok", True) else " (DIFFERS)") + (" (error)" if "error" in v else "") for v in var)]
+        grid = self.rec.tables.get("grid", [])
+        if grid:
+            ok_t = sum(bool(r.get("targets ok")) for r in grid)
+            lines += ["", f"accuracy grid: {ok_t}/{len(grid)} cases within the targets"]
+            if any("vs fla ok" in r for r in grid):
+                ok_f = sum(bool(r.get("vs fla ok")) for r in grid)
+                lines.append(f"               {ok_f}/{len(grid)} cases with ours <= {VS_FLA} x fla + {VS_FLA_SLACK}")
+            worst = max(grid, key=lambda r: max((r.get(f"ours {n}", 0.0) for n in NAMES), default=0.0))
+            lines.append("  worst case: " + " ".join(f"{k}={_short(v)}" for k, v in worst.items()))
+            bad = [r for r in grid if not r.get("targets ok") or r.get("vs fla ok") is False or "error" in r]
+            for r in bad[:20]:
+                lines.append("  FAIL " + " ".join(f"{k}={_short(v)}" for k, v in r.items()))
+        fails = self.rec.tables.get("failures", [])
+        checks = self.rec.tables.get("checks", [])
+        lines.append("")
+        lines.append(f"checks vs simt: {sum(bool(c.get('ok')) for c in checks)}/{len(checks)} ok; "
+                     f"failed steps: {len(fails)}" + ("" if not fails else " (" + "; ".join(
+                         f["step"] for f in fails[:8]) + ")"))  # fmt: skip
+        return "\n".join(lines)
+
+
+def _short(v: Any) -> str:
+    return f"{v:.2e}" if isinstance(v, float) else str(v)
+
+
+def run(args) -> int:
+    import cupy as cp  # noqa: PLC0415
+
+    seed = int(args.seed if args.seed is not None else time.time_ns() % 2**31)
+    rec = benchkit.Recorder(args.out, STEM, info=benchkit.environment(("numpy", "cupy"), gpu=True))
+    rec.info.update(seed=seed, args=vars(args))
+    rec.say(f"bench gpu-gla: seed {seed}")
+    try:
+        shapes = parse_shapes(args.shapes)[: 1 if args.quick else None]
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    b = Bench(args, rec, cp, seed)
+    b.step("setup", b.setup)
+    b.step("compile", b.compile_kernels)
+    for shape in shapes:
+        b.step(f"shape {tag_of(shape)}", lambda shape=shape: b.run_shape(shape))
+        b.step("free memory", b.free)
+    if args.variants and shapes:
+        b.step("variants", lambda: b.run_variants(shapes[0]))
+        b.step("free memory", b.free)
+    if args.grid:
+        b.step("grid", b.run_grid)
+    rec.info["summary"] = b.summary
+    rec.finish(text=rec.text() + "\n" + b.table())
+    return 0

@@ -35,6 +35,7 @@ BITS: dict[str, tuple[int, int]] = {
     "bfloat16": (16, 0x7F80),
     "float32": (32, 0x7F800000),
     "float64": (64, 0x7FF0000000000000),
+    "uint16": (16, 0x7F80),  # raw bfloat16 bit patterns (the uint16 form hpczeco.gpu.gla and hpczeco.gla take)
 }
 _UINT = {16: "uint16", 32: "uint32", 64: "uint64"}
 
@@ -43,7 +44,8 @@ def _bits(name: str) -> tuple[int, int]:
     try:
         return BITS[name]
     except KeyError:
-        raise TypeError(f"value checks need a float16/bfloat16/float32/float64 array, got {name}") from None
+        raise TypeError(f"value checks need a float16/bfloat16/float32/float64 array (or uint16 raw bfloat16 bits), "
+                        f"got {name}") from None
 
 
 def _rep(value: int, width: int, lanes: int) -> int:

@@ -5,22 +5,27 @@ Same semantics as :mod:`hpczeco.gla` (flash-linear-attention's ``chunk_gla``): `
 
     S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t,      o_t = scale * q_t S_t   (inclusive)
 
-Inputs: CuPy arrays of float32, float16 or bfloat16 (CuPy's ``bfloat16`` through ml_dtypes, or
-``uint16`` arrays holding raw bfloat16 bit patterns for CuPy builds without it; outputs then are
-uint16 bit patterns too). Arithmetic and states are float32. Every decay factor is ``exp`` of a
-non-positive number (taken relative to a later position in the same chunk / sub-chunk), so gates
-down to -8 per token and beyond are safe.
+Inputs (one convention for every function here): CuPy arrays of float32, float16 or bfloat16 -- CuPy's
+``bfloat16`` dtype (CuPy with ml_dtypes) or ``uint16`` arrays holding raw bfloat16 bit patterns. Outputs
+(``o``, ``dq``, ``dk``, ``dv``, ``dg``) come in the same form as the inputs; states, ``dh0``, ``decay`` and
+the ZeCO pieces' states are float32; ``initial_state`` / ``dht`` are float32 (other floating dtypes are cast).
+Arithmetic and states are float32. Every decay factor is ``exp`` of a non-positive number (taken relative to
+a later position in the same chunk / sub-chunk), so gates down to -8 per token and beyond are safe.
 
-Two implementations, same results to rounding:
+Implementations (``impl``), same results to rounding:
 
-- ``"simt"``: general kernels (any K, V, chunk size 1..64) on CUDA cores, fp32 FMA.
-- ``"tc"`` (forward, bf16/fp16, K and V multiples of 16 up to 128): tensor cores (``mma.sync`` bf16/
-  fp16 -> fp32) over segments of several chunks; see ``gla_tc.cu``.
+- ``"tc-chunk"`` (bf16/fp16, K and V multiples of 16 up to 128, chunk size 64, 16-byte aligned inputs): the
+  chunk-parallel tensor-core kernels (``mma.sync`` bf16/fp16 -> fp32; :mod:`.gla_fwd_tc`, :mod:`.gla_bwd_tc`):
+  state walks over segments of chunks, a segment scan, then one CTA per chunk for ``o`` (forward) or for
+  dq, dk, dv, dg together (backward); see docs/benchmarks/gla_tc_design.md;
+- ``"tc"`` (forward only, same conditions): the former tensor-core forward over segments (``gla_tc.cu``);
+- ``"simt"``: general kernels (any K, V, chunk size 1..64, fp32 too) on CUDA cores, fp32 FMA -- the reference
+  the tensor-core kernels are checked against.
 
-``impl="auto"`` takes ``"tc"`` where it applies (16-bit inputs), else ``"simt"``. Nothing here
-talks MPI. This module is the forward/backward API; the pieces the ZeCO layer needs are exported here
-too (from :mod:`hpczeco.gpu.gla_zeco`): :func:`decay_cumsum`, :func:`state_correction`,
-:func:`final_state`, :func:`scan_combine`, :func:`initial_state_grad`.
+``impl="auto"`` takes ``"tc-chunk"`` where it applies, else ``"simt"`` (and ``"tc"`` for a forward whose
+chunk-parallel kernels fail to build). Nothing here talks MPI. This module is the forward/backward API; the
+pieces the ZeCO layer needs are exported here too (from :mod:`hpczeco.gpu.gla_zeco`): :func:`decay_cumsum`,
+:func:`state_correction`, :func:`final_state`, :func:`scan_combine`, :func:`initial_state_grad`.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ from __future__ import annotations
 from typing import Any
 
 from . import gla_tc
+from .gla_bwd_tc import BwdTC
 from .gla_common import (
-    KERNEL_FILES,
     NT_SIMT,
     check_chunk,
     check_inputs,
@@ -49,6 +54,7 @@ from .gla_common import (
     tc_applies,
     warn_once,
 )
+from .gla_fwd_tc import FwdTC
 from .gla_tc import local_states
 from .gla_zeco import (
     ZC_SMEM_CORRECTION,  # noqa: F401 - re-exported
@@ -66,6 +72,8 @@ __all__ = [
     "chunk_gla_bwd_prepare",
     "GLAForward",
     "GLABackward",
+    "FORWARD_IMPLS",
+    "BACKWARD_IMPLS",
     "decay_cumsum",
     "state_correction",
     "final_state",
@@ -76,14 +84,50 @@ __all__ = [
     "memory_floor",
 ]
 
-# the former private names, reached through this module by drivers/gpu_suite.py and the tests (with
-# kernel_group, ZC_SMEM_CORRECTION); new code imports them from gla_common / gla_tc
-_KERNEL_FILES = KERNEL_FILES
-_runtime = runtime
-_set_runtime = set_runtime
-_local_states = local_states
-_scan = state_scan
-_cumsum_T = cumsum_T
+#: accepted ``impl`` values of the forward and of the backward
+FORWARD_IMPLS = ("auto", "tc-chunk", "tc", "simt")
+BACKWARD_IMPLS = ("auto", "tc-chunk", "simt")
+
+_set_runtime = set_runtime  # testing hook (tests/helpers.py, the torch CUDA emulation tests)
+
+
+def _chunk_tc_built(rt: Any, t: str, backward: bool) -> bool:
+    """The chunk-parallel tensor-core modules this call needs compile (NVRTC; the emulation has them all)."""
+    group = t + ("-f32s" if t == "f16" else "")  # fp16 keeps fp32 chunk states (gla_tc_states.geometry)
+    needs = (("gla_tc_states.cu", "common"), ("gla_tc_states.cu", group),
+             ("gla_bwd_tc.cu" if backward else "gla_fwd_tc.cu", group))  # fmt: skip
+    for file, grp in needs:
+        if not rt.available(file, grp):
+            warn_once(f"chunk-parallel tensor-core GLA kernels unavailable ({file} [{grp}]: "
+                      f"{getattr(rt, 'errors', {}).get(file + ':' + grp, '?')[:300]}); using the older kernels")
+            return False
+    return True
+
+
+def _pick(rt: Any, impl: str, allowed: tuple[str, ...], t: str, K: int, V: int, C: int, arrays, backward: bool) -> str:
+    """The implementation a call runs: ``impl`` checked against what applies, or the best that applies."""
+    if impl not in allowed:
+        raise ValueError(f"impl must be one of {', '.join(repr(a) for a in allowed)}, got {impl!r}")
+    if impl == "simt":
+        return impl
+    applies = tc_applies(t, K, V, C)
+    aligned = all(rt.ptr(x) % 16 == 0 for x in arrays)  # the tensor-core kernels load 16 bytes at a time
+    if impl != "auto":
+        if not applies:
+            raise ValueError(
+                f"impl={impl!r} needs bf16/fp16 inputs, K and V multiples of 16 up to 128 and chunk_size 64 "
+                f"(got {t}, K={K}, V={V}, chunk_size={C})"
+            )
+        if not aligned:
+            raise ValueError(f"impl={impl!r} needs input arrays whose data pointers are 16-byte aligned")
+        return impl
+    if not (applies and aligned):
+        return "simt"
+    if _chunk_tc_built(rt, t, backward):
+        return "tc-chunk"
+    if not backward and rt.available("gla_tc.cu", t):
+        return "tc"
+    return "simt"
 
 
 # ---------------------------------------------------------------------------------------------- forward
@@ -96,13 +140,20 @@ class GLAForward:
     ``decay [B, H, K]`` (fp32): ``exp`` of the gate summed over T. With an initial state ``S0`` the final
     state is ``decay[..., None] * S0 + local_final_state`` -- the pair ZeCO scans over ranks, so a rank
     can prepare, scan, then finish with the incoming state (no correction pass over ``o``).
+    ``impl``: the implementation that runs ("tc-chunk", "tc" or "simt"). A "tc-chunk" forward can hand its chunk
+    states to the backward of the same arrays (:func:`chunk_gla_bwd_prepare` ``fwd=``).
     """
 
-    def __init__(self, rt, q, k, v, g, scale, t, dims, use_tc, st, gtot, fin0, nc):
+    def __init__(self, rt, q, k, v, g, scale, t, dims, impl, st=None, gtot=None, fin0=None, nc=None, tc=None):
         self._rt, self._q, self._k, self._v, self._g = rt, q, k, v, g
-        self.scale, self._t, self._dims, self.tensor_cores = scale, t, dims, use_tc
-        self._st, self._gtot, self._nc = st, gtot, nc
+        self.scale, self._t, self._dims, self.impl = scale, t, dims, impl
+        self.tensor_cores = impl != "simt"
+        self._tc: FwdTC | None = tc
         B, T, H, K, V, C = dims
+        if tc is not None:
+            self.local_final_state, self.decay = tc.local_final_state, tc.decay
+            return
+        self._st, self._gtot, self._nc = st, gtot, nc
         self._pre, _, total = prefix_suffix(rt.xp, gtot)
         self.local_final_state = fin0.reshape(B, H, K, V)
         self.decay = rt.xp.exp(total).reshape(B, H, K)
@@ -114,9 +165,11 @@ class GLAForward:
         S0 = state32(initial_state, rt)
         if S0 is not None and tuple(S0.shape) != (B, H, K, V):
             raise ValueError(f"initial_state has shape {list(S0.shape)}, expected {[B, H, K, V]}")
+        if self._tc is not None:
+            return self._tc.finish(S0, output_final_state)
         pre = self._pre if S0 is not None else None
         o = xp.empty((B, T, H, V), dtype=self._q.dtype)
-        if self.tensor_cores:
+        if self.impl == "tc":
             gla_tc.finish(rt, self._q, self._k, self._v, self._g, self._st, o, self.scale, S0, pre, self._t,
                           B, T, H, K, V, self._nc)  # fmt: skip
         else:
@@ -138,37 +191,29 @@ def chunk_gla_prepare(
     """The local pass of the forward (chunk or segment states from a zero start); see :class:`GLAForward`.
 
     ``q, k, g: [B, T, H, K]``, ``v: [B, T, H, V]`` CuPy arrays (T >= 1). ``impl`` as :func:`chunk_gla`.
-    Keeps references to the inputs: leave them unmodified until :meth:`GLAForward.finish`.
+    Keeps references to the inputs: leave them unmodified until :meth:`GLAForward.finish` (and until the
+    backward that reuses its chunk states).
     """
     rt = runtime()
     B, T, H, K, V, t = check_inputs(q, k, v, g, rt=rt)
     C = check_chunk(chunk_size)
     s = default_scale(scale, K)
-    if impl not in ("auto", "simt", "tc"):
-        raise ValueError(f"impl must be 'auto', 'simt' or 'tc', got {impl!r}")
+    if impl not in FORWARD_IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(repr(a) for a in FORWARD_IMPLS)}, got {impl!r}")
     if T == 0 or B * H == 0:
         raise ValueError(f"chunk_gla_prepare needs T >= 1 and B*H >= 1, got q of shape {list(q.shape)}")
-    if impl == "tc" and not tc_applies(t, K, V, C):
-        raise ValueError(
-            "impl='tc' needs bf16/fp16 inputs, K and V multiples of 16 up to 128 and chunk_size 64 "
-            f"(got {t}, K={K}, V={V}, chunk_size={C})"
-        )
     q, k, v, g = (contig(x, rt) for x in (q, k, v, g))
-    aligned = all(rt.ptr(x) % 16 == 0 for x in (q, k, v, g))  # the tensor-core path loads 16 bytes at a time
-    if impl == "tc" and not aligned:
-        raise ValueError("impl='tc' needs q, k, v, g whose data pointers are 16-byte aligned")
-    use_tc = impl == "tc" or (impl == "auto" and aligned and tc_applies(t, K, V, C))
-    if use_tc and impl == "auto" and not rt.available("gla_tc.cu", t):
-        warn_once(f"tensor-core GLA kernels unavailable ({rt.errors.get('gla_tc.cu:' + t, '?')[:300]}); using simt")
-        use_tc = False
-    if use_tc:
+    use = _pick(rt, impl, FORWARD_IMPLS, t, K, V, C, (q, k, v, g), backward=False)
+    dims = (B, T, H, K, V, C)
+    if use == "tc-chunk":
+        return GLAForward(rt, q, k, v, g, s, t, dims, use, tc=FwdTC(rt, q, k, v, g, s))
+    if use == "tc":
         st, gtot, fin0, nc = gla_tc.prepare(rt, k, v, g, t, B, T, H, K, V)
-    else:
-        NT = -(-T // C)
-        st, gtot = local_states(rt, k, v, g, t, B, T, H, K, V, C, NT, 0, 1.0)
-        fin0 = state_scan(rt, st, gtot, None, NT, K, V, B * H, reverse=False)
-        nc = None
-    return GLAForward(rt, q, k, v, g, s, t, (B, T, H, K, V, C), use_tc, st, gtot, fin0, nc)
+        return GLAForward(rt, q, k, v, g, s, t, dims, use, st, gtot, fin0, nc)
+    NT = -(-T // C)
+    st, gtot = local_states(rt, k, v, g, t, B, T, H, K, V, C, NT, 0, 1.0)
+    fin0 = state_scan(rt, st, gtot, None, NT, K, V, B * H, reverse=False)
+    return GLAForward(rt, q, k, v, g, s, t, dims, use, st, gtot, fin0)
 
 
 def chunk_gla(
@@ -183,11 +228,10 @@ def chunk_gla(
     *,
     impl: str = "auto",
 ) -> tuple[Any, Any]:
-    """GLA forward on the GPU: ``(o [B, T, H, V] in the input dtype, final_state [B, H, K, V] fp32 or None)``.
+    """GLA forward on the GPU: ``(o [B, T, H, V] in the input form, final_state [B, H, K, V] fp32 or None)``.
 
-    ``impl``: "auto" | "simt" | "tc" (tensor cores; bf16/fp16, K, V multiples of 16 <= 128, chunk 64).
-    Runs on the current CuPy stream; no host synchronisation. Same as
-    ``chunk_gla_prepare(...).finish(initial_state, output_final_state)``.
+    ``impl``: "auto" | "tc-chunk" | "tc" | "simt" (see the module docstring). Runs on the current CuPy stream; no
+    host synchronisation. Same as ``chunk_gla_prepare(...).finish(initial_state, output_final_state)``.
     """
     rt = runtime()
     B, T, H, K, V, t = check_inputs(q, k, v, g, h0=initial_state, rt=rt)
@@ -212,13 +256,20 @@ class GLABackward:
     ``dh0_local [B, H, K, V]`` (fp32): the gradient into the initial state when ``dht`` is zero
     (``scale * sum_t (q_t exp(G_t))^T do_t``); ``decay [B, H, K]``: ``exp`` of the gate summed over T;
     ``local_final_state``: the final state from a zero initial state. With ``dht = D`` the gradient into the
-    initial state is ``dh0_local + decay[..., None] * D`` -- ZeCO's reverse scan pair.
+    initial state is ``dh0_local + decay[..., None] * D`` -- ZeCO's reverse scan pair. ``impl``: "tc-chunk" or
+    "simt"; ``reused_forward``: whether the forward's chunk states were reused.
     """
 
-    def __init__(self, rt, arrays, scale, t, dims, S_in, S_T0, dS, U, gtot, A, dA):
+    def __init__(self, rt, arrays, scale, t, dims, impl, S_in=None, S_T0=None, dS=None, U=None, gtot=None, A=None,
+                 dA=None, tc=None, reused_forward=False):  # fmt: skip
         self._rt, self._arrays, self.scale, self._t, self._dims = rt, arrays, scale, t, dims
-        self._S_in, self._dS, self._A, self._dA = S_in, dS, A, dA
+        self.impl, self.reused_forward = impl, reused_forward
+        self._tc: BwdTC | None = tc
         B, T, H, K, V, C = dims
+        if tc is not None:
+            self.decay, self.dh0_local, self.local_final_state = tc.decay, tc.dh0_local, tc.local_final_state
+            return
+        self._S_in, self._dS, self._A, self._dA = S_in, dS, A, dA
         self._pre, self._suf, total = prefix_suffix(rt.xp, gtot)
         self.decay = rt.xp.exp(total).reshape(B, H, K)
         self.dh0_local = U.reshape(B, H, K, V)
@@ -234,6 +285,8 @@ class GLABackward:
         for name, x in (("initial_state", S0), ("dht", D)):
             if x is not None and tuple(x.shape) != (B, H, K, V):
                 raise ValueError(f"{name} has shape {list(x.shape)}, expected {[B, H, K, V]}")
+        if self._tc is not None:
+            return self._tc.finish(S0, D)
         NT, BH = -(-T // C), B * H
         geo = (i32(B), i32(T), i32(H), i32(K), i32(V), i32(C), i32(NT))
         pre = self._pre if S0 is not None else None
@@ -260,11 +313,15 @@ class GLABackward:
 
 
 def chunk_gla_bwd_prepare(
-    q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None = None, chunk_size: int = 64
-) -> GLABackward:
-    """The state passes of the backward (zero-start chunk states and d-states, intra-chunk scores).
+    q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None = None, chunk_size: int = 64, *,
+    impl: str = "auto", fwd: GLAForward | None = None,
+) -> GLABackward:  # fmt: skip
+    """The state passes of the backward (zero-start chunk states and d-states; simt: also the intra-chunk scores).
 
-    Shapes as :func:`chunk_gla_bwd` (T >= 1). Keeps references to the inputs until :meth:`GLABackward.finish`.
+    Shapes as :func:`chunk_gla_bwd` (T >= 1); ``impl``: "auto" | "tc-chunk" | "simt". ``fwd``: the
+    :class:`GLAForward` of the same ``k, v, g`` (same arrays) and scale, whose chunk states a "tc-chunk" backward
+    reuses instead of recomputing them (ignored where it does not apply). Keeps references to the inputs until
+    :meth:`GLABackward.finish`.
     """
     rt = runtime()
     B, T, H, K, V, t = check_inputs(q, k, v, g, do=do, rt=rt)
@@ -274,6 +331,13 @@ def chunk_gla_bwd_prepare(
         raise ValueError(f"chunk_gla_bwd_prepare needs T >= 1 and B*H >= 1, got q of shape {list(q.shape)}")
     xp = rt.xp
     q, k, v, g, do = (contig(x, rt) for x in (q, k, v, g, do))
+    dims = (B, T, H, K, V, C)
+    use = _pick(rt, impl, BACKWARD_IMPLS, t, K, V, C, (q, k, v, g, do), backward=True)
+    if use == "tc-chunk":
+        ftc = fwd._tc if isinstance(fwd, GLAForward) else None
+        reuse = ftc is not None and ftc.same_inputs(k, v, g)
+        tc = BwdTC(rt, q, k, v, g, do, s, fwd=ftc if reuse else None)
+        return GLABackward(rt, (q, k, v, g, do), s, t, dims, use, tc=tc, reused_forward=reuse)
     NT, BH = -(-T // C), B * H
     # incoming state of every chunk from a zero start, and the final state
     S_in, gtot = local_states(rt, k, v, g, t, B, T, H, K, V, C, NT, 0, 1.0)
@@ -285,7 +349,7 @@ def chunk_gla_bwd_prepare(
     dA = xp.empty((BH, NT, 64, 64), dtype=xp.float32)
     geo = (i32(B), i32(T), i32(H), i32(K), i32(V), i32(C), i32(NT))
     rt.launch(f"gla_bwd_scores<{t}>", (NT, BH), (NT_SIMT,), (q, k, v, g, do, A, dA) + geo)
-    return GLABackward(rt, (q, k, v, g, do), s, t, (B, T, H, K, V, C), S_in, S_T0, dS, U, gtot, A, dA)
+    return GLABackward(rt, (q, k, v, g, do), s, t, dims, use, S_in, S_T0, dS, U, gtot, A, dA)
 
 
 def chunk_gla_bwd(
@@ -298,31 +362,39 @@ def chunk_gla_bwd(
     initial_state: Any = None,
     dht: Any = None,
     chunk_size: int = 64,
+    *,
+    impl: str = "auto",
 ) -> tuple[Any, Any, Any, Any, Any]:
     """GLA backward on the GPU: ``(dq, dk, dv, dg, dh0)``.
 
     Gradients of ``sum(o * do) + sum(S_T * dht)``; dq, dk, dg ``[B, T, H, K]`` and dv ``[B, T, H, V]``
-    in the input dtype; ``dh0 [B, H, K, V]`` always returned (fp32). ``dg = reverse_cumsum(q*dq - k*dk)
-    + rowsum(S_T * dht)`` at every position. Runs on the current CuPy stream. Same as
-    ``chunk_gla_bwd_prepare(...).finish(initial_state, dht)``.
+    in the input form; ``dh0 [B, H, K, V]`` always returned (fp32). ``dg = reverse_cumsum(q*dq - k*dk)
+    + rowsum(S_T * dht)`` at every position. ``impl``: "auto" | "tc-chunk" | "simt". Runs on the current CuPy
+    stream. Same as ``chunk_gla_bwd_prepare(...).finish(initial_state, dht)`` (which can also reuse a forward's
+    chunk states).
     """
     rt = runtime()
     B, T, H, K, V, t = check_inputs(q, k, v, g, do=do, h0=initial_state, dht=dht, rt=rt)
     check_chunk(chunk_size)
+    if impl not in BACKWARD_IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(repr(a) for a in BACKWARD_IMPLS)}, got {impl!r}")
     if T == 0 or B * H == 0:
         xp = rt.xp
         dH = state32(dht, rt)
         z = xp.zeros((B, T, H, K), dtype=q.dtype)
         dh0 = xp.zeros((B, H, K, V), dtype=xp.float32) if dH is None else dH.copy()
         return z, z.copy(), xp.zeros((B, T, H, V), dtype=q.dtype), z.copy(), dh0
-    plan = chunk_gla_bwd_prepare(q, k, v, g, do, scale=scale, chunk_size=chunk_size)
+    plan = chunk_gla_bwd_prepare(q, k, v, g, do, scale=scale, chunk_size=chunk_size, impl=impl)
     return plan.finish(initial_state, dht)
 
 
 # ---------------------------------------------------------------------------------------------- numbers
 
 
-def memory_floor(B: int, T: int, H: int, K: int, V: int, itemsize: int = 2, bandwidth: float = 4.3e12) -> dict:
-    """Bytes of q, k, v, g read once and o written once, and that over ``bandwidth`` (seconds)."""
-    nbytes = (3 * B * T * H * K + 2 * B * T * H * V) * itemsize
+def memory_floor(B: int, T: int, H: int, K: int, V: int, itemsize: int = 2, bandwidth: float = 4.3e12,
+                 backward: bool = False) -> dict:  # fmt: skip
+    """Bytes of q, k, v, g read once and o written once (``backward``: q, k, v, g, do read once and dq, dk, dv, dg
+    written once), and that over ``bandwidth`` (seconds)."""
+    E = B * T * H
+    nbytes = (3 * E * K + 2 * E * V) * itemsize if not backward else (6 * E * K + 3 * E * V) * itemsize
     return {"bytes": nbytes, "seconds": nbytes / bandwidth, "bandwidth": bandwidth}

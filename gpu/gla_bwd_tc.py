@@ -26,23 +26,27 @@ class BwdTC:
     ``exp`` of the gate summed over T; ``local_final_state``: the final state from a zero initial state. With
     ``dht = D`` the gradient into the initial state is ``dh0_local + decay * D`` (ZeCO's reverse scan pair).
     Keeps references to the inputs until :meth:`finish`. ``fwd`` (optional): a :class:`FwdTC` of the same
-    q, k, v, g whose forward states are reused instead of recomputed.
+    k, v, g (same arrays: ``ValueError`` otherwise) whose chunk states are reused instead of recomputed (its
+    ``nc``, ``f32_states`` and ``walk`` then apply).
     """
 
     def __init__(self, rt: Any, q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None = None, *,
-                 nc: int | None = None, f32_states: bool | None = None, fwd: Any = None):  # fmt: skip
+                 nc: int | None = None, f32_states: bool | None = None, walk: int | None = None,
+                 fwd: Any = None):  # fmt: skip
         B, T, H, K, V, t = st.check_inputs(rt, q, k, v, g, do)
         self._rt, self._arrays = rt, (q, k, v, g, do)
         self.scale = float(K) ** -0.5 if scale is None else float(scale)
-        if fwd is not None and (fwd.geo.B, fwd.geo.T, fwd.geo.H, fwd.geo.K, fwd.geo.V) == (B, T, H, K, V):
+        if fwd is not None:
+            if not fwd.same_inputs(k, v, g):
+                raise ValueError("fwd is the forward of other arrays than these k, v, g: its chunk states do not apply")
             self.geo, self.fstates = fwd.geo, fwd.states
         else:
-            self.geo = st.geometry(rt, B, T, H, K, V, t, nc, f32_states)
+            self.geo = st.geometry(rt, B, T, H, K, V, t, nc, f32_states, walk)
             self.fstates = st.state_pass(rt, self.geo, k, v, g, reverse=False)
         self.rstates = st.state_pass(rt, self.geo, q, do, g, reverse=True, scale=self.scale, gseg=self.fstates.gseg)
         self.local_final_state = self.fstates.fin.reshape(B, H, K, V)
         self.dh0_local = self.rstates.fin.reshape(B, H, K, V)
-        self.decay = st.decay_total(rt, self.geo, self.fstates.gseg)
+        self.decay = st.decay_total(self.geo, self.fstates)
 
     def finish(self, initial_state: Any = None, dht: Any = None) -> tuple[Any, Any, Any, Any, Any]:
         """``(dq, dk, dv, dg, dh0)`` with this ``initial_state`` and ``dht`` (None: zeros)."""
@@ -69,7 +73,7 @@ class BwdTC:
 
 def bwd_tc_prepare(rt: Any, q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None = None,
                    **opts: Any) -> BwdTC:  # fmt: skip
-    """The state passes of the backward; see :class:`BwdTC` (``opts``: ``nc``, ``f32_states``, ``fwd``)."""
+    """The state passes of the backward; see :class:`BwdTC` (``opts``: ``nc``, ``f32_states``, ``walk``, ``fwd``)."""
     return BwdTC(rt, q, k, v, g, do, scale, **opts)
 
 

@@ -1,9 +1,10 @@
-"""What the host side of the GPU GLA (:mod:`hpczeco.gpu.gla`, ``gla_tc``, ``gla_zeco``) shares.
+"""What the host side of the GPU GLA (:mod:`hpczeco.gpu.gla`, ``gla_tc``, ``gla_zeco``, ``gla_*_tc``) shares.
 
-The kernel registry of ``gla_kernels.cu``, ``gla_tc.cu`` and ``gla_zeco.cu`` (name expressions, and the
-input-type group each compiles in) and its runtime slot; the argument checks; the simt launches every
-pass uses: the scan over chunk states (``gla_state_scan``), cumulative sums along T (``seg_*``), and the
-exclusive prefix / suffix decays of chunk totals. Layouts: ``[B, T, H, K]`` inputs, chunk states
+The kernel registry of ``gla_kernels.cu``, ``gla_tc.cu``, ``gla_zeco.cu`` and the chunk-parallel tensor-core
+files ``gla_tc_states.cu``, ``gla_fwd_tc.cu``, ``gla_bwd_tc.cu`` (name expressions, and the group each compiles
+in: input type, plus fp32 chunk-state storage for the last three) and its runtime slot; the argument checks;
+the simt launches every pass uses: the scan over chunk states (``gla_state_scan``), cumulative sums along T
+(``seg_*``), and the exclusive prefix / suffix decays of chunk totals. Layouts: ``[B, T, H, K]`` inputs, chunk states
 ``[B*H, NT, K, V]`` and chunk decay totals ``[B*H, NT, K]`` float32. Nothing here talks MPI.
 """
 
@@ -14,11 +15,12 @@ from typing import Any
 
 import numpy as np
 
+from . import gla_tc_states
 from .runtime import KernelSet, RuntimeSlot
 from .runtime import kernel_source as _source
 
 NT_SIMT = 256  # threads per block of the simt kernels (GLA_NT in gla_kernels.cu)
-KERNEL_FILES = ("gla_kernels.cu", "gla_tc.cu", "gla_zeco.cu")
+KERNEL_FILES = ("gla_kernels.cu", "gla_tc.cu", "gla_zeco.cu") + gla_tc_states.KERNEL_FILES
 _TYPES = {"float32": "float", "float16": "f16", "bfloat16": "bf16", "uint16": "bf16"}
 
 i32 = np.int32
@@ -29,6 +31,8 @@ f32 = np.float32
 
 
 def _file_kernel_names(file: str) -> list[str]:
+    if file in gla_tc_states.KERNEL_FILES:
+        return gla_tc_states.file_kernel_names(file)
     names: dict[str, list[str]] = {"gla_kernels.cu": ["gla_state_scan", "seg_carry"], "gla_tc.cu": []}
     names["gla_zeco.cu"] = []
     for t in ("float", "bf16", "f16"):
@@ -54,14 +58,15 @@ def _file_kernel_names(file: str) -> list[str]:
 
 
 def kernel_group(name: str) -> str:
-    """The input type a kernel name expression is instantiated for: "bf16", "f16", "float" or "common"."""
+    """The module a kernel name expression compiles in: its input type "bf16", "f16", "float", or "common"; the
+    chunk-parallel tensor-core kernels (``glatc_*``) with fp32 chunk states in "bf16-f32s" / "f16-f32s"."""
     lt = name.find("<")
     if lt < 0:
         return "common"
     args = [a.strip() for a in name[lt + 1 : name.rfind(">")].split(",")]
     for a in args:
         if a in ("bf16", "f16"):
-            return a
+            return a + "-f32s" if name.startswith("glatc_") and args[2] == "true" else a
     return "common" if name.startswith("seg_") else "float"  # small fp32 sums serve every input type
 
 
@@ -119,8 +124,12 @@ def type_of(name: str, x: Any) -> str:
     return _TYPES[dt]
 
 
+_STATE_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
 def check_inputs(q, k, v, g, do=None, h0=None, dht=None, rt=None):
-    """Check device, rank, shapes and dtypes; ``(B, T, H, K, V, element type)``."""
+    """Check device, rank, shapes and dtypes; ``(B, T, H, K, V, element type)``. ``initial_state`` / ``dht`` are
+    floating arrays (float32 preferred; raw ``uint16`` bits are taken for q, k, v, g, do only)."""
     rt = rt or runtime()
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("do", do), ("initial_state", h0), ("dht", dht)):
         if x is not None and not rt.is_native(x):
@@ -137,6 +146,9 @@ def check_inputs(q, k, v, g, do=None, h0=None, dht=None, rt=None):
     for name, x in (("initial_state", h0), ("dht", dht)):
         if x is not None and tuple(x.shape) != (B, H, K, V):
             raise ValueError(f"{name} has shape {list(x.shape)}, expected {[B, H, K, V]}")
+        if x is not None and str(x.dtype) not in _STATE_DTYPES:
+            raise TypeError(f"{name} has dtype {x.dtype}; states are float32 (raw uint16 bfloat16 bits are taken "
+                            "for q, k, v, g and do only)")
     t = type_of("q", q)
     for name, x in (("k", k), ("v", v), ("g", g), ("do", do)):
         if x is not None and str(x.dtype) != str(q.dtype):
@@ -167,7 +179,7 @@ def default_scale(scale, K: int) -> float:
 
 
 def tc_applies(t: str, K: int, V: int, C: int) -> bool:
-    """The tensor-core forward applies: 16-bit inputs, K and V multiples of 16 up to 128, chunk 64."""
+    """The tensor-core kernels apply: 16-bit inputs, K and V multiples of 16 up to 128, chunk 64."""
     return t in ("bf16", "f16") and K % 16 == 0 and V % 16 == 0 and K <= 128 and V <= 128 and C == 64
 
 

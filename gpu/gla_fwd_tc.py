@@ -9,7 +9,7 @@ per chunk writing ``o``), so ZeCO overlaps its scan over ranks with the first pa
 
 ``rt`` is the kernel runtime (see :mod:`.gla_tc_states`); ``nc`` chunks per segment (default: enough segments
 to fill the device), ``f32_states`` stores the per-chunk states in fp32 instead of 16 bits (default: 16 bits for
-bf16, fp32 for fp16).
+bf16, fp32 for fp16), ``walk`` picks the state walk (2: ``glatc_walk2``, the default; 1: ``glatc_walk``).
 """
 
 from __future__ import annotations
@@ -30,14 +30,21 @@ class FwdTC:
     """
 
     def __init__(self, rt: Any, q: Any, k: Any, v: Any, g: Any, scale: float | None = None, *,
-                 nc: int | None = None, f32_states: bool | None = None):  # fmt: skip
+                 nc: int | None = None, f32_states: bool | None = None, walk: int | None = None):  # fmt: skip
         B, T, H, K, V, t = st.check_inputs(rt, q, k, v, g)
         self._rt, self._q, self._k, self._v, self._g = rt, q, k, v, g
         self.scale = float(K) ** -0.5 if scale is None else float(scale)
-        self.geo = st.geometry(rt, B, T, H, K, V, t, nc, f32_states)
+        self.geo = st.geometry(rt, B, T, H, K, V, t, nc, f32_states, walk)
         self.states = st.state_pass(rt, self.geo, k, v, g, reverse=False)
         self.local_final_state = self.states.fin.reshape(B, H, K, V)
-        self.decay = st.decay_total(rt, self.geo, self.states.gseg)
+        self.decay = st.decay_total(self.geo, self.states)
+
+    def same_inputs(self, k: Any, v: Any, g: Any) -> bool:
+        """Whether ``k, v, g`` are this forward's arrays (same shapes and data pointers): its chunk states then
+        serve a backward of them (:class:`~hpczeco.gpu.gla_bwd_tc.BwdTC` ``fwd=``)."""
+        mine = (self._k, self._v, self._g)
+        return all(tuple(a.shape) == tuple(b.shape) and self._rt.ptr(a) == self._rt.ptr(b)
+                   for a, b in zip(mine, (k, v, g)))  # fmt: skip
 
     def finish(self, initial_state: Any = None, output_final_state: bool = False) -> tuple[Any, Any]:
         """``(o [B, T, H, V] in the input dtype, final_state [B, H, K, V] fp32 or None)``."""
@@ -58,7 +65,7 @@ class FwdTC:
 
 
 def fwd_tc_prepare(rt: Any, q: Any, k: Any, v: Any, g: Any, scale: float | None = None, **opts: Any) -> FwdTC:
-    """The local pass of the forward; see :class:`FwdTC` (``opts``: ``nc``, ``f32_states``)."""
+    """The local pass of the forward; see :class:`FwdTC` (``opts``: ``nc``, ``f32_states``, ``walk``)."""
     return FwdTC(rt, q, k, v, g, scale, **opts)
 
 

@@ -65,6 +65,29 @@ inline void gt_shfl(float* dst, const float* src, int arg, int width) {
 inline void gt_atomic_add(float* p, float v) { std::atomic_ref<float>(*p).fetch_add(v); }
 #endif
 
+// ---- cp.async (sm_80+): 16-byte global -> shared copies that land without registers ---------------------------
+// gt_cp16(dst, src, bytes): bytes = 16 or 0 (0 writes zeros and reads nothing: src only has to be a valid address).
+// gt_cp_commit() closes a group, gt_cp_wait<N>() waits until at most N groups of this thread are in flight; other
+// threads' copies are visible only after a barrier that follows their wait.
+#ifndef GLA_EMU
+GLA_DEVICE void gt_cp16(void* dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes)
+               : "memory");
+}
+GLA_DEVICE void gt_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+GLA_DEVICE void gt_cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+#else
+inline void gt_cp16(void* dst, const void* src, int bytes) { emu_cp_async16(dst, src, bytes); }
+inline void gt_cp_commit() { emu_cp_async_commit(); }
+template <int N>
+inline void gt_cp_wait() {
+  emu_cp_async_wait(N);
+}
+#endif
+
 // ---- 16-byte vectors of 8 16-bit values <-> 8 floats --------------------------------------------------------
 template <typename T>
 GLA_DEVICE void gt_unpack(float* f, const V16& x) {

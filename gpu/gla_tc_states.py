@@ -10,7 +10,9 @@ inside its segment (``[B*H, NT, K, V]``, 16-bit or fp32), the segment's local st
 chunk's log decay from the segment boundary; the segment scan turns the local states into the states entering
 (reverse: leaving) every segment. A consumer's state of chunk ``c`` is ``Hc[c] + exp(pc[c]) * Sf[c // nc]``, with
 ``Sf`` the segment states plus the initial state (reverse: dht) carried to them (``combine``). So the work that
-needs no initial state / dht (walks, scan) is done before ZeCO's scan over ranks, the rest after it.
+needs no initial state / dht (walks, scan) is done before ZeCO's scan over ranks, the rest after it. Two walks
+compute the same: ``walk=2`` (the default, ``glatc_walk2``: one CTA per 64 rows of K over all of V, inputs by
+cp.async) and ``walk=1`` (``glatc_walk``: one CTA per 64 x 64 tile of the state).
 
 Every function takes the kernel runtime ``rt``: ``rt.xp`` (cupy or numpy), ``rt.launch(name, grid, block, args,
 shared_mem)``, ``rt.ptr(x)``; the CPU emulation (:func:`emu_runtime`) and a CuPy ``RawModule`` runtime both fit.
@@ -29,8 +31,12 @@ KERNEL_FILES = ("gla_tc_states.cu", "gla_fwd_tc.cu", "gla_bwd_tc.cu")
 TYPES = {"uint16": "bf16", "bfloat16": "bf16", "float16": "f16"}
 #: largest diagonal sub-chunk decay span (log units) done on tensor cores; beyond it: exact elementwise
 SPAN_LIMIT = {"bf16": 40.0, "f16": 8.0}
-WALK_THREADS = 128
+WALK_THREADS = {1: 128, 2: 256}
 CHUNK_THREADS = 256
+#: the default state walk (1: ``glatc_walk``, 64 x 64 state tiles; 2: ``glatc_walk2``, 64 rows of K x all of V)
+DEFAULT_WALK = 2
+#: walk CTAs per SM each walk aims at (chunks per segment are chosen so the walk fills the device ~6-8 times)
+_WALK_CTAS_PER_SM = {1: 24, 2: 12}
 i32, f32 = np.int32, np.float32
 
 
@@ -61,7 +67,10 @@ def kernel_source(files: tuple[str, ...] = KERNEL_FILES) -> str:
     return "\n".join(inline(f) for f in files)
 
 
-def walk_name(t: str, reverse: bool, f32_states: bool) -> str:
+def walk_name(t: str, reverse: bool, f32_states: bool, walk: int = 1, vm: int = 128) -> str:
+    """Name expression of a state walk: ``glatc_walk<t, REV, F32S>`` (walk 1) or ``glatc_walk2<t, REV, F32S, vm>``."""
+    if walk == 2:
+        return f"glatc_walk2<{t}, {_b(reverse)}, {_b(f32_states)}, {vm}>"
     return f"glatc_walk<{t}, {_b(reverse)}, {_b(f32_states)}>"
 
 
@@ -76,12 +85,24 @@ def bwd_name(t: str, km: int, f32_states: bool) -> str:
 def kernel_names(types: tuple[str, ...] = ("bf16", "f16"), kms: tuple[int, ...] = (64, 128),
                  f32_states: tuple[bool, ...] = (False, True)) -> list[str]:  # fmt: skip
     """Name expressions (template instantiations) of every kernel for the given types / KM / state storage."""
-    names = ["glatc_scan", "glatc_combine"]
+    return [n for f in KERNEL_FILES for n in file_kernel_names(f, types, kms, f32_states)]
+
+
+def file_kernel_names(file: str, types: tuple[str, ...] = ("bf16", "f16"), kms: tuple[int, ...] = (64, 128),
+                      f32_states: tuple[bool, ...] = (False, True)) -> list[str]:  # fmt: skip
+    """The name expressions of one of :data:`KERNEL_FILES` (the kernel registry of :mod:`hpczeco.gpu.gla_common`)."""
+    names = ["glatc_scan", "glatc_combine"] if file == "gla_tc_states.cu" else []
     for t in types:
         for f in f32_states:
-            names += [walk_name(t, False, f), walk_name(t, True, f)]
             for km in kms:
-                names += [fwd_name(t, km, f), bwd_name(t, km, f)]
+                if file == "gla_tc_states.cu":
+                    names += [walk_name(t, r, f, 2, km) for r in (False, True)]
+                elif file == "gla_fwd_tc.cu":
+                    names.append(fwd_name(t, km, f))
+                elif file == "gla_bwd_tc.cu":
+                    names.append(bwd_name(t, km, f))
+            if file == "gla_tc_states.cu":
+                names += [walk_name(t, False, f), walk_name(t, True, f)]
     return names
 
 
@@ -106,6 +127,12 @@ def smem_bwd(km: int) -> int:
 def smem_fwd(km: int) -> int:
     """Dynamic shared memory of ``glatc_fwd_out<T, km, *>`` (bytes)."""
     return _layout(km)["fwd"]
+
+
+def smem_walk2(vm: int) -> int:
+    """Dynamic shared memory of ``glatc_walk2<T, *, *, vm>`` (mirror of ``Gw2Layout<VM>``, bytes)."""
+    LT, RT = 64 * 72 * 2, 64 * (vm + 8) * 2
+    return 2 * (2 * LT + RT) + LT + RT + 8 * 64 * 4 + 64 * 4
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -173,10 +200,15 @@ def num_sms(rt: Any) -> int:
         return 132
 
 
-def chunks_per_segment(rt: Any, BH: int, NT: int, K: int, V: int) -> int:
-    """Chunks per segment: enough segments that the walks fill the device (~24 CTAs per SM)."""
-    tiles = -(-K // 64) * -(-V // 64)
-    ns = max(1, -(-24 * num_sms(rt) // (tiles * BH)))
+def walk_tiles(K: int, V: int, walk: int) -> int:
+    """CTAs of a walk per (segment, bh): 64 x 64 state tiles (walk 1) or 64-row slices of K (walk 2)."""
+    return -(-K // 64) * (-(-V // 64) if walk == 1 else 1)
+
+
+def chunks_per_segment(rt: Any, BH: int, NT: int, K: int, V: int, walk: int = DEFAULT_WALK) -> int:
+    """Chunks per segment: enough segments that the walk fills the device (24 CTAs of walk 1 per SM, 12 of walk 2:
+    the same segments for both)."""
+    ns = max(1, -(-_WALK_CTAS_PER_SM[walk] * num_sms(rt) // (walk_tiles(K, V, walk) * BH)))
     return max(1, -(-NT // ns))
 
 
@@ -192,6 +224,7 @@ class Geometry:
     t: str
     NC: int
     f32_states: bool
+    walk: int = DEFAULT_WALK
 
     @property
     def BH(self) -> int:
@@ -213,27 +246,35 @@ class Geometry:
         return (i32(self.B), i32(self.T), i32(self.H), i32(self.K), i32(self.V))
 
 
-def geometry(rt: Any, B: int, T: int, H: int, K: int, V: int, t: str, nc: int | None, f32_states: bool | None):
+def geometry(rt: Any, B: int, T: int, H: int, K: int, V: int, t: str, nc: int | None, f32_states: bool | None,
+             walk: int | None = None) -> Geometry:  # fmt: skip
+    """The :class:`Geometry` of a call: ``nc`` chunks per segment (None: :func:`chunks_per_segment`), 16-bit or fp32
+    chunk states (None: 16 bits for bf16, fp32 for fp16), the state walk (None: :data:`DEFAULT_WALK`)."""
+    wk = DEFAULT_WALK if walk is None else int(walk)
+    if wk not in WALK_THREADS:
+        raise ValueError(f"walk must be one of {sorted(WALK_THREADS)}, got {walk}")
     NT = -(-T // 64)
-    NC = int(nc) if nc else chunks_per_segment(rt, B * H, NT, K, V)
+    NC = int(nc) if nc else chunks_per_segment(rt, B * H, NT, K, V, wk)
     if NC < 1:
         raise ValueError(f"nc (chunks per segment) must be >= 1, got {nc}")
     f32s = (t == "f16") if f32_states is None else bool(f32_states)  # fp16 states could overflow 16 bits
-    return Geometry(B, T, H, K, V, t, NC, f32s)
+    return Geometry(B, T, H, K, V, t, NC, f32s, wk)
 
 
 @dataclass
 class StatePass:
     """One walk + scan: per-chunk states inside segments ``Hc [BH, NT, K, V]``, the states entering (reverse: the
     gradients leaving) the segments from a zero start ``Sin [BH, NS, K, V]`` fp32, segment log decays ``gseg``,
-    chunk log decays from the segment boundary ``pc [BH, NT, K]``, and ``fin [BH, K, V]`` (forward: the final
-    state; reverse: the gradient into the initial state) from a zero start."""
+    chunk log decays from the segment boundary ``pc [BH, NT, K]``, ``fin [BH, K, V]`` (forward: the final
+    state; reverse: the gradient into the initial state) from a zero start, and (forward pass) ``dec [BH, K]``,
+    ``exp`` of the gate summed over T."""
 
     Hc: Any
     Sin: Any
     gseg: Any
     pc: Any
     fin: Any
+    dec: Any = None
 
 
 def state_pass(rt: Any, geo: Geometry, left: Any, right: Any, g: Any, reverse: bool, scale: float = 1.0,
@@ -246,15 +287,19 @@ def state_pass(rt: Any, geo: Geometry, left: Any, right: Any, g: Any, reverse: b
     Sin = xp.empty((BH, NS, K, V), dtype=xp.float32)
     own = xp.empty((BH, NS, K), dtype=xp.float32) if gseg is None else None
     pc = xp.empty((BH, NT, K), dtype=xp.float32)
-    tiles = -(-K // 64) * -(-V // 64)
+    vm = km_of(16, V)  # glatc_walk2 holds all of V: 64 or 128 columns
     rt.launch(
-        walk_name(geo.t, reverse, geo.f32_states), (tiles, NS, BH), (WALK_THREADS,),
+        walk_name(geo.t, reverse, geo.f32_states, geo.walk, vm), (walk_tiles(K, V, geo.walk), NS, BH),
+        (WALK_THREADS[geo.walk],),
         (left, right, g, Hc, Sin, own, pc, f32(scale)) + geo.dims() + (i32(geo.NC), i32(NS), i32(NT)),
+        shared_mem=smem_walk2(vm) if geo.walk == 2 else 0,
     )  # fmt: skip
     gs = own if gseg is None else gseg
     fin = xp.empty((BH, K, V), dtype=xp.float32)
-    rt.launch("glatc_scan", (-(-K * V // 256), BH), (256,), (Sin, gs, fin, i32(NS), i32(K), i32(V), i32(reverse)))
-    return StatePass(Hc, Sin, gs, pc, fin)
+    dec = xp.empty((BH, K), dtype=xp.float32) if gseg is None else None
+    rt.launch("glatc_scan", (-(-K * V // 256), BH), (256,),
+              (Sin, gs, fin, dec, i32(NS), i32(K), i32(V), i32(reverse)))  # fmt: skip
+    return StatePass(Hc, Sin, gs, pc, fin, dec)
 
 
 def carried(rt: Any, geo: Geometry, sp: StatePass, S0: Any, reverse: bool) -> Any:
@@ -270,10 +315,35 @@ def carried(rt: Any, geo: Geometry, sp: StatePass, S0: Any, reverse: bool) -> An
     return out
 
 
-def decay_total(rt: Any, geo: Geometry, gseg: Any) -> Any:
-    """``exp`` of the gate summed over T: ``[B, H, K]`` fp32."""
-    xp = rt.xp
-    return xp.exp(gseg.sum(axis=1)).astype(xp.float32).reshape(geo.B, geo.H, geo.K)
+def decay_total(geo: Geometry, sp: StatePass) -> Any:
+    """``exp`` of the gate summed over T: ``[B, H, K]`` fp32 (computed by the forward pass's segment scan)."""
+    return sp.dec.reshape(geo.B, geo.H, geo.K)
+
+
+# ---------------------------------------------------------------------------------------------- bytes
+
+
+def traffic(geo: Geometry, itemsize: int = 2) -> dict[str, int]:
+    """Bytes each kernel of a forward and of a backward reads and writes in device memory (a model: every input
+    tile once, the state tiles a walk's sibling CTAs or a segment's chunk CTAs share counted once, as if L2 served
+    the repeats). Keys: the kernels (``walk``, ``scan``, ``fwd_out``, ``walk_rev``, ``scan_rev``, ``bwd``) and
+    ``forward`` = walk + scan + fwd_out, ``backward`` (states recomputed) = walk + scan + walk_rev + scan_rev + bwd,
+    ``backward_reusing`` (the forward's states reused) = walk_rev + scan_rev + bwd."""
+    E, BH, NT, NS, K, V = geo.B * geo.T * geo.H, geo.BH, geo.NT, geo.NS, geo.K, geo.V
+    hc = BH * NT * K * V * (4 if geo.f32_states else 2)  # per-chunk states
+    seg = BH * NS * K * V * 4  # segment states (fp32)
+    small = BH * NT * K * 4 + BH * NS * K * 4  # chunk and segment log decays
+    t: dict[str, int] = {}
+    t["walk"] = (2 * E * K + E * V) * itemsize + hc + seg + small
+    t["scan"] = 2 * seg + BH * NS * K * 4 + BH * K * V * 4 + BH * K * 4
+    t["fwd_out"] = (3 * E * K + 2 * E * V) * itemsize + hc + seg + BH * NT * K * 4
+    t["walk_rev"] = (2 * E * K + E * V) * itemsize + hc + seg + BH * NT * K * 4
+    t["scan_rev"] = 2 * seg + BH * NS * K * 4 + BH * K * V * 4
+    t["bwd"] = (6 * E * K + 3 * E * V) * itemsize + 2 * hc + 2 * seg + 2 * BH * NT * K * 4
+    t["forward"] = t["walk"] + t["scan"] + t["fwd_out"]
+    t["backward_reusing"] = t["walk_rev"] + t["scan_rev"] + t["bwd"]
+    t["backward"] = t["walk"] + t["scan"] + t["backward_reusing"]
+    return t
 
 
 # ---------------------------------------------------------------------------------------------- emulation

@@ -231,8 +231,6 @@ class CupyRuntime:
             self._smem[key] = shared_mem
         return f
 
-    fn = function  # the former name (drivers/gpu_suite.py)
-
     def available(self, file: str, group: str | None = None) -> bool:
         """Compile ``file``'s module for ``group`` (default: its first kernel's) now; False if NVRTC rejects it."""
         names = [n for n in self.kernels.names(file) if group is None or self.kernels.group(n) == group]

@@ -306,8 +306,10 @@ class ZeCOGLA:
 
         def check() -> None:
             from .base.checks import check_array, check_finite, check_shape
+            from .gla.validate import check_input_dtype
 
-            check_array("do", do, ndim=4)
+            check_array("do", do, ndim=4, float_only=False)
+            check_input_dtype("do", do)  # floating, or raw bf16 bits (uint16) on CuPy
             check_shape("do", do, (B, L, H, V), "(like v)")
             if dht is not None:
                 if self.rank != last:
@@ -327,7 +329,7 @@ class ZeCOGLA:
             flags = self._start_value_flags(values) if self.check_values else None
             if self.scan != "serial":
                 prepared.append(split_backward(q, k, v, g, do, scale=scale, initial_state=s_in,
-                                               chunk_size=self.chunk_size))
+                                               chunk_size=self.chunk_size, states=sv.get("states")))
             if flags is not None:
                 raise_for_flags(values, flags.result())
 

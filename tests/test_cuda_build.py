@@ -248,13 +248,19 @@ def test_tc_shared_memory_layout_matches_python(tmp_path):
 
 
 def test_kernel_groups_split_compilation_by_input_type():
-    groups = {n: ggla.kernel_group(n) for f in ggla._KERNEL_FILES for n in ggla.kernel_names(f)}
+    from hpczeco.gpu.gla_common import KERNEL_FILES  # noqa: PLC0415
+
+    groups = {n: ggla.kernel_group(n) for f in KERNEL_FILES for n in ggla.kernel_names(f)}
     assert groups["gla_tc_seg_output<bf16, true, true>"] == "bf16"
     assert groups["seg_finish<float, bf16>"] == "bf16"
     assert groups["gla_chunk_output<float>"] == "float"
     assert groups["seg_chunk_sum<float>"] == "common" and groups["gla_state_scan"] == "common"
-    # a bf16 forward + backward needs only the bf16 and common modules
-    assert all(groups[n] in ("bf16", "common") for n in groups if "bf16" in n or groups[n] == "common")
+    assert groups["glatc_scan"] == "common" and groups["glatc_walk2<bf16, true, false, 128>"] == "bf16"
+    assert groups["glatc_bwd<bf16, 128, true>"] == "bf16-f32s" and groups["glatc_fwd_out<f16, 64, true>"] == "f16-f32s"
+    # a bf16 forward + backward (16-bit chunk states, the default) needs only the bf16 and common modules
+    default = [n for n in groups if ("bf16" in n and not (n.startswith("glatc_") and "true" in n.split(",")[2]))
+               or groups[n] == "common"]  # fmt: skip
+    assert default and all(groups[n] in ("bf16", "common") for n in default)
 
 
 def test_emulated_tensor_core_state_pass_opt_in(emu_rt, rng, monkeypatch):
@@ -262,9 +268,9 @@ def test_emulated_tensor_core_state_pass_opt_in(emu_rt, rng, monkeypatch):
     q, k, v, g, do, h0, dht = gla_inputs(rng, B, T, H, K, V)
     bits = [bf16.to_bits(x) for x in (q, k, v, g, do)]
     xs = [bf16.from_bits(x).astype(np.float64) for x in bits]
-    monkeypatch.setenv("HPCZECO_TC_STATES", "1")
+    monkeypatch.setenv("HPCZECO_TC_STATES", "1")  # the simt backward's opt-in tensor-core chunk states
     emu_rt.launched.clear()
-    got = ggla.chunk_gla_bwd(*bits, initial_state=h0, dht=dht)
+    got = ggla.chunk_gla_bwd(*bits, initial_state=h0, dht=dht, impl="simt")
     assert "gla_tc_chunk_outer<bf16>" in emu_rt.launched
     ref = recurrent_gla_bwd(*xs, initial_state=h0.astype(np.float64), dht=dht.astype(np.float64))
     for name, a, b in zip(("dq", "dk", "dv", "dg"), got[:4], ref[:4]):

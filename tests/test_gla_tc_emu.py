@@ -53,29 +53,37 @@ def _f(x):
     return bf16.from_bits(x) if x.dtype == np.uint16 else x
 
 
-CASES = [  # B, T, H, K, V, strong, nc, f32 states
-    pytest.param(1, 1, 1, 16, 32, False, None, False, id="T1-K16-V32"),
-    pytest.param(1, 70, 2, 32, 48, True, 1, False, id="T70-K32-V48-strong-2seg"),
-    pytest.param(2, 130, 1, 64, 16, False, 2, True, id="T130-K64-V16-f32states-2seg"),
-    pytest.param(1, 100, 1, 128, 64, False, 1, False, id="T100-K128-V64-KM128"),
-    pytest.param(1, 66, 1, 48, 128, True, None, False, id="T66-K48-V128-strong-KM128"),
+CASES = [  # B, T, H, K, V, strong, nc, f32 states, state walk
+    pytest.param(1, 1, 1, 16, 32, False, None, False, 2, id="T1-K16-V32"),
+    pytest.param(1, 70, 2, 32, 48, True, 1, False, 2, id="T70-K32-V48-strong-2seg"),
+    pytest.param(2, 130, 1, 64, 16, False, 2, True, 2, id="T130-K64-V16-f32states-2seg"),
+    pytest.param(1, 100, 1, 128, 64, False, 1, False, 2, id="T100-K128-V64-KM128"),
+    pytest.param(1, 66, 1, 48, 128, True, None, False, 2, id="T66-K48-V128-strong-KM128"),
+    pytest.param(1, 140, 1, 80, 96, False, 2, False, 2, id="T140-K80-V96-2ktiles-2seg"),
+    pytest.param(1, 70, 2, 32, 48, True, 1, False, 1, id="walk1-T70-K32-V48-strong-2seg"),
+    pytest.param(1, 66, 1, 48, 128, False, None, True, 1, id="walk1-T66-K48-V128-f32states"),
 ]
 
 
+def _walk(f32s: bool, V: int, walk: int, reverse: bool = False) -> str:
+    return st.walk_name("bf16", reverse, f32s, walk, st.km_of(16, V))
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("B,T,H,K,V,strong,nc,f32s", CASES)
-def test_forward_backward_match_float64_recurrence(rt, rng, B, T, H, K, V, strong, nc, f32s):
+@pytest.mark.parametrize("B,T,H,K,V,strong,nc,f32s,walk", CASES)
+def test_forward_backward_match_float64_recurrence(rt, rng, B, T, H, K, V, strong, nc, f32s, walk):
     bits, xs, h0, dht = _inputs(rng, B, T, H, K, V, strong)
     rt.launched.clear()
-    o, ht = gla_fwd_tc.fwd_tc(rt, *bits[:4], initial_state=h0, output_final_state=True, nc=nc, f32_states=f32s)
+    o, ht = gla_fwd_tc.fwd_tc(rt, *bits[:4], initial_state=h0, output_final_state=True, nc=nc, f32_states=f32s,
+                              walk=walk)
     km = st.km_of(K, V)
-    assert st.fwd_name("bf16", km, f32s) in rt.launched and st.walk_name("bf16", False, f32s) in rt.launched
+    assert st.fwd_name("bf16", km, f32s) in rt.launched and _walk(f32s, V, walk) in rt.launched
     assert o.dtype == np.uint16 and o.shape == (B, T, H, V) and ht.dtype == np.float32
     ro, rht = recurrent_gla(*xs[:4], initial_state=h0.astype(np.float64), output_final_state=True)
     assert rel(_f(o), ro) < TOL_O, f"o: {rel(_f(o), ro):.2e}"
     assert rel(ht, rht) < TOL_GRAD, f"final state: {rel(ht, rht):.2e}"
-    grads = gla_bwd_tc.bwd_tc(rt, *bits, initial_state=h0, dht=dht, nc=nc, f32_states=f32s)
-    assert st.bwd_name("bf16", km, f32s) in rt.launched and st.walk_name("bf16", True, f32s) in rt.launched
+    grads = gla_bwd_tc.bwd_tc(rt, *bits, initial_state=h0, dht=dht, nc=nc, f32_states=f32s, walk=walk)
+    assert st.bwd_name("bf16", km, f32s) in rt.launched and _walk(f32s, V, walk, True) in rt.launched
     ref = recurrent_gla_bwd(*xs, initial_state=h0.astype(np.float64), dht=dht.astype(np.float64))
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), grads, ref):
         assert a.shape == b.shape, name
@@ -93,7 +101,7 @@ def test_no_initial_state_no_dht_and_fwd_state_reuse(rt, rng):
     assert plan.finish()[1] is None
     rt.launched.clear()
     grads = gla_bwd_tc.bwd_tc(rt, *bits, fwd=plan)  # the forward's chunk states are reused
-    assert st.walk_name("bf16", False, False) not in rt.launched
+    assert _walk(False, V, 2) not in rt.launched and _walk(False, V, 2, True) in rt.launched
     ref = recurrent_gla_bwd(*xs)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), grads, ref):
         assert rel(_f(a), b) < TOL_GRAD, f"{name}: {rel(_f(a), b):.2e}"
@@ -179,3 +187,237 @@ def test_shared_memory_layouts_match_python(tmp_path):
     assert (b64, b128, f64, f128) == (st.smem_bwd(64), st.smem_bwd(128), st.smem_fwd(64), st.smem_fwd(128))
     assert max(b128, f128) <= 227 * 1024  # a block's opt-in shared memory on an H100/H200
     assert max(b64, f64) + 1024 <= 228 * 1024 // 2  # two CTAs per SM at K, V <= 64
+
+
+# ------------------------------------------------------------------ the public API's default path (hpczeco.gpu.gla)
+
+
+@pytest.fixture(scope="module")
+def gla_emu():
+    """hpczeco.gpu.gla's runtime slot holding the emulation of every float and bf16 kernel (fp16 runs on GPUs)."""
+    from helpers import emulated_gla_runtime  # noqa: PLC0415
+
+    with emulated_gla_runtime() as emu_rt:
+        yield emu_rt
+
+
+def _public(rng, B, T, H, K, V, strong=False):
+    bits, xs, h0, dht = _inputs(rng, B, T, H, K, V, strong)
+    ro, rht = recurrent_gla(*xs[:4], initial_state=h0.astype(np.float64), output_final_state=True)
+    ref = recurrent_gla_bwd(*xs, initial_state=h0.astype(np.float64), dht=dht.astype(np.float64))
+    return bits, h0, dht, (ro, rht) + tuple(ref)
+
+
+def _errors(got, ref) -> dict[str, float]:
+    return {n: rel(_f(a), b) for n, a, b in zip(("o", "ht", "dq", "dk", "dv", "dg", "dh0"), got, ref)}
+
+
+def _within_targets(errs: dict[str, float]) -> bool:
+    return all(e < (TOL_O if n == "o" else TOL_GRAD) for n, e in errs.items())
+
+
+PUBLIC = [  # B, T, H, K, V, strong gates
+    pytest.param(1, 1, 1, 16, 32, False, id="T1-K16-V32"),
+    pytest.param(1, 100, 2, 32, 48, True, id="T100-K32-V48-strong"),
+    pytest.param(2, 65, 1, 64, 16, False, id="T65-K64-V16"),
+]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("B,T,H,K,V,strong", PUBLIC)
+def test_public_default_path_is_chunk_parallel_and_matches_float64(gla_emu, rng, B, T, H, K, V, strong):
+    """chunk_gla / chunk_gla_bwd with impl="auto" on bf16 bits run the chunk-parallel tensor-core kernels (T off
+    the chunk, T = 1, K != V, strong gates, initial state and dht) within issue 14's targets."""
+    from hpczeco.gpu import gla as G  # noqa: PLC0415
+
+    bits, h0, dht, ref = _public(rng, B, T, H, K, V, strong)
+    gla_emu.launched.clear()
+    o, ht = G.chunk_gla(*bits[:4], initial_state=h0, output_final_state=True)
+    grads = G.chunk_gla_bwd(*bits, initial_state=h0, dht=dht)
+    km = st.km_of(K, V)
+    for name in (st.fwd_name("bf16", km, False), st.bwd_name("bf16", km, False), _walk(False, V, 2),
+                 _walk(False, V, 2, True)):  # fmt: skip
+        assert name in gla_emu.launched, name
+    assert o.dtype == np.uint16 and grads[0].dtype == np.uint16 and ht.dtype == np.float32
+    assert grads[4].dtype == np.float32
+    errs = _errors((o, ht) + tuple(grads), ref)
+    assert _within_targets(errs), " ".join(f"{n} {e:.2e}" for n, e in errs.items())
+
+
+@pytest.mark.timeout(900)
+def test_public_simt_and_former_tc_paths_stay_selectable(gla_emu, rng):
+    """impl="simt" (the reference) and the former segment tensor-core forward (impl="tc") on the same bf16 inputs:
+    each runs its own kernels and agrees with the float64 recurrence and with the default path."""
+    from hpczeco.gpu import gla as G  # noqa: PLC0415
+
+    bits, h0, dht, ref = _public(rng, 1, 90, 1, 32, 32, strong=True)
+    outs = {}
+    for impl, kernel in (("auto", "glatc_fwd_out"), ("tc", "gla_tc_seg_output"), ("simt", "gla_chunk_output")):
+        gla_emu.launched.clear()
+        plan = G.chunk_gla_prepare(*bits[:4], impl=impl)
+        outs[impl] = plan.finish(h0, output_final_state=True)
+        assert plan.impl == ("tc-chunk" if impl == "auto" else impl)
+        assert any(n.startswith(kernel) for n in gla_emu.launched), (impl, gla_emu.launched)
+        assert rel(_f(outs[impl][0]), ref[0]) < TOL_O and rel(outs[impl][1], ref[1]) < TOL_GRAD, impl
+    assert rel(_f(outs["tc"][0]), _f(outs["auto"][0])) < TOL_O
+    gla_emu.launched.clear()
+    g_simt = G.chunk_gla_bwd(*bits, initial_state=h0, dht=dht, impl="simt")
+    assert "gla_bwd_dqdk<bf16>" in gla_emu.launched and not any(n.startswith("glatc") for n in gla_emu.launched)
+    errs = _errors_skip_none((None, None) + tuple(g_simt), ref)
+    assert len(errs) == 5 and _within_targets(errs), errs
+    with pytest.raises(ValueError, match="impl"):
+        G.chunk_gla_bwd(*bits, impl="tc")
+    with pytest.raises(ValueError, match="multiples of 16"):
+        G.chunk_gla(*(x[..., :24] for x in bits[:4]), impl="tc-chunk")
+
+
+def _errors_skip_none(got, ref):
+    return {n: rel(_f(a), b) for n, a, b in zip(("o", "ht", "dq", "dk", "dv", "dg", "dh0"), got, ref) if a is not None}
+
+
+@pytest.mark.timeout(900)
+def test_public_backward_reuses_the_forward_chunk_states(gla_emu, rng):
+    from hpczeco.gpu import gla as G  # noqa: PLC0415
+
+    bits, h0, dht, ref = _public(rng, 1, 70, 2, 32, 16)
+    plan = G.chunk_gla_prepare(*bits[:4])
+    o, ht = plan.finish(h0, output_final_state=True)
+    gla_emu.launched.clear()
+    bplan = G.chunk_gla_bwd_prepare(*bits, fwd=plan)
+    assert bplan.reused_forward and _walk(False, 16, 2) not in gla_emu.launched
+    grads = bplan.finish(h0, dht)
+    errs = _errors((o, ht) + tuple(grads), ref)
+    assert _within_targets(errs), errs
+    other = [x.copy() for x in bits]  # same values, other arrays: the states are recomputed
+    gla_emu.launched.clear()
+    again = G.chunk_gla_bwd_prepare(*other, fwd=plan)
+    assert not again.reused_forward and _walk(False, 16, 2) in gla_emu.launched
+    with pytest.raises(ValueError, match="other arrays"):
+        gla_bwd_tc.bwd_tc_prepare(gla_emu, *other, fwd=plan._tc)
+
+
+@pytest.mark.timeout(900)
+def test_zeco_device_split_adapters_compose_over_two_slices(gla_emu, rng):
+    """hpczeco.gla's device split adapters (what ZeCOGLA runs on CuPy arrays) on two slices as two ranks: the
+    forward's chunk states go to the backward, and the pieces equal the float64 recurrence of the whole."""
+    from hpczeco.gla.device_split import DeviceBackwardSplit, DeviceForwardSplit  # noqa: PLC0415
+
+    B, T, H, K, V, cut = 1, 150, 2, 32, 48, 77  # partial chunks on both sides
+    bits, h0, dht, ref = _public(rng, B, T, H, K, V, strong=True)
+    part = [[np.ascontiguousarray(x[:, s_]) for x in bits] for s_ in (slice(0, cut), slice(cut, T))]
+    fw = [DeviceForwardSplit(*p[:4]) for p in part]
+    assert all(f.states is not None for f in fw)
+    S1 = fw[0].a[..., None] * h0 + fw[0].S_local  # the forward scan over two ranks
+    (o0, f0), (o1, fin) = fw[0].finish(h0), fw[1].finish(S1)
+    assert rel(f0, S1) < 1e-6
+    gla_emu.launched.clear()
+    bw = [DeviceBackwardSplit(*p, initial_state=s, states=f.states) for p, s, f in zip(part, (h0, S1), fw)]
+    assert all(b._bw.reused_forward for b in bw) and _walk(False, V, 2) not in gla_emu.launched
+    D0 = bw[1].a[..., None] * dht + bw[1].U  # the reverse scan over two ranks
+    g0, g1 = bw[0].finish(D0), bw[1].finish(dht)
+    got = [np.concatenate([bf16.from_bits(a), bf16.from_bits(b)], axis=1) for a, b in zip(g0[:4], g1[:4])]
+    errs = _errors_skip_none([bf16.from_bits(np.concatenate([o0, o1], axis=1)), fin] + got + [g0[4]], ref)
+    assert _within_targets(errs), errs
+
+
+# ------------------------------------------------------------------ raw bf16 bits through hpczeco.gla and ZeCOGLA
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """gpu/emu/fake_cupy (numpy arrays that look like CuPy arrays to hpczeco's dispatch) as the module ``cupy``."""
+    import importlib.util  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    spec = importlib.util.spec_from_file_location("cupy", gemu._HERE / "fake_cupy" / "cupy" / "__init__.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setitem(sys.modules, "cupy", mod)
+    return mod
+
+
+def test_raw_bits_accepted_on_device_arrays_only(fake_cupy, rng):
+    from hpczeco.gpu.checks import NONFINITE, POSITIVE, value_flags_host  # noqa: PLC0415
+
+    from hpczeco.gla import validate_gla_inputs  # noqa: PLC0415
+
+    bits, _, h0, _ = _inputs(rng, 1, 20, 1, 16, 16)
+    dev = [x.view(fake_cupy.ndarray) for x in bits]
+    assert validate_gla_inputs(*dev[:4], do=dev[4], initial_state=h0.view(fake_cupy.ndarray),
+                               check_values=False) == (1, 20, 1, 16, 16)  # fmt: skip
+    with pytest.raises(TypeError, match="uint16 .raw bfloat16 bits., which only CuPy arrays"):
+        validate_gla_inputs(*bits[:4])  # numpy: the CPU path computes in float32/float64
+    bad_h0 = np.zeros((1, 1, 16, 16), dtype=np.uint16).view(fake_cupy.ndarray)
+    with pytest.raises(TypeError, match="initial_state must have a floating dtype"):
+        validate_gla_inputs(*dev[:4], initial_state=bad_h0, check_values=False)
+    with pytest.raises(TypeError, match="initial_state has dtype float16, expected float32"):
+        validate_gla_inputs(*dev[:4], initial_state=h0.astype(np.float16).view(fake_cupy.ndarray), check_values=False)
+    with pytest.raises(TypeError, match="share one dtype"):
+        validate_gla_inputs(*dev[:3], dev[3].view(np.float16), check_values=False)
+    # the fused device value checks read uint16 as bf16 bits (host mirror of the device formulas)
+    g = bits[3].copy()
+    assert value_flags_host(g, gate=True) == 0
+    g[0, 3, 0, 5] = 0x7FC0  # NaN
+    assert value_flags_host(g, gate=True) & NONFINITE
+    g[0, 3, 0, 5] = 0x3F00  # +0.5
+    assert value_flags_host(g, gate=True) == POSITIVE
+
+
+@pytest.mark.timeout(900)
+def test_hpczeco_gla_takes_raw_bits_on_device_arrays(fake_cupy, gla_emu, rng, monkeypatch):
+    """hpczeco.gla.chunk_gla / chunk_gla_bwd check (fake) CuPy uint16 arrays as bf16 bits and dispatch them to the
+    device kernels: outputs as raw bits, states and dh0 float32, float32 initial_state / dht."""
+    from hpczeco.gpu.checks import value_flags_host  # noqa: PLC0415
+
+    from hpczeco.gla import chunk_gla, chunk_gla_bwd  # noqa: PLC0415
+    from hpczeco.gla import validate as gv  # noqa: PLC0415
+
+    def host_value_checks(arrays, gate=None):  # the fused device checks' numpy mirror (the fake has no kernels)
+        gv.raise_for_flags(arrays, [value_flags_host(np.asarray(x), n == gate) for n, x in arrays.items()])
+
+    monkeypatch.setattr(gv, "check_device_values", host_value_checks)
+    bits, h0, dht, ref = _public(rng, 1, 70, 1, 32, 32)
+    dev = [x.view(fake_cupy.ndarray) for x in bits]
+    bad = dev[0].copy()
+    bad[0, 33, 0, 3] = 0x7FC0  # a NaN in raw bits
+    with pytest.raises(ValueError, match="q contains NaN"):
+        chunk_gla(bad, *dev[1:4])
+    H0, DHT = h0.view(fake_cupy.ndarray), dht.view(fake_cupy.ndarray)
+    gla_emu.launched.clear()
+    o, ht = chunk_gla(*dev[:4], initial_state=H0, output_final_state=True)
+    grads = chunk_gla_bwd(*dev, initial_state=H0, dht=DHT)
+    assert any(n.startswith("glatc_fwd_out") for n in gla_emu.launched)
+    assert o.dtype == np.uint16 and all(x.dtype == np.uint16 for x in grads[:4])
+    assert ht.dtype == np.float32 and grads[4].dtype == np.float32
+    errs = _errors((o, ht) + tuple(grads), ref)
+    assert _within_targets(errs), errs
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(1200)
+def test_zeco_layer_on_raw_bits_device_arrays(fake_cupy, gla_emu, comm, rng, monkeypatch):
+    """ZeCOGLA (ring scan) on (fake) CuPy uint16 slices over the ranks: the collective checks accept the raw bits,
+    the device split runs the chunk-parallel kernels (the backward reusing the forward's chunk states), and output
+    and gradients equal the float64 recurrence of the whole sequence."""
+    import hpczeco  # noqa: PLC0415
+
+    monkeypatch.setattr(gla_emu, "xp", fake_cupy)  # the kernels' results are (fake) device arrays too
+
+    P, r = comm.Get_size(), comm.Get_rank()
+    L, B, H, K, V = 70, 1, 1, 32, 16
+    bits, h0, dht, ref = _public(rng, B, P * L, H, K, V)
+    sl = slice(r * L, (r + 1) * L)
+    mine = [np.ascontiguousarray(x[:, sl]).view(fake_cupy.ndarray) for x in bits]
+    layer = hpczeco.ZeCOGLA(comm, scan="ring", check_values=False)
+    o = layer.forward(*mine[:4], initial_state=h0.view(fake_cupy.ndarray) if r == 0 else None)
+    gla_emu.launched.clear()
+    grads = layer.backward(mine[4], dht=dht.view(fake_cupy.ndarray) if r == P - 1 else None)
+    assert _walk(False, V, 2) not in gla_emu.launched  # the forward's chunk states were reused
+    assert o.dtype == np.uint16 and all(x.dtype == np.uint16 for x in grads[:4])
+    errs = {"o": rel(_f(o), ref[0][:, sl])}
+    errs.update({n: rel(_f(a), b[:, sl]) for n, a, b in zip(("dq", "dk", "dv", "dg"), grads[:4], ref[2:6])})
+    if r == 0:
+        errs["dh0"] = rel(grads[4], ref[6])
+    if r == P - 1:
+        errs["ht"] = rel(layer.final_state, ref[1])
+    assert _within_targets(errs), errs

@@ -96,6 +96,12 @@ FWD_CASES = [
     ("bf16", 1, 300, 2, 96, 80, False, "simt", True, 1e-2),
     ("fp16", 1, 400, 2, 128, 128, False, "tc", True, 1e-2),
     ("fp16", 1, 400, 2, 64, 64, True, "tc", True, 1e-2),
+    ("bf16", 1, 1000, 2, 128, 128, False, "tc-chunk", True, 1e-2),
+    ("bf16", 1, 515, 2, 128, 128, True, "tc-chunk", True, 1e-2),
+    ("bf16", 2, 300, 2, 64, 128, False, "tc-chunk", False, 1e-2),
+    ("bf16", 1, 1, 2, 128, 64, False, "tc-chunk", True, 1e-2),
+    ("fp16", 1, 400, 2, 128, 128, False, "tc-chunk", True, 1e-2),
+    ("fp16", 1, 400, 2, 64, 64, True, "tc-chunk", True, 1e-2),
 ]
 TC_VARIANTS = ("ldsm-pf", "ldsm", "plain")  # hpczeco.gpu.gla_tc.VARIANTS; the first is the default
 FWD_GPU = [(c, "ldsm-pf") for c in FWD_CASES] + [(c, var) for var in TC_VARIANTS[1:] for c in FWD_CASES
@@ -108,6 +114,7 @@ FWD_EMU = [  # the same kinds of case at shapes the emulation runs in seconds
     (("bf16", 1, 90, 1, 48, 32, True, "tc", False, 1e-2), "ldsm-pf"),
     (("bf16", 1, 90, 1, 32, 32, False, "tc", True, 1e-2), "plain"),
     (("bf16", 1, 70, 1, 48, 32, False, "simt", True, 1e-2), "ldsm-pf"),
+    (("bf16", 1, 130, 1, 32, 48, True, "tc-chunk", True, 1e-2), "ldsm-pf"),
 ]
 
 
@@ -147,37 +154,41 @@ def test_forward_matches_reference_emulated(emu, rng, case, variant, monkeypatch
 
 # ------------------------------------------------------------------------------------------- backward
 
-# dtype, B, T, H, K, V, strong gates, initial state + dht, tolerance
+# dtype, B, T, H, K, V, strong gates, initial state + dht, tolerance, impl ("auto": the chunk-parallel
+# tensor-core kernels for 16-bit inputs with K, V multiples of 16, else simt)
 BWD_CASES = [
-    ("fp32", 2, 300, 3, 64, 48, False, True, 1e-4),
-    ("fp32", 1, 200, 2, 128, 128, True, True, 1e-4),
-    ("fp32", 1, 77, 1, 40, 72, False, False, 1e-4),
-    ("bf16", 1, 300, 2, 128, 128, False, True, 1e-2),
-    ("bf16", 1, 130, 2, 64, 96, True, True, 1e-2),
-    ("fp16", 1, 200, 2, 128, 128, False, True, 1e-2),
+    ("fp32", 2, 300, 3, 64, 48, False, True, 1e-4, "auto"),
+    ("fp32", 1, 200, 2, 128, 128, True, True, 1e-4, "auto"),
+    ("fp32", 1, 77, 1, 40, 72, False, False, 1e-4, "auto"),
+    ("bf16", 1, 300, 2, 128, 128, False, True, 1e-2, "auto"),
+    ("bf16", 1, 130, 2, 64, 96, True, True, 1e-2, "auto"),
+    ("bf16", 1, 1, 2, 128, 64, False, True, 1e-2, "auto"),
+    ("bf16", 1, 300, 2, 128, 128, False, True, 1e-2, "simt"),
+    ("fp16", 1, 200, 2, 128, 128, False, True, 1e-2, "auto"),
 ]
 BWD_EMU = [
-    ("fp32", 2, 70, 2, 24, 16, False, True, 1e-4),
-    ("fp32", 1, 50, 1, 32, 32, True, True, 1e-4),
-    ("fp32", 1, 40, 1, 20, 36, False, False, 1e-4),
-    ("bf16", 1, 70, 1, 32, 48, True, True, 1e-2),
+    ("fp32", 2, 70, 2, 24, 16, False, True, 1e-4, "auto"),
+    ("fp32", 1, 50, 1, 32, 32, True, True, 1e-4, "auto"),
+    ("fp32", 1, 40, 1, 20, 36, False, False, 1e-4, "auto"),
+    ("bf16", 1, 70, 1, 32, 48, True, True, 1e-2, "auto"),
+    ("bf16", 1, 70, 1, 32, 48, True, True, 1e-2, "simt"),
 ]
 
 
 def _bwd_id(c) -> str:
-    dt, B, T, H, K, V, strong, h0, _ = c
-    return f"{dt}-B{B}T{T}H{H}K{K}V{V}" + ("-strong" if strong else "") + ("-h0-dht" if h0 else "")
+    dt, B, T, H, K, V, strong, h0, _, impl = c
+    return f"{dt}-{impl}-B{B}T{T}H{H}K{K}V{V}" + ("-strong" if strong else "") + ("-h0-dht" if h0 else "")
 
 
 def check_backward(dev: Device, rng, case) -> None:
     from hpczeco.gpu import gla as G
 
-    dt, B, T, H, K, V, strong, use_h0, tol = case
+    dt, B, T, H, K, V, strong, use_h0, tol, impl = case
     x = _inputs(rng, B, T, H, K, V, strong)
     xs = {n: dev.round(x[n], dt).astype(np.float64) for n in ("q", "k", "v", "g", "do")}
     got = G.chunk_gla_bwd(*(dev.up(x[n], dt) for n in ("q", "k", "v", "g", "do")),
                           initial_state=dev.xp.asarray(x["h0"]) if use_h0 else None,
-                          dht=dev.xp.asarray(x["dht"]) if use_h0 else None)
+                          dht=dev.xp.asarray(x["dht"]) if use_h0 else None, impl=impl)
     ref = recurrent_gla_bwd(*(xs[n] for n in ("q", "k", "v", "g", "do")),
                             initial_state=x["h0"].astype(np.float64) if use_h0 else None,
                             dht=x["dht"].astype(np.float64) if use_h0 else None)
@@ -305,16 +316,18 @@ def test_prepare_finish_over_two_slices_emulated(emu, rng, dt, tol):
 @pytest.mark.gpu
 @NEEDS_GPU
 def test_every_kernel_group_builds(gpu):
-    """NVRTC builds every kernel of every .cu file, group by group (common, bf16, float, f16)."""
+    """NVRTC builds every kernel of every .cu file, group by group (common, bf16, float, f16, bf16-f32s, f16-f32s)."""
     from hpczeco.gpu import gla as G
+    from hpczeco.gpu.gla_common import KERNEL_FILES, runtime
 
     built = 0
-    for file in G._KERNEL_FILES:
-        for group in ("common", "bf16", "float", "f16"):
-            for name in (n for n in G.kernel_names(file) if G.kernel_group(n) == group):
-                assert G._runtime().fn(name) is not None, f"{file} [{group}]: {name}"
+    for file in KERNEL_FILES:
+        names = G.kernel_names(file)
+        for group in sorted({G.kernel_group(n) for n in names}):
+            for name in (n for n in names if G.kernel_group(n) == group):
+                assert runtime().function(name) is not None, f"{file} [{group}]: {name}"
                 built += 1
-    assert built == sum(len(G.kernel_names(f)) for f in G._KERNEL_FILES)
+    assert built == sum(len(G.kernel_names(f)) for f in KERNEL_FILES)
 
 
 BENCH_SHAPE = (1, 32768, 16, 128, 128)  # B, T, H, K, V of `hpczeco bench gpu-gla`
@@ -344,6 +357,32 @@ def test_tensor_core_forward_matches_simt_at_bench_shape(gpu, bench_inputs, vari
     o, ht = G.chunk_gla(*(dev[n] for n in ("q", "k", "v", "g")), output_final_state=True, impl="tc")
     eo, eh = rel(bf16.from_bits(o.get()), ref_o), rel(ht.get(), ref_h)
     assert max(eo, eh) <= 1e-2, f"o {eo:.2e} ht {eh:.2e} (inputs seed {seed})"
+
+
+@pytest.mark.parametrize("walk", [2, 1])
+@pytest.mark.gpu
+@NEEDS_GPU
+def test_chunk_parallel_kernels_match_simt_at_bench_shape(gpu, bench_inputs, walk):
+    """The chunk-parallel tensor-core forward and backward (both state walks) against the simt kernels at the
+    benchmark shape; the backward reusing the forward's chunk states."""
+    cp = gpu.xp
+    from hpczeco.gpu import gla as G
+    from hpczeco.gpu import gla_bwd_tc, gla_fwd_tc
+    from hpczeco.gpu.gla_common import runtime
+
+    dev, ref_o, ref_h, seed = bench_inputs
+    rng = np.random.default_rng(seed + 1)
+    do = gpu.up(rng.standard_normal(dev["v"].shape).astype(np.float32), "bf16")
+    plan = gla_fwd_tc.fwd_tc_prepare(runtime(), *(dev[n] for n in ("q", "k", "v", "g")), walk=walk)
+    o, ht = plan.finish(output_final_state=True)
+    eo, eh = rel(bf16.from_bits(o.get()), ref_o), rel(ht.get(), ref_h)
+    assert max(eo, eh) <= 1e-2, f"o {eo:.2e} ht {eh:.2e} (inputs seed {seed})"
+    got = gla_bwd_tc.bwd_tc(runtime(), *(dev[n] for n in ("q", "k", "v", "g")), do, fwd=plan)
+    ref = G.chunk_gla_bwd(*(dev[n] for n in ("q", "k", "v", "g")), do, impl="simt")
+    errs = {n: rel(gpu.down(a, "bf16" if a.dtype == cp.uint16 else "fp32"),
+                   gpu.down(b, "bf16" if b.dtype == cp.uint16 else "fp32"))
+            for n, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), got, ref)}
+    assert max(errs.values()) <= 1e-2, " ".join(f"{n} {e:.2e}" for n, e in errs.items()) + f" (seed {seed})"
 
 
 @pytest.mark.gpu
@@ -383,3 +422,70 @@ def test_validate_gla_inputs_on_bf16_device_arrays(gpu, rng):
         with pytest.raises(ValueError) as info:
             validate_gla_inputs(*views(bad), do=bad["do"].view("bfloat16"))
         assert str(info.value).startswith(name + " "), f"{name}: {info.value}"
+
+
+# ------------------------------------------------------------------------------------------- the bench, dry
+
+_BENCH_DRY_RUN = r"""
+import json, re, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])  # gpu/emu/fake_cupy: numpy arrays that look like CuPy arrays
+import cupy
+from hpczeco.drivers import bench_gpu_gla as bg, benchkit
+from hpczeco.gpu import emu as gemu, gla as G
+
+class RandomState:  # what the bench calls of cupy.random.RandomState
+    def __init__(self, seed):
+        self.g = np.random.default_rng(seed)
+    def standard_normal(self, size, dtype="float64"):
+        return self.g.standard_normal(size).astype(dtype).view(cupy.ndarray)
+    def uniform(self, low, high, size):
+        return self.g.uniform(low, high, size).view(cupy.ndarray)
+
+cupy.random = type(sys)("cupy.random")
+cupy.random.RandomState = RandomState
+cupy.get_default_memory_pool = lambda: type("Pool", (), {"free_all_blocks": lambda self: None})()
+names = [n for n in G.kernel_names() if not re.search(r"(?<!b)f16", n)]
+rt = gemu.EmuRuntime(G.kernel_source(), names)
+rt.xp = cupy
+rt.function = lambda name, shared_mem=0: name  # the bench's compile step
+G._set_runtime(rt)
+bg.variant_runtime = lambda defines: rt  # -D builds: the same emulated kernels
+bg.COPY_BYTES = 1 << 20
+bg.GRID_T, bg.GRID_KV, bg.GRID_GN = (1, 65), ((32, 16), (24, 16)), (0.1, 1.0)
+benchkit.cuda_event_time = lambda fn, repeats, warmup=3, sets=1, **kw: (fn(0), {"median_ms": 1.0})[1]
+rc = bg.main(["--out", sys.argv[2], "--shapes", "1x65x2x32x16,1x40x1x16x32", "--grid", "--variants",
+              "walk1,walk1-ctas2,nc2,f32", "--no-fla", "--repeats", "2"])
+sys.exit(rc)
+"""
+
+
+@pytest.mark.timeout(1800)
+def test_bench_gpu_gla_dry_run(tmp_path):
+    """`hpczeco bench gpu-gla` end to end without a GPU: numpy standing in for CuPy, every kernel emulated, tiny
+    shapes, the grid and the variants; each step ran, the checks against simt and the grid cases pass, the table
+    prints."""
+    import json
+    import subprocess
+    import sys
+
+    from hpczeco.gpu import emu as gemu
+
+    if gemu.compiler() is None:
+        pytest.skip("no C++ compiler (g++) for the CUDA emulation")
+    out = tmp_path / "bench"
+    res = subprocess.run([sys.executable, "-c", _BENCH_DRY_RUN, str(gemu._HERE / "fake_cupy"), str(out)],
+                         capture_output=True, text=True, timeout=1700)  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads((out / "gpu_gla.json").read_text())
+    assert not data.get("failures"), data.get("failures")
+    assert [r["shape"] for r in data["summary"]] == ["B=1 T=65 H=2 K=32 V=16", "B=1 T=40 H=1 K=16 V=32"]
+    assert all(c["ok"] and c["impl"] == "tc-chunk" for c in data["checks"]), data["checks"]
+    names = [r["name"] for r in data["timings"]]
+    assert any(n.startswith("ours fwd+bwd, states reused") for n in names)
+    assert any("reverse walk (glatc_walk2" in r["name"] for r in data["kernels"])
+    assert len(data["grid"]) == 8 and all(r["targets ok"] and "error" not in r for r in data["grid"]), data["grid"]
+    assert {r["impl"] for r in data["grid"]} == {"tc-chunk", "simt"}
+    assert [v["variant"] for v in data["variants"]] == ["default", "walk1", "walk1-ctas2", "nc2", "f32"]
+    assert all(v.get("ok", True) and "error" not in v for v in data["variants"]), data["variants"]
+    assert "==== hpczeco bench gpu-gla" in res.stdout and "accuracy grid: 8/8" in res.stdout

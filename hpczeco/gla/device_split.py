@@ -5,8 +5,12 @@ prepare/finish objects (:func:`~hpczeco.gpu.gla.chunk_gla_prepare` -> ``GLAForwa
 The device kernels fold the incoming state into the chunk states inside ``finish`` (no correction pass),
 so everything that needs no incoming state is queued by the constructor and :meth:`overlap` has no host
 work (it does not poll). Slices with no tokens or no heads need no kernels: the adapters answer them
-directly (``a = 1``, zero local state; the incoming state passes through). States are float32. The caller
-validates the inputs (shapes and dtypes are checked again by :mod:`hpczeco.gpu.gla`, values not at all).
+directly (``a = 1``, zero local state; the incoming state passes through). States are float32; inputs and
+outputs in any form :mod:`hpczeco.gpu.gla` takes (float32, float16, bfloat16, raw bf16 bits as ``uint16``).
+The forward's chunk states (the chunk-parallel tensor-core kernels: 16 bits per state element, about twice the
+size of ``q`` at V = 128) are handed to the backward as :attr:`DeviceForwardSplit.states`, so a layer that keeps
+them between forward and backward skips one state walk. The caller validates the inputs (shapes and dtypes are
+checked again by :mod:`hpczeco.gpu.gla`, values not at all).
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ def _state32(xp: Any, x: Any) -> Any:
 class DeviceForwardSplit:
     """:class:`~hpczeco.gla.protocol.SplitForward` on CuPy arrays ``q, k, g [B, T, H, K]``, ``v [B, T, H, V]``:
     ``a [B, H, K]`` and ``S_local [B, H, K, V]`` float32; ``finish(S_in)`` returns ``(o [B, T, H, V] input
-    dtype, final [B, H, K, V] float32)``. ``states`` is None (the device backward recomputes its states).
-    Keeps references to the inputs: leave them unmodified until :meth:`finish`."""
+    dtype, final [B, H, K, V] float32)``. ``states``: the prepared forward (``hpczeco.gpu.gla.GLAForward``) whose
+    chunk states :class:`DeviceBackwardSplit` reuses, or None where they are recomputed (simt kernels, empty slice).
+    Keeps references to the inputs: leave them unmodified until :meth:`finish` (and the backward given ``states``)."""
 
-    states = None
+    states: Any = None
 
     def __init__(self, q: Any, k: Any, v: Any, g: Any, scale: float | None = None, chunk_size: int = 64):
         B, T, H, K = (int(s) for s in q.shape)
@@ -45,6 +50,7 @@ class DeviceForwardSplit:
 
         self._fw = chunk_gla_prepare(q, k, v, g, scale=scale, chunk_size=chunk_size)
         self.a, self.S_local = self._fw.decay, self._fw.local_final_state
+        self.states = self._fw if self._fw.impl == "tc-chunk" else None
 
     def overlap(self, poll: Poll = None) -> None:
         """No host work: the local pass is queued on the device, the outputs need ``S_in``."""
@@ -64,10 +70,11 @@ class DeviceBackwardSplit:
     """:class:`~hpczeco.gla.protocol.SplitBackward` on CuPy arrays (shapes as :class:`DeviceForwardSplit`,
     ``do [B, T, H, V]``, ``initial_state [B, H, K, V]`` or None): ``a [B, H, K]`` and ``U [B, H, K, V]``
     float32; ``finish(dht)`` returns ``(dq, dk, dv, dg)`` in the input dtype and ``dh0 [B, H, K, V]``
-    float32. Keeps references to the inputs: leave them unmodified until :meth:`finish`."""
+    float32. ``states``: :attr:`DeviceForwardSplit.states` of the forward of the same ``q, k, v, g`` (its chunk
+    states are reused), or None. Keeps references to the inputs: leave them unmodified until :meth:`finish`."""
 
     def __init__(self, q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None = None,
-                 initial_state: Any = None, chunk_size: int = 64):
+                 initial_state: Any = None, chunk_size: int = 64, states: Any = None):
         B, T, H, K = (int(s) for s in q.shape)
         V = int(v.shape[3])
         self._xp = xp = get_array_module(q)
@@ -80,7 +87,7 @@ class DeviceBackwardSplit:
             return
         from ..gpu.gla import chunk_gla_bwd_prepare  # noqa: PLC0415
 
-        self._bw = chunk_gla_bwd_prepare(q, k, v, g, do, scale=scale, chunk_size=chunk_size)
+        self._bw = chunk_gla_bwd_prepare(q, k, v, g, do, scale=scale, chunk_size=chunk_size, fwd=states)
         self.a, self.U = self._bw.decay, self._bw.dh0_local
 
     def overlap(self, poll: Poll = None) -> None:

@@ -53,7 +53,8 @@ class SplitForward(Protocol):
     @property
     def states(self) -> Any:
         """After :meth:`finish`: what :func:`split_backward` may take as ``states`` (the chunk states
-        ``[B, H, N + 1, K, V]`` on numpy), or None where the backend recomputes them."""
+        ``[B, H, N + 1, K, V]`` on numpy, the prepared forward on CuPy), or None where the backend recomputes
+        them."""
         ...
 
 
@@ -109,6 +110,7 @@ def split_backward(q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None 
     if dht is not None:
         raise ValueError("split_backward takes dht only with cu_seqlens (else it is finish()'s argument)")
     if is_device_array(q):
-        return DeviceBackwardSplit(q, k, v, g, do, scale=scale, initial_state=initial_state, chunk_size=chunk_size)
+        return DeviceBackwardSplit(q, k, v, g, do, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
+                                   states=states)
     return BackwardSplit(q, k, v, g, do, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
                          states=states, check_values=check_values)

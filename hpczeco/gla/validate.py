@@ -3,6 +3,13 @@
 Everything here raises only ``ValueError`` or ``TypeError`` (with the argument's name in the message),
 so the ZeCO layer can run :func:`validate_gla_inputs` inside
 :func:`hpczeco.collectives.agree.collective_check`.
+
+Dtypes (one rule for :func:`hpczeco.gla.chunk_gla`, :func:`~hpczeco.gla.chunk_gla_bwd`, the split classes and
+``ZeCOGLA``): ``q, k, v, g, do`` share one dtype, float16/bfloat16/float32/float64 -- or, on CuPy arrays only,
+``uint16`` holding raw bfloat16 bit patterns (:data:`RAW_BF16`; the CPU path computes in float32/float64, so a
+numpy ``uint16`` array is rejected). Outputs come in the form of the inputs. ``initial_state`` / ``dht`` have
+the input dtype or float32 (16-bit inputs; raw bits: float32 only); states and ``dh0`` of 16-bit inputs are
+float32.
 """
 
 from __future__ import annotations
@@ -14,7 +21,15 @@ from typing import Any
 import numpy as np
 
 from ..base.backend import get_array_module, is_device_array
-from ..base.checks import check_array, check_finite, check_log_gate, check_same_dtype, check_shape, dtype_name
+from ..base.checks import (
+    FLOAT_DTYPES,
+    check_array,
+    check_finite,
+    check_log_gate,
+    check_same_dtype,
+    check_shape,
+    dtype_name,
+)
 from ..base.packing import check_cu_seqlens
 
 __all__ = [
@@ -30,20 +45,42 @@ __all__ = [
     "state_dtype_ok",
     "check_cu_seqlens",
     "check_document_states",
+    "check_input_dtype",
+    "RAW_BF16",
 ]
 
 _HALF = ("float16", "bfloat16")
+#: the dtype of raw bfloat16 bit patterns (CuPy arrays only)
+RAW_BF16 = "uint16"
 GPU_MAX_CHUNK = 64  # the largest chunk the GPU kernels take (hpczeco.gpu.gla)
 
 
 def compute_dtype_name(dtype_name_: str) -> str:
-    """The dtype the maths runs in: float64 for float64 inputs, float32 for everything else."""
+    """The dtype the maths runs in: float64 for float64 inputs, float32 for everything else (raw bf16 bits too)."""
     return "float64" if dtype_name_ == "float64" else "float32"
 
 
 def state_dtype_ok(input_dtype: str, state_dtype: str) -> bool:
-    """States (``initial_state``, ``dht``) may have the input dtype or, for half inputs, float32."""
+    """States (``initial_state``, ``dht``) may have the input dtype or, for half inputs, float32 (raw bf16 bits:
+    float32 only)."""
+    if input_dtype == RAW_BF16:
+        return state_dtype == "float32"
     return state_dtype == input_dtype or (input_dtype in _HALF and state_dtype == "float32")
+
+
+def check_input_dtype(name: str, x: Any) -> None:
+    """``TypeError`` naming ``name`` unless ``x`` (an array) is floating, or a CuPy ``uint16`` array of raw
+    bfloat16 bits."""
+    dt = dtype_name(x)
+    if dt in FLOAT_DTYPES:
+        return
+    if dt == RAW_BF16:
+        if is_device_array(x):
+            return
+        raise TypeError(f"{name} has dtype uint16 (raw bfloat16 bits), which only CuPy arrays may hold here: the CPU "
+                        f"path computes in float32/float64; pass float32 values (e.g. hpczeco.base.bf16.from_bits)")
+    raise TypeError(f"{name} must have a floating dtype (float16/bfloat16/float32/float64) or, on CuPy, uint16 raw "
+                    f"bfloat16 bits; got {dt}")
 
 
 def _fast_finite(x: Any) -> bool:
@@ -110,13 +147,15 @@ def validate_gla_inputs(
     """Check GLA inputs on this rank and return ``(B, T, H, K, V)``.
 
     Shapes: ``q, k, g: [B, T, H, K]``, ``v, do: [B, T, H, V]``, ``initial_state, dht: [B, H, K, V]``.
-    ``q, k, v, g, do`` share one floating dtype; ``initial_state``/``dht`` have that dtype or, for
-    float16/bfloat16 inputs, float32. All are numpy arrays or all are CuPy arrays. With
+    ``q, k, v, g, do`` share one floating dtype (or, on CuPy, ``uint16`` raw bfloat16 bits); ``initial_state``/
+    ``dht`` have that dtype or, for 16-bit inputs, float32 (raw bits: float32). All are numpy arrays or all are
+    CuPy arrays. With
     ``check_values``: no NaN/Inf anywhere, ``g <= 0``. ``K, V >= 1``. Raises ``TypeError`` (array type,
     dtype) or ``ValueError`` (shape, values), naming the argument. Local (no communication).
     """
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g)):
-        check_array(name, x, ndim=4)
+        check_array(name, x, ndim=4, float_only=False)
+        check_input_dtype(name, x)
     B, T, H, K = (int(s) for s in q.shape)
     check_shape("k", k, (B, T, H, K), "(the shape of q [B, T, H, K])")
     check_shape("g", g, (B, T, H, K), "(the shape of q [B, T, H, K])")
@@ -127,7 +166,8 @@ def validate_gla_inputs(
     if V < 1:
         raise ValueError(f"v has value dimension V={V}; V must be >= 1")
     if do is not None:
-        check_array("do", do, ndim=4)
+        check_array("do", do, ndim=4, float_only=False)
+        check_input_dtype("do", do)
         check_shape("do", do, (B, T, H, V), "(the shape of v [B, T, H, V])")
     for name, s in (("initial_state", initial_state), ("dht", dht)):
         if s is not None:
@@ -137,7 +177,8 @@ def validate_gla_inputs(
     dt = dtype_name(q)
     for name, s in (("initial_state", initial_state), ("dht", dht)):
         if s is not None and not state_dtype_ok(dt, dtype_name(s)):
-            allowed = dt + (" or float32" if dt in _HALF else "")
+            allowed = "float32 (raw bfloat16 bits in q)" if dt == RAW_BF16 else dt + (" or float32" if dt in _HALF
+                                                                                     else "")
             raise TypeError(f"{name} has dtype {dtype_name(s)}, expected {allowed} (the dtype of q)")
     arrays = {"q": q, "k": k, "v": v, "g": g, "initial_state": initial_state, "do": do, "dht": dht}
     present = {n: a for n, a in arrays.items() if a is not None}

@@ -23,7 +23,6 @@ message of the layer is sent.
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,19 +36,6 @@ from ._checks import agree, check_tensors
 __all__ = ["zeco_gla", "ZeCOGLAttention", "ZeCOGLAFunction"]
 
 
-@functools.cache
-def _zeco_takes_raw_bf16() -> bool:
-    """Whether hpczeco's public GLA checks (which ``ZeCOGLA`` runs) take ``uint16`` raw-bits bfloat16 CuPy arrays."""
-    from ..gla import validate_gla_inputs  # noqa: PLC0415
-
-    x = cupy_module().zeros((1, 1, 1, 1), dtype="uint16")
-    try:
-        validate_gla_inputs(x, x, x, x, check_values=False)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
 @dataclass
 class _Call:
     """One call of the layer: the ``ZeCOGLA`` object (it keeps what its backward needs), how tensors map to arrays."""
@@ -57,7 +43,7 @@ class _Call:
     layer: Any
     device: torch.device
     dtype: torch.dtype  # of q, k, v, g (and of o, dq, dk, dv, dg)
-    array_dtype: torch.dtype  # what the arrays hold: the dtype, or float32 (CPU half inputs, bf16 without raw bits)
+    array_dtype: torch.dtype  # what the arrays hold: the dtype (CUDA bf16: raw bits), or float32 (CPU half inputs)
     want_final: bool
     arrays: tuple | None = None
 
@@ -140,7 +126,7 @@ def zeco_gla(
     ``chunk_size``, ``transport``, ``check_values`` as :class:`hpczeco.ZeCOGLA`; ``scale`` defaults to
     ``K ** -0.5``. ``initial_state``: on rank 0 only; ``final_state``: this slice's final state, differentiable
     on the last rank only (see the module docstring). Devices and dtypes as :func:`hpczeco.torch.chunk_gla`
-    (CUDA bfloat16 runs on raw bits where hpczeco's ZeCO layer takes them, else on float32 copies).
+    (CUDA bfloat16 travels zero-copy as raw bits, ``uint16``, the form hpczeco's ZeCO layer takes).
     Gradients for q, k, v, g and (rank 0) initial_state.
     """
     from ..zeco import ZeCOGLA  # noqa: PLC0415
@@ -161,8 +147,6 @@ def zeco_gla(
                 cupy_module()
             except ImportError as exc:
                 raise TypeError(str(exc)) from exc
-            if dtype == torch.bfloat16 and not _zeco_takes_raw_bf16():
-                array_dtype = torch.float32
         c = _Call(layer, dev, dtype, array_dtype, bool(output_final_state))
         try:
             with c.stream():
