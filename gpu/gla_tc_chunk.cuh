@@ -17,7 +17,10 @@
 #ifndef GLA_EMU
 #define GT_DYN_SMEM(name, bytes) extern __shared__ __align__(16) unsigned char name[]
 #else
-#define GT_DYN_SMEM(name, bytes) static unsigned char name[bytes] __attribute__((aligned(16)))
+// the launch's dynamic shared memory, which must be exactly the kernel's layout (cp.async checks need it there)
+#define GT_DYN_SMEM(name, bytes)                 \
+  unsigned char* const name = emu_dynamic_smem(); \
+  emu_expect_dynamic_smem(bytes)
 #endif
 
 // ---- warp shuffles on N floats (MODE 0: from lane src of the width-group, 1: up, 2: down, 3: xor) ----------
