@@ -26,6 +26,7 @@ baseline it claims to be.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,16 @@ def _check_scan_options(scan: Any, blocks: Any) -> None:
     if scan not in SCANS:
         raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
     check_blocks(blocks)
+
+
+def _check_scale(scale: Any) -> None:
+    """``scale``: None (``K ** -0.5``) or a positive finite real number (not a bool, not a string)."""
+    if scale is None:
+        return
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale must be a positive number or None, got {type(scale).__name__} {scale!r}")
+    if not (math.isfinite(float(scale)) and float(scale) > 0):
+        raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
 
 
 def _state_dtype(x) -> Any:
@@ -94,6 +105,7 @@ class ZeCOGLA:
                  scale: float | None = None, transport: Any = None, profile: bool = False,
                  check_values: bool = True):
         _check_scan_options(scan, blocks)
+        _check_scale(scale)
         self.comm = comm
         self.scan = scan
         self.blocks = blocks
@@ -207,8 +219,10 @@ class ZeCOGLA:
             "transport": self.transport if self.transport is None or isinstance(self.transport, str)
             else type(self.transport).__name__,
         }
-        agree_fast(self.comm, "ZeCOGLA.forward", err, agree)  # one Allreduce when all is well
-        has_h0 = self.comm.bcast(initial_state is not None, root=0) if self.size > 1 else initial_state is not None
+        # one Allreduce when all is well (point to point with a collective timeout), which also tells every rank
+        # whether rank 0 passed initial_state
+        (has_h0,) = agree_fast(self.comm, "ZeCOGLA.forward", err, agree,
+                               flags=(int(self.rank == 0 and initial_state is not None),))
 
         xp = get_array_module(q)
         B, H, K, V = shapes["B"], shapes["H"], shapes["K"], shapes["V"]
@@ -278,6 +292,8 @@ class ZeCOGLA:
 
             check_array("do", do, ndim=4)
             check_shape("do", do, (B, L, H, V), "(like v)")
+            if str(do.dtype) != str(q.dtype):
+                raise TypeError(f"do must have the forward's dtype {q.dtype}, got {do.dtype}")
             if dht is not None:
                 if self.rank != last:
                     raise ValueError("dht is the gradient of the global final state: pass it on the last rank only")
@@ -302,8 +318,13 @@ class ZeCOGLA:
 
         prepared: list = []
         err = local_error(check)
-        agree_fast(self.comm, "ZeCOGLA.backward", err, {"scan": self.scan, "B,H,K,V": (B, H, K, V)})
-        has_dht = self.comm.bcast(dht is not None, root=last) if self.size > 1 else dht is not None
+        # like the forward: do's dtype, array module and shape agreed (its values checked locally above), and
+        # whether the last rank passed dht, in one Allreduce
+        agree = {"scan": self.scan, "B,H,K,V": (B, H, K, V), "check_values": self.check_values,
+                 "do": None if err else (str(do.dtype), get_array_module(do).__name__, do.shape[0], do.shape[2],
+                                         do.shape[3])}
+        (has_dht,) = agree_fast(self.comm, "ZeCOGLA.backward", err, agree,
+                                flags=(int(self.rank == last and dht is not None),))
 
         xp = get_array_module(q)
         sdt = _state_dtype(q)
