@@ -37,6 +37,9 @@ FAULT_KILL_ENV = "HPCZECO_FAULT_KILL"
 #: fault injection: ``RANK:STEP`` -- that rank SIGSTOPs itself in that step (where FAULT_KILL would kill it): the
 #: others must end within the collective timeout, naming it. Not for production use.
 FAULT_STOP_ENV = "HPCZECO_FAULT_STOP"
+#: fault injection: ``RANK:STEP`` -- that rank raises an internal error (RuntimeError) in that step: the job must
+#: end at once (the CLI aborts it), with the rank's traceback. Not for production use.
+FAULT_RAISE_ENV = "HPCZECO_FAULT_RAISE"
 #: ``N``: every rank prints one ``soak:`` line (VmRSS, scan handles in flight, pooled buffers) to stderr
 #: after step N and after the last step (leak checks in the reliability tests).
 SOAK_REPORT_ENV = "HPCZECO_SOAK_REPORT"
@@ -457,7 +460,7 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any
     t_run = time.perf_counter()
     rates: list[float] = []
     last_saved = step0 if args.resume else -1
-    fault, stop = _fault_at(FAULT_KILL_ENV), _fault_at(FAULT_STOP_ENV)
+    fault, stop, bug = _fault_at(FAULT_KILL_ENV), _fault_at(FAULT_STOP_ENV), _fault_at(FAULT_RAISE_ENV)
     soak_at = int(os.environ.get(SOAK_REPORT_ENV, "0") or 0)
     try:
         for step in range(step0 + 1, args.steps + 1):
@@ -485,6 +488,11 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any
                                  f"at t={time.time():.3f}\n")
                 sys.stderr.flush()
                 os.kill(os.getpid(), signal.SIGSTOP)
+            if bug is not None and bug == (rank, step):
+                sys.stderr.write(f"hpczeco train: fault injection: rank {rank} raises in step {step} "
+                                 f"at t={time.time():.3f}\n")
+                sys.stderr.flush()
+                raise RuntimeError(f"fault injection: rank {rank} raises in step {step}")
             g = allreduce_sum(comm, params.pack(grads), args.allreduce)
             loss = float(allreduce_sum(comm, np.array([part], np.float64), args.allreduce)[0])
             if not math.isfinite(loss):
