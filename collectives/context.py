@@ -170,13 +170,11 @@ def _agree_timeout(pcomm: MPI.Comm, local: float | None, bad: str | None) -> flo
 
     P = pcomm.Get_size()
     mine = np.array([2.0 if bad else (0.0 if local is None else 1.0), local or 0.0])
-    if P == 1:
-        if bad:
-            raise CollectiveInputError(bad)
-        return local
-    everyone = np.empty((P, 2))
-    _wait(pcomm, f"agreement of ${TIMEOUT_ENV} (first hpczeco call on this communicator)", local, None,
-          pcomm.Iallgather(mine, everyone))
+    everyone = mine[None, :].copy()
+    if P > 1:
+        everyone = np.empty((P, 2))
+        _wait(pcomm, f"agreement of ${TIMEOUT_ENV} (first hpczeco call on this communicator)", local, None,
+              pcomm.Iallgather(mine, everyone))
     invalid = [r for r in range(P) if everyone[r, 0] == 2.0]
     if invalid:
         raise CollectiveInputError(f"configuration: ${TIMEOUT_ENV} is not a positive finite number of seconds on "

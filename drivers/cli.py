@@ -63,9 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def is_user_error(exc: BaseException) -> bool:
-    """Errors whose message says what is wrong (bad options, inputs, files, checkpoints): reported in one
-    line; anything else is an internal error and gets its traceback."""
-    if isinstance(exc, (ValueError, TypeError, OSError, FloatingPointError, MemoryError, KeyboardInterrupt)):
+    """Errors whose message says what is wrong (bad options, inputs, files, checkpoints, the collective
+    validation's errors): reported in one line; anything else -- a ``TypeError`` too, unless the collective
+    validation raised it -- is an internal error and gets its traceback."""
+    if isinstance(exc, (ValueError, OSError, FloatingPointError, MemoryError, KeyboardInterrupt)):
         return True
     ck = sys.modules.get("hpczeco.drivers.checkpoint")
     return ck is not None and isinstance(exc, ck.CheckpointError)

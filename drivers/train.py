@@ -460,7 +460,7 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any
     t_run = time.perf_counter()
     rates: list[float] = []
     last_saved = step0 if args.resume else -1
-    fault, stop, bug = _fault_at(FAULT_KILL_ENV), _fault_at(FAULT_STOP_ENV), _fault_at(FAULT_RAISE_ENV)
+    fault, sigstop_at, bug = _fault_at(FAULT_KILL_ENV), _fault_at(FAULT_STOP_ENV), _fault_at(FAULT_RAISE_ENV)
     soak_at = int(os.environ.get(SOAK_REPORT_ENV, "0") or 0)
     try:
         for step in range(step0 + 1, args.steps + 1):
@@ -481,7 +481,7 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any
                                  f"at t={time.time():.3f}\n")
                 sys.stderr.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
-            if stop is not None and stop == (rank, step):
+            if sigstop_at is not None and sigstop_at == (rank, step):
                 import signal
 
                 sys.stderr.write(f"hpczeco train: fault injection: rank {rank} SIGSTOPs itself in step {step} "

@@ -208,9 +208,9 @@ class PrefillModel:
 
         Memory of the largest rank, float32 activations (4 bytes) of the ``R`` token rows it holds
         (``ceil(T / ranks)`` plus the ``local_window`` halo in sequence mode, ``T`` in heads mode, where
-        it holds ``Hp = ceil(H / ranks)`` heads): the residual and its norm (``5 d`` per row with the
-        temporaries), q/k/v with their RoPE, head-major and concatenated copies (``17 Hp Dh``), the RoPE
-        table (``Dh``), the MLP's hidden rows (``3 mlp d`` for at most :data:`MLP_ROWS` rows), in sequence
+        it holds ``Hp = ceil(H / ranks)`` heads): the residual, its norm and the projected outputs (``4 d``
+        per row), q/k/v with the RoPE, head-major and concatenated copies alive at once (``9 Hp Dh``), the
+        RoPE table (``Dh``), the MLP's hidden rows (``3 mlp d`` for at most :data:`MLP_ROWS` rows), in sequence
         mode the gathered key-region rows of every rank (``3 H Dh`` per key-region token) and their
         partial softmax states, plus token ids (12 bytes each) and the weights. Checked against the
         measured peak RSS in docs/RELIABILITY.md.
@@ -224,7 +224,7 @@ class PrefillModel:
             rows, Hp, G = T, -(-H // P), 0
         else:
             rows, Hp, G = -(-T // P) + min(int(local_window), T), H, n_global
-        per_row = 5 * d + 17 * Hp * Dh + Dh
+        per_row = 4 * d + 9 * Hp * Dh + Dh
         mlp = 3 * m * d * min(rows, MLP_ROWS)
         gathered = G * (3 * H * Dh + 2 * H * (Dh + 2))
         nbytes = 4 * (rows * per_row + mlp + gathered) + 12 * T + self.weight_bytes()

@@ -1,7 +1,8 @@
 """Measure ``hpczeco prefill``'s peak memory against its own estimate (docs/RELIABILITY.md).
 
 Usage: python prefill_memory.py FILE [prefill options...]
-Runs the driver in this process with ``--json`` and prints one JSON line: the estimate's bytes per rank,
+Runs the driver in this process with ``--json`` and prints one JSON line (per rank under mpiexec; the
+estimate, the largest rank's, on rank 0): the estimate's bytes per rank,
 the resident set before the prefill started (after the imports), the peak resident set (``ru_maxrss``)
 and the peak's growth over that baseline.
 """
@@ -31,7 +32,7 @@ def main() -> None:
     with contextlib.redirect_stdout(out):
         rc = prefill([*sys.argv[1:], "--json"])
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    rec = json.loads(out.getvalue()) if rc == 0 else {}
+    rec = json.loads(out.getvalue()) if rc == 0 and out.getvalue().strip() else {}  # rank 0 prints the JSON
     est = rec.get("estimate", {})
     print(json.dumps({"rc": rc, "tokens": rec.get("tokens"), "global_fraction": est.get("global_fraction"),
                       "estimate_mib": est.get("bytes_per_rank", 0) / 2**20, "baseline_mib": base / 1024,
