@@ -10,14 +10,14 @@ A checkpoint is one file ``ckpt_<step:08d>.h5`` in a folder:
   dtype, sha256 of every dataset), ``_attr_kinds`` (how each attribute is encoded) and
   ``_attrs_sha256`` (a checksum over all the attributes).
 
-Writes are atomic: the file is built in memory (h5py's ``core`` driver, no backing store), its image is
-written into a hidden temporary file in the same folder with ordinary ``os.write`` calls and fsync'ed,
-then ``os.replace``'d onto its final name and the folder fsync'ed; a crash leaves at worst a hidden
-temporary file, never a half-written newest checkpoint (the next successful write removes such
-leftovers). HDF5 itself never writes to the disk: on a full disk it cannot fail half-way inside its own
-caches (the PyPI h5py then crashed the process at exit); a failed write is one ``CheckpointError`` on
-every rank naming the folder and the space needed, the partial temporary removed. Only the newest
-``keep`` are kept.
+Writes are atomic: a hidden temporary file in the same folder, fsync'ed, then ``os.replace``'d onto its
+final name and the folder fsync'ed; a crash leaves at worst a hidden temporary file, never a
+half-written newest checkpoint (the next successful write removes such leftovers). HDF5 writes the
+temporary through a Python file object (:class:`GuardedFile`: ordinary ``os.pwrite``) that keeps I/O
+errors away from HDF5: a write that fails (a full disk) is remembered and its bytes kept in memory, so
+HDF5 never fails half-way inside its caches (the PyPI h5py then crashed the process at exit, status
+11); afterwards the error is one ``CheckpointError`` on every rank naming the folder and the space
+needed, the partial temporary removed. Only the newest ``keep`` are kept.
 
 Loading (:func:`load_latest`) takes the newest checkpoint that passes every check (readable HDF5,
 format, step, every dataset's name/shape/dtype/checksum against the manifest, the attribute checksum,
@@ -72,8 +72,7 @@ FORMAT = "hpczeco-checkpoint"
 FORMAT_VERSION = 1
 _FILE_RE = re.compile(r"^ckpt_(\d{8,})\.h5$")
 _TMP_RE = re.compile(r"^\.ckpt_\d{8,}\.h5\.tmp-\d+-\d+$")
-#: bytes per ``os.write`` call of the file image
-_WRITE_CHUNK = 64 << 20
+
 _PART = r"[A-Za-z0-9_][A-Za-z0-9_.\-]*"
 _NAME_RE = re.compile(rf"^{_PART}(/{_PART})*$")
 _RESERVED = {"format", "format_version", "step", "nranks", "created", "_manifest", "_attr_kinds", "_attrs_sha256"}
@@ -411,8 +410,8 @@ class CheckpointWriter:
     # -- file writing ---------------------------------------------------------------------------------
 
     @staticmethod
-    def _fill(f: h5py.File, host, manifest, stored, root_attrs, write_data: bool, inject: bool = True) -> None:
-        crash_at = len(host) // 2 if inject and _fault_here("mid-write", int(root_attrs["step"])) else -1
+    def _fill(f: h5py.File, host, manifest, stored, root_attrs, write_data: bool) -> None:
+        crash_at = len(host) // 2 if _fault_here("mid-write", int(root_attrs["step"])) else -1
         for i, (name, a) in enumerate(host.items()):
             if i == crash_at:
                 f.flush()
@@ -427,23 +426,28 @@ class CheckpointWriter:
             f.attrs[key] = value
 
     def _write_serial(self, tmp: Path, host, manifest, stored, root_attrs) -> str | None:
-        """Build the file in memory, then write its image to ``tmp`` with plain file I/O and fsync."""
-        try:
-            image = build_image(host, manifest, stored, root_attrs, self._fill)
-        except Exception as exc:  # noqa: BLE001 - reported collectively
-            return f"cannot build checkpoint {tmp.name}: {type(exc).__name__}: {exc}"
+        """Write the file through a :class:`GuardedFile` (HDF5 never sees an I/O error), then fsync it."""
         step = int(root_attrs["step"])
+        guarded: GuardedFile | None = None
+        error: BaseException | None = None
         try:
-            write_file(tmp, image, crash_half=_fault_here("mid-write", step), step=step)
-        except OSError as exc:
-            _silent_unlink(tmp)
-            if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-                free = _free_bytes(self.folder)
-                return (f"cannot write checkpoint {checkpoint_name(step)} into {self.folder}: no space left on the "
-                        f"device ({exc.strerror}): it needs {len(image):,} bytes, {free:,} bytes are free there; "
-                        "the previous checkpoints are kept")
-            return f"cannot write checkpoint {tmp.name} in {self.folder}: {type(exc).__name__}: {exc}"
-        return None
+            with GuardedFile(tmp) as guarded:
+                with h5py.File(guarded, "w") as f:
+                    self._fill(f, host, manifest, stored, root_attrs, write_data=True)
+                    f.flush()
+                guarded.sync()
+            error = guarded.error
+        except Exception as exc:  # noqa: BLE001 - reported collectively
+            error = guarded.error if guarded is not None and guarded.error is not None else exc
+        if error is None:
+            return None
+        _silent_unlink(tmp)
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            need = guarded.size if guarded is not None else 0
+            return (f"cannot write checkpoint {checkpoint_name(step)} into {self.folder}: no space left on the "
+                    f"device ({error.strerror}): it needs {need:,} bytes, {_free_bytes(self.folder):,} bytes are "
+                    "free there; the previous checkpoints are kept")
+        return f"cannot write checkpoint {tmp.name} in {self.folder}: {type(error).__name__}: {error}"
 
     def _write_mpio(self, tmp: Path, host, manifest, stored, root_attrs) -> str | None:
         """Parallel HDF5: object creation and attributes are collective (same values on every rank);
@@ -475,32 +479,91 @@ class CheckpointWriter:
         return None
 
 
-def build_image(host: Mapping[str, np.ndarray], manifest, stored, root_attrs, fill: Callable) -> bytes:
-    """The bytes of the checkpoint file, built in memory (h5py ``driver='core'``, no backing store)."""
-    with h5py.File(f"hpczeco-ckpt-{os.getpid()}-{time.time_ns()}.h5", "w", driver="core", backing_store=False) as f:
-        fill(f, host, manifest, stored, root_attrs, write_data=True, inject=False)
-        f.flush()
-        return f.id.get_file_image()
+class GuardedFile:
+    """A new file that h5py writes through (a Python file object) with ordinary ``os.pwrite`` calls, keeping
+    I/O errors from HDF5.
 
+    The first failing write (``ENOSPC``...) is stored in :attr:`error`; from then on the bytes of every
+    write are kept in memory instead (reads see them), and every call succeeds, so HDF5 finishes its file in
+    a consistent state and the caller reports :attr:`error` afterwards. :attr:`size` is the file's size as
+    HDF5 sees it (what the disk would have needed). Costs the same as HDF5's own writes (one copy into the
+    page cache): docs/RELIABILITY.md."""
 
-def write_file(path: Path, data: bytes, crash_half: bool = False, step: int = -1) -> None:
-    """Write ``data`` into the new file ``path`` (``os.write`` in chunks, then ``fsync``); raises ``OSError``.
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        self.pos = 0
+        self.size = 0
+        self.error: OSError | None = None
+        self._kept: list[tuple[int, bytes]] = []
 
-    ``crash_half``: the ``mid-write`` fault injection (exit abruptly after half of the bytes)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        view = memoryview(data)
-        half = len(data) // 2 if crash_half else -1
-        done = 0
-        while done < len(data):
-            stop = min(len(data), done + _WRITE_CHUNK, half if half > done else len(data))
-            done += os.write(fd, view[done:stop])
-            if done == half:
-                os.fsync(fd)
-                _crash("mid-write", step)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    def __enter__(self) -> GuardedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            os.close(self.fd)
+        except OSError as err:
+            self.error = self.error or err
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == 0 else (self.pos + offset if whence == 1 else self.size + offset)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n, done = view.nbytes, 0
+        if self.error is None:
+            try:
+                while done < n:
+                    done += os.pwrite(self.fd, view[done:], self.pos + done)
+            except OSError as err:
+                self.error = err
+        if done < n:
+            self._kept.append((self.pos + done, bytes(view[done:])))
+        self.pos += n
+        self.size = max(self.size, self.pos)
+        return n
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")
+        n = max(0, min(view.nbytes, self.size - self.pos))
+        got = os.preadv(self.fd, [view[:n]], self.pos) if n else 0
+        if got < n:
+            view[got:n] = bytes(n - got)
+        for offset, data in self._kept:
+            lo, hi = max(offset, self.pos), min(offset + len(data), self.pos + n)
+            if lo < hi:
+                view[lo - self.pos:hi - self.pos] = data[lo - offset:hi - offset]
+        self.pos += n
+        return n
+
+    def read(self, n: int = -1) -> bytes:
+        buf = bytearray(self.size - self.pos if n is None or n < 0 else n)
+        return bytes(buf[: self.readinto(buf)])
+
+    def truncate(self, size: int | None = None) -> int:
+        size = self.pos if size is None else int(size)
+        if self.error is None:
+            try:
+                os.ftruncate(self.fd, size)
+            except OSError as err:
+                self.error = err
+        self.size = size
+        return size
+
+    def flush(self) -> None:
+        return None
+
+    def sync(self) -> None:
+        """fsync the file (a delayed allocation may report a full disk only here)."""
+        if self.error is None:
+            try:
+                os.fsync(self.fd)
+            except OSError as err:
+                self.error = err
 
 
 def _free_bytes(folder: Path) -> int:

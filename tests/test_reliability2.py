@@ -250,12 +250,12 @@ def test_resume_skips_a_checkpoint_that_fails_any_check(tmp_path, text_file, two
 
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
-    """A 1.5 MB tmpfs (needs root and mount(8)); skipped with the reason where it cannot be made."""
+    """A 1.4 MB tmpfs (needs root and mount(8)); skipped with the reason where it cannot be made."""
     mnt = tmp_path / "tmpfs"
     mnt.mkdir()
     if shutil.which("mount") is None:
         pytest.skip("no mount(8) here: cannot make a small tmpfs")
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(mnt)], capture_output=True,
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1400k", "tmpfs", str(mnt)], capture_output=True,
                          text=True)
     if res.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {res.stderr.strip() or res.returncode}")
@@ -265,7 +265,7 @@ def tiny_tmpfs(tmp_path):
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_disk_full_is_a_clean_checkpoint_error(tiny_tmpfs, text_file, n):
-    """Checkpoints every step into a 1.5 MB tmpfs: the 4th does not fit. Every rank ends with the same
+    """Checkpoints (~390 KB) every step into a 1.4 MB tmpfs: the 4th does not fit. Every rank ends with the same
     CheckpointError (exit 2, one line naming the folder and the space needed; no segfault), the partial
     temporary is removed and the three previous checkpoints are intact."""
     cmd = [PY, "-m", "hpczeco", "train", "--text", text_file, "--d-model", "32", "--layers", "1", "--heads", "2",
