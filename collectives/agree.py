@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Mapping
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -81,8 +80,11 @@ def collective_check(
 
 def canonical(value: Any) -> Any:
     """The form in which agreed values are compared and digested (see the module docstring)."""
-    if value is None or isinstance(value, str):
+    t = type(value)
+    if t is str or t is int or value is None:  # the common cases first: this runs on every layer call
         return value
+    if t is tuple:
+        return tuple([canonical(v) for v in value])
     if isinstance(value, (bool, np.bool_)):
         return ("bool", bool(value))
     if isinstance(value, (int, np.integer)):
@@ -99,21 +101,40 @@ def canonical(value: Any) -> Any:
     return (type(value).__name__, repr(value))
 
 
-@lru_cache(maxsize=256)
 def _digest_items(items: tuple) -> int:
     text = repr(sorted(items)).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "little")
 
 
+def _typed(value: Any) -> Any:
+    """A hashable key that tells values apart by type as well as value (1, 1.0, True and np.int64(1) are
+    equal and hash alike in Python, so a cache keyed on the values alone would confuse them)."""
+    t = type(value)
+    if t is tuple or t is list:
+        return (t, tuple([_typed(v) for v in value]))
+    if t is dict:
+        return (t, tuple(sorted((str(k), _typed(v)) for k, v in value.items())))
+    return (t, value)
+
+
+_DIGESTS: dict[tuple, int] = {}
+
+
 def _digest(values: dict[str, Any]) -> int:
-    """56-bit digest of the canonical form of ``values`` (cached: a training loop agrees on the same values
-    every step; the cache key is the canonical form, so values that compare equal but differ in type never
-    share an entry unless their canonical forms are equal)."""
-    items = tuple((k, canonical(v)) for k, v in values.items())
+    """56-bit digest of the canonical form of ``values``, cached by values and types (a training loop agrees
+    on the same values every step)."""
     try:
-        return _digest_items(items)
+        key: tuple | None = tuple([(k, _typed(v)) for k, v in values.items()])
+        hit = _DIGESTS.get(key)
     except TypeError:  # an unhashable value: digest it uncached
-        return _digest_items.__wrapped__(items)
+        key, hit = None, None
+    if hit is None:
+        hit = _digest_items(tuple((k, canonical(v)) for k, v in values.items()))
+        if key is not None:
+            if len(_DIGESTS) >= 256:
+                _DIGESTS.clear()
+            _DIGESTS[key] = hit
+    return hit
 
 
 def agree_fast(

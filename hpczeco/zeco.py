@@ -86,12 +86,14 @@ class ZeCOGLA:
     """Sequence-parallel GLA layer over ``comm`` (ranks hold contiguous slices in rank order).
 
     Args:
-        comm: the communicator (the caller owns it; every rank of it must call forward/backward).
+        comm: the communicator (the caller owns it; every rank of it must call forward/backward). Every
+            wait of the layer (the agreements, the scans, the serial relay) honours
+            ``$HPCZECO_COLLECTIVE_TIMEOUT`` (agreed over ``comm``'s ranks on first use).
         scan: "ring" (pipelined All-Scan), "tree", "allgather" (LASP-2), "serial" (LASP-1),
             "exscan" (MPI_Exscan) or "auto" (the cost model's pick).
         blocks: pieces the ring splits the state into along K (None: cost model's choice).
         chunk_size: chunk length of the local chunked GLA.
-        scale: query scale (default ``K ** -0.5``).
+        scale: query scale (default ``K ** -0.5``): a positive finite number (checked here).
         transport: device transport name or object for CuPy arrays (None: detection / env).
         check_values: scan q, k, v, g, do (and the states) for NaN/Inf and g for positive values on every call
             (shapes, dtypes and options are always agreed across ranks). ``False`` is for loops whose inputs

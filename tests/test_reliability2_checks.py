@@ -77,6 +77,13 @@ def test_canonical_forms():
     assert canonical(0.5) == canonical(np.float32(0.5)) and canonical(2) == canonical(2.0) == canonical(np.int8(2))
     assert canonical(0.1) != canonical(np.float32(0.1)) and canonical(True) != canonical(1)
     assert canonical((1, [2.0])) == canonical([1, (2,)]) and canonical({"b": 1, "a": 2}) == canonical({"a": 2, "b": 1})
+    from hpczeco.collectives.agree import _digest
+
+    # the digest cache must not confuse values that Python calls equal (True == 1 == 1.0, same hash)
+    for a, b in ((True, 1), ((True, 2), (1, 2)), (0.1, np.float32(0.1))):
+        assert _digest({"x": a}) != _digest({"x": b}) and _digest({"x": b}) != _digest({"x": a})
+    for a, b in ((0.5, np.float32(0.5)), (2, 2.0), ([1, 2], (1, 2))):
+        assert _digest({"x": a}) == _digest({"x": b})
 
 
 @pytest.mark.mpi
