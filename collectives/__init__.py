@@ -5,7 +5,9 @@ Layout (one concern per module): :mod:`.scan` (the public entry), :mod:`.ring`, 
 :mod:`.kernels` (the operator's reference beside its kernel), :mod:`.names` (topology and transport
 names and their checks), :mod:`.selection` (which transport, cached in :mod:`.context`),
 :mod:`.transport` / :mod:`.device` (host and device transports), :mod:`.agree` (collective
-validation), :mod:`.watchdog` (timeouts), :mod:`.halo`, :mod:`.dispatch` (task dispatcher),
+validation), :mod:`.watchdog` (timeouts, aborting the job when a rank stalls or fails:
+:func:`abort_on_error`), :mod:`.timed` (collectives that honour the timeout), :mod:`.halo`,
+:mod:`.dispatch` (task dispatcher),
 :mod:`.costmodel` / :mod:`.calibrate` (the scans' cost model and its measurement).
 """
 
@@ -13,6 +15,7 @@ from .agree import CollectiveInputError, agree_fast, collective_check, local_err
 from .names import TOPOLOGIES, TRANSPORT_NAMES, check_blocks, check_topology, check_transport_name
 from .ring import relay_recv, relay_send
 from .scan import ScanHandle, scan, scan_start
+from .watchdog import abort_on_error
 
 __all__ = [
     "CollectiveInputError",
@@ -29,4 +32,5 @@ __all__ = [
     "scan_start",
     "relay_recv",
     "relay_send",
+    "abort_on_error",
 ]

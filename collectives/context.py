@@ -3,9 +3,15 @@
 The first collective call on a user communicator ``comm`` (collective: every rank calls it)
 creates a :class:`CommContext` holding
 
-* ``pcomm``: a private ``Dup`` of ``comm``, so that the library's messages never match the
-  caller's own point-to-point traffic (the MPI library convention). Its tags: :data:`RELAY_TAGS`,
-  :data:`AGREE_TAG`, :data:`DISPATCH_TAGS` below :data:`SCAN_TAG_BASE`, then one tag per collective;
+* ``pcomm``: a private duplicate of ``comm`` (``MPI_Comm_idup``), so that the library's messages never
+  match the caller's own point-to-point traffic (the MPI library convention). Its tags: :data:`RELAY_TAGS`,
+  :data:`AGREE_TAG`, :data:`ARRIVAL_TAG`, :data:`DISPATCH_TAGS` below :data:`SCAN_TAG_BASE`, then one tag
+  per collective;
+* ``timeout``: ``$HPCZECO_COLLECTIVE_TIMEOUT`` (seconds, or None), read on every rank and agreed: a value
+  set on some ranks only, or set differently, or not a number on some rank, raises the same
+  :class:`~.agree.CollectiveInputError` ("configuration mismatch") on every rank. The duplication and
+  this agreement are non-blocking requests polled until that timeout, so even the first call on a
+  communicator cannot hang past it (it cannot name the absent rank: nothing was exchanged yet);
 * an operation counter: every rank calls collectives on ``comm`` in the same order, so the n-th
   operation gets the same tag on every rank without any communication. Two operations in flight
   at once (forward and backward scans, two layers) therefore use distinct tags;
@@ -22,10 +28,13 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
+
+from .watchdog import TIMEOUT_ENV, abort_stalled, poll_until, resolve_timeout
 
 __all__ = [
     "BufferPool",
@@ -33,6 +42,7 @@ __all__ = [
     "get_context",
     "RELAY_TAGS",
     "AGREE_TAG",
+    "ARRIVAL_TAG",
     "DISPATCH_TAGS",
     "SCAN_TAG_BASE",
     "POOL_ENV",
@@ -45,6 +55,8 @@ POOL_ENV = "HPCZECO_POOL_MB"
 RELAY_TAGS = (1, 2)
 #: tag of the timeout-mode arrival/agreement messages (:func:`.agree.agree_fast`)
 AGREE_TAG = 7
+#: tag of the arrival tokens of the timed collectives (:mod:`.timed`)
+ARRIVAL_TAG = 8
 #: tags of the task dispatcher (:mod:`.dispatch`): worker ready, work, stop
 DISPATCH_TAGS = (11, 12, 13)
 #: collective operations use tags SCAN_TAG_BASE + (sequence number mod slots)
@@ -96,9 +108,20 @@ class CommContext:
     """The library's private state for one user communicator (see the module docstring)."""
 
     def __init__(self, comm: MPI.Comm):
-        self.pcomm: MPI.Comm = comm.Dup()
+        try:
+            local, bad = resolve_timeout(None), None
+        except (TypeError, ValueError) as exc:
+            local, bad = None, str(exc)
+        self.pcomm: MPI.Comm = _wait(comm, "first hpczeco call on this communicator (MPI_Comm_idup)", local,
+                                     *comm.Idup())
         self.rank = self.pcomm.Get_rank()
         self.size = self.pcomm.Get_size()
+        try:
+            #: seconds a collective wait of the library may take (None: forever); the same on every rank
+            self.timeout: float | None = _agree_timeout(self.pcomm, local, bad)
+        except Exception:
+            self.pcomm.Free()
+            raise
         tag_ub = self.pcomm.Get_attr(MPI.TAG_UB) or 32767
         self.tag_slots = max(1, min(1 << 20, int(tag_ub) - SCAN_TAG_BASE))
         self.seq = 0
@@ -129,6 +152,42 @@ class CommContext:
         self._reversed = None
         self.transports.clear()
         self.pool.clear()
+
+
+def _wait(comm: MPI.Comm, what: str, timeout: float | None, result: Any, req: MPI.Request) -> Any:
+    """``req.Wait()`` (no timeout) or poll ``req`` until ``timeout`` and abort the job past it; returns ``result``."""
+    if timeout is None:
+        req.Wait()
+    elif not poll_until(lambda: bool(req.Test()), time.monotonic() + timeout):
+        abort_stalled(comm, what, "a rank that did not arrive (not known: nothing was exchanged before)", timeout)
+    return result
+
+
+def _agree_timeout(pcomm: MPI.Comm, local: float | None, bad: str | None) -> float | None:
+    """Every rank's ``$HPCZECO_COLLECTIVE_TIMEOUT`` (an ``Iallgather``): the common value, or the same
+    ``CollectiveInputError`` on every rank when some rank's is invalid or they differ."""
+    from .agree import CollectiveInputError  # noqa: PLC0415 - agree imports this module
+
+    P = pcomm.Get_size()
+    mine = np.array([2.0 if bad else (0.0 if local is None else 1.0), local or 0.0])
+    everyone = mine[None, :].copy()
+    if P > 1:
+        everyone = np.empty((P, 2))
+        _wait(pcomm, f"agreement of ${TIMEOUT_ENV} (first hpczeco call on this communicator)", local, None,
+              pcomm.Iallgather(mine, everyone))
+    invalid = [r for r in range(P) if everyone[r, 0] == 2.0]
+    if invalid:
+        raise CollectiveInputError(f"configuration: ${TIMEOUT_ENV} is not a positive finite number of seconds on "
+                                   f"rank(s) {invalid}")
+    values = [None if everyone[r, 0] == 0.0 else float(everyone[r, 1]) for r in range(P)]
+    if len(set(values)) > 1:
+        groups: dict[float | None, list[int]] = {}
+        for r, v in enumerate(values):
+            groups.setdefault(v, []).append(r)
+        desc = "; ".join(f"{'unset' if v is None else f'{v:g} s'} on rank(s) {rs}" for v, rs in groups.items())
+        raise CollectiveInputError(f"configuration mismatch: ${TIMEOUT_ENV} differs between the ranks ({desc}); "
+                                   "set it to the same value on every rank, or on none")
+    return values[0]
 
 
 def _delete(comm: MPI.Comm, keyval: int, ctx: CommContext) -> None:

@@ -141,10 +141,10 @@ def relay_recv(
     ``relay_recv`` of rank ``p`` (per direction; messages of one direction stay in order).
     Point-to-point, so only local checks: ``buf`` must match the sender's buffer in size and dtype.
     ``timeout`` (seconds; None = ``$HPCZECO_COLLECTIVE_TIMEOUT``, unset = forever): past it, print the
-    sender's rank and call ``MPI_Abort``.
+    sender's rank and call ``MPI_Abort``. None reads the communicator's agreed timeout (:mod:`.context`).
     """
-    tmo = resolve_timeout(timeout)
     ctx, pos, tr, step = _relay_setup(buf, comm, reverse, transport)
+    tmo = ctx.timeout if timeout is None else resolve_timeout(timeout)
     if pos == 0:
         return False
     src = ctx.rank - step
@@ -158,10 +158,20 @@ def relay_recv(
 
 
 def relay_send(
-    buf: Any, comm: MPI.Comm, *, reverse: bool = False, transport: Transport | str | None = None
+    buf: Any, comm: MPI.Comm, *, reverse: bool = False, transport: Transport | str | None = None,
+    timeout: float | None = None,
 ) -> None:
-    """Send the whole state ``buf`` to the next rank in scan order (blocking); no-op on the last rank."""
+    """Send the whole state ``buf`` to the next rank in scan order (blocking); no-op on the last rank.
+
+    ``timeout`` as in :func:`relay_recv` (a large state waits for the receiver to post its receive)."""
     ctx, pos, tr, step = _relay_setup(buf, comm, reverse, transport)
     if pos == ctx.size - 1:
         return
-    tr.send(buf, ctx.rank + step, RELAY_TAGS[bool(reverse)])
+    tmo = ctx.timeout if timeout is None else resolve_timeout(timeout)
+    dst = ctx.rank + step
+    if tmo is None:
+        tr.send(buf, dst, RELAY_TAGS[bool(reverse)])
+        return
+    req = tr.isend(buf, dst, RELAY_TAGS[bool(reverse)])
+    if not poll_until(req.test, time.monotonic() + tmo):
+        abort_stalled(ctx.pcomm, "relay_send", f"rank {dst} (the next rank in scan order) to receive", tmo)

@@ -223,11 +223,12 @@ def scan_start(
     C-contiguous, not overlapping the inputs) receives the result, which saves allocating (and
     page-faulting) a new state per call. See the module docstring and :mod:`.handle` (progress).
 
-    ``timeout`` (seconds; None = ``$HPCZECO_COLLECTIVE_TIMEOUT``, unset = wait forever; the same on
-    every rank): a rank that waits longer than that -- for the other ranks to arrive at the
-    validation, or in ``wait()`` for the scan's messages -- prints to stderr the operation and the
-    rank(s) it waits for (ring/serial: the previous rank in scan order; tree: the partners of the
-    pending round; allgather/exscan: "some rank did not arrive") and calls ``MPI_Abort``. With a
+    ``timeout`` (seconds; None = ``$HPCZECO_COLLECTIVE_TIMEOUT`` as agreed over the ranks when the
+    communicator's context was made, unset = wait forever; the same on every rank): a rank that waits
+    longer than that -- for the other ranks to arrive at the validation, or in ``wait()`` for the
+    scan's messages -- prints to stderr the operation and the rank(s) it waits for (ring/serial: the
+    previous rank in scan order; tree: the partners of the pending round; allgather/exscan: "some rank
+    did not arrive") and calls ``MPI_Abort`` on ``MPI_COMM_WORLD``. With a
     timeout the validation exchanges ``P - 1`` small messages each way instead of one Allreduce,
     and ``wait()`` polls (2 ms back to back, then sleeping at most 1 ms between polls: :func:`.watchdog.poll_until`)
     instead of blocking.
@@ -243,7 +244,7 @@ def scan_start(
     error: BaseException | None = None
     tmo: float | None = None
     try:
-        tmo = resolve_timeout(timeout)
+        tmo = ctx.timeout if timeout is None else resolve_timeout(timeout)
         _check_inputs(a, S, initial, topology, blocks, reverse, pos == 0, progress, check_values)
         if out is not None:
             _check_out(out, a, S, initial)
@@ -266,7 +267,7 @@ def scan_start(
         if error is not None:
             raise error
     else:
-        agree_fast(ctx.pcomm, "scan", error, agree, tmo)
+        agree_fast(comm, "scan", error, agree, tmo)
     tag = ctx.next_tag()
     xp = get_array_module(S)
     if P == 1:

@@ -10,14 +10,24 @@ A checkpoint is one file ``ckpt_<step:08d>.h5`` in a folder:
   dtype, sha256 of every dataset), ``_attr_kinds`` (how each attribute is encoded) and
   ``_attrs_sha256`` (a checksum over all the attributes).
 
-Writes are atomic: a hidden temporary file in the same folder, flushed and fsync'ed, then
-``os.replace``'d onto its final name and the folder fsync'ed; a crash leaves at worst a hidden
-temporary file, never a half-written newest checkpoint. Only the newest ``keep`` are kept.
+Writes are atomic: a hidden temporary file in the same folder, fsync'ed, then ``os.replace``'d onto its
+final name and the folder fsync'ed; a crash leaves at worst a hidden temporary file, never a
+half-written newest checkpoint (the next successful write removes such leftovers). HDF5 writes the
+temporary through a Python file object (:class:`GuardedFile`: ordinary ``os.pwrite``) that keeps I/O
+errors away from HDF5: a write that fails (a full disk) is remembered and its bytes kept in memory, so
+HDF5 never fails half-way inside its caches (the PyPI h5py then crashed the process at exit, status
+11); afterwards the error is one ``CheckpointError`` on every rank naming the folder and the space
+needed, the partial temporary removed. Only the newest ``keep`` are kept.
 
 Loading (:func:`load_latest`) takes the newest checkpoint that passes every check (readable HDF5,
 format, step, every dataset's name/shape/dtype/checksum against the manifest, the attribute checksum,
-and the run config against ``expect_config``); a corrupt or mismatched one is reported with the reason
-and the previous one is used. Nothing is unpickled and no path read from a file is followed: dataset
+the run config against ``expect_config``, the arrays against ``expect_arrays`` and the caller's
+``validate``); a corrupt or mismatched one is reported with the reason and the previous one is used.
+What is read is bounded before it is read: with ``expect_arrays`` exactly the expected names, shapes and
+dtypes, and in any case only contiguous (or compact) datasets whose stored size equals their declared
+size and whose sizes sum to at most the file's size (a chunked, never-written ``(10**12,)`` dataset is
+refused, not allocated). Any error while loading a candidate (``MemoryError`` included) rejects it;
+none escapes on one rank. Nothing is unpickled and no path read from a file is followed: dataset
 names must be plain relative names (no leading ``/``, no ``.``/``..`` parts), and soft/external links,
 external storage and virtual datasets (which point at other files) are refused.
 
@@ -27,16 +37,19 @@ by every rank with ``driver='mpio'`` and rank 0 writes the data (``make phdf5`` 
 ``make test-phdf5`` tests this path); with the serial PyPI wheels (the usual case) rank 0 writes the
 file alone. Both paths write the same file contents.
 Loading is done by rank 0 and broadcast, so a checkpoint written by P ranks loads on any number of
-ranks.
+ranks. Every exchange honours ``$HPCZECO_COLLECTIVE_TIMEOUT`` (:mod:`hpczeco.collectives.timed`).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
 import os
 import re
+import shutil
+import stat
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -59,6 +72,8 @@ __all__ = [
 FORMAT = "hpczeco-checkpoint"
 FORMAT_VERSION = 1
 _FILE_RE = re.compile(r"^ckpt_(\d{8,})\.h5$")
+_TMP_RE = re.compile(r"^\.ckpt_\d{8,}\.h5\.tmp-\d+-\d+$")
+
 _PART = r"[A-Za-z0-9_][A-Za-z0-9_.\-]*"
 _NAME_RE = re.compile(rf"^{_PART}(/{_PART})*$")
 _RESERVED = {"format", "format_version", "step", "nranks", "created", "_manifest", "_attr_kinds", "_attrs_sha256"}
@@ -106,7 +121,7 @@ def hdf5_mode() -> str:
     """One line describing how checkpoints are written with this h5py."""
     if parallel_hdf5():
         return "parallel (driver='mpio', collective create, rank 0 writes the replicated data)"
-    return "serial, rank-0 writes of gathered data"
+    return "serial: rank 0 builds the file in memory (h5py core driver) and writes it with fsync"
 
 
 def _rank_size(comm) -> tuple[int, int]:
@@ -294,7 +309,10 @@ class CheckpointWriter:
     def _raise_if_any(self, err: str | None, root_only: bool = True) -> None:
         """Same ``CheckpointError`` on every rank if rank 0 (or any rank) had ``err``."""
         if self.comm is not None and self.size > 1:
-            errs = [self.comm.bcast(err, root=0)] if root_only else self.comm.allgather(err)
+            from hpczeco.collectives import timed  # noqa: PLC0415
+
+            errs = ([timed.bcast(self.comm, err, 0, "checkpoint save")] if root_only
+                    else timed.allgather(self.comm, err, "checkpoint save"))
         else:
             errs = [err]
         bad = [e for e in errs if e]
@@ -350,7 +368,9 @@ class CheckpointWriter:
         step, host, kinds, stored, manifest = prepared
         if self.comm is not None and self.size > 1:
             mine = (step, {n: m["sha256"] for n, m in manifest.items()}, _attrs_digest(kinds, _decoded(kinds, stored)))
-            everyone = self.comm.allgather(mine)
+            from hpczeco.collectives import timed  # noqa: PLC0415
+
+            everyone = timed.allgather(self.comm, mine, "checkpoint save")
             for r, theirs in enumerate(everyone):
                 if theirs != everyone[0]:
                     what = _first_difference(everyone[0], theirs)
@@ -361,7 +381,9 @@ class CheckpointWriter:
         final = self.folder / checkpoint_name(step)
         tmp_name = f".{final.name}.tmp-{os.getpid()}-{time.time_ns()}" if self.rank == 0 else None
         if self.comm is not None and self.size > 1:
-            tmp_name = self.comm.bcast(tmp_name, root=0)
+            from hpczeco.collectives import timed  # noqa: PLC0415
+
+            tmp_name = timed.bcast(self.comm, tmp_name, 0, "checkpoint save")
         tmp = self.folder / tmp_name
         root_attrs = {
             "format": FORMAT,
@@ -405,14 +427,28 @@ class CheckpointWriter:
             f.attrs[key] = value
 
     def _write_serial(self, tmp: Path, host, manifest, stored, root_attrs) -> str | None:
+        """Write the file through a :class:`GuardedFile` (HDF5 never sees an I/O error), then fsync it."""
+        step = int(root_attrs["step"])
+        guarded: GuardedFile | None = None
+        error: BaseException | None = None
         try:
-            with h5py.File(tmp, "w") as f:
-                self._fill(f, host, manifest, stored, root_attrs, write_data=True)
-                f.flush()
-            _fsync_path(tmp)
+            with GuardedFile(tmp) as guarded:
+                with h5py.File(guarded, "w") as f:
+                    self._fill(f, host, manifest, stored, root_attrs, write_data=True)
+                    f.flush()
+                guarded.sync()
+            error = guarded.error
         except Exception as exc:  # noqa: BLE001 - reported collectively
-            return f"cannot write checkpoint {tmp.name} in {self.folder}: {type(exc).__name__}: {exc}"
-        return None
+            error = guarded.error if guarded is not None and guarded.error is not None else exc
+        if error is None:
+            return None
+        _silent_unlink(tmp)
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            need = guarded.size if guarded is not None else 0
+            return (f"cannot write checkpoint {checkpoint_name(step)} into {self.folder}: no space left on the "
+                    f"device ({error.strerror}): it needs {need:,} bytes, {_free_bytes(self.folder):,} bytes are "
+                    "free there; the previous checkpoints are kept")
+        return f"cannot write checkpoint {tmp.name} in {self.folder}: {type(error).__name__}: {error}"
 
     def _write_mpio(self, tmp: Path, host, manifest, stored, root_attrs) -> str | None:
         """Parallel HDF5: object creation and attributes are collective (same values on every rank);
@@ -439,7 +475,112 @@ class CheckpointWriter:
         if self.keep is not None:
             for _, old in list_checkpoints(self.folder)[: -self.keep]:
                 _silent_unlink(old)
+        for leftover in _leftover_temporaries(self.folder):  # of writers killed mid-write
+            _silent_unlink(leftover)
         return None
+
+
+class GuardedFile:
+    """A new file that h5py writes through (a Python file object) with ordinary ``os.pwrite`` calls, keeping
+    I/O errors from HDF5.
+
+    The first failing write (``ENOSPC``...) is stored in :attr:`error`; from then on the bytes of every
+    write are kept in memory instead (reads see them), and every call succeeds, so HDF5 finishes its file in
+    a consistent state and the caller reports :attr:`error` afterwards. :attr:`size` is the file's size as
+    HDF5 sees it (what the disk would have needed). Costs the same as HDF5's own writes (one copy into the
+    page cache): docs/RELIABILITY.md."""
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        self.pos = 0
+        self.size = 0
+        self.error: OSError | None = None
+        self._kept: list[tuple[int, bytes]] = []
+
+    def __enter__(self) -> GuardedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            os.close(self.fd)
+        except OSError as err:
+            self.error = self.error or err
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = offset if whence == 0 else (self.pos + offset if whence == 1 else self.size + offset)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n, done = view.nbytes, 0
+        if self.error is None:
+            try:
+                while done < n:
+                    done += os.pwrite(self.fd, view[done:], self.pos + done)
+            except OSError as err:
+                self.error = err
+        if done < n:
+            self._kept.append((self.pos + done, bytes(view[done:])))
+        self.pos += n
+        self.size = max(self.size, self.pos)
+        return n
+
+    def readinto(self, buf: Any) -> int:
+        view = memoryview(buf).cast("B")
+        n = max(0, min(view.nbytes, self.size - self.pos))
+        got = os.preadv(self.fd, [view[:n]], self.pos) if n else 0
+        if got < n:
+            view[got:n] = bytes(n - got)
+        for offset, data in self._kept:
+            lo, hi = max(offset, self.pos), min(offset + len(data), self.pos + n)
+            if lo < hi:
+                view[lo - self.pos:hi - self.pos] = data[lo - offset:hi - offset]
+        self.pos += n
+        return n
+
+    def read(self, n: int = -1) -> bytes:
+        buf = bytearray(self.size - self.pos if n is None or n < 0 else n)
+        return bytes(buf[: self.readinto(buf)])
+
+    def truncate(self, size: int | None = None) -> int:
+        size = self.pos if size is None else int(size)
+        if self.error is None:
+            try:
+                os.ftruncate(self.fd, size)
+            except OSError as err:
+                self.error = err
+        self.size = size
+        return size
+
+    def flush(self) -> None:
+        return None
+
+    def sync(self) -> None:
+        """fsync the file (a delayed allocation may report a full disk only here)."""
+        if self.error is None:
+            try:
+                os.fsync(self.fd)
+            except OSError as err:
+                self.error = err
+
+
+def _free_bytes(folder: Path) -> int:
+    try:
+        return int(shutil.disk_usage(folder).free)
+    except OSError:
+        return -1
+
+
+def _leftover_temporaries(folder: Path) -> list[Path]:
+    """Hidden temporaries (``.ckpt_*.h5.tmp-PID-NS``, regular files) in ``folder``."""
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return []
+    return [e for e in entries if _TMP_RE.match(e.name) and e.is_file() and not e.is_symlink()]
 
 
 def _decoded(kinds: Mapping[str, str], stored: Mapping[str, Any]) -> dict[str, Any]:
@@ -485,14 +626,62 @@ def _walk(group: h5py.Group, prefix: str = "") -> list[str]:
     return names
 
 
+#: what a caller expects of the arrays: name -> (shape, dtype)
+ExpectArrays = Mapping[str, tuple[tuple[int, ...], Any]]
+
+
+def _check_expected(manifest: Mapping[str, Any], expect_arrays: ExpectArrays) -> None:
+    """The manifest holds exactly the expected names, shapes and dtypes (checked before anything is read)."""
+    missing = sorted(set(expect_arrays) - set(manifest))
+    extra = sorted(set(manifest) - set(expect_arrays))
+    if missing or extra:
+        more = lambda xs: " ..." if len(xs) > 4 else ""  # noqa: E731
+        raise CheckpointError(f"arrays differ from what this run expects (missing {missing[:4]}{more(missing)}, "
+                              f"unexpected {extra[:4]}{more(extra)})")
+    for name, (shape, dtype) in expect_arrays.items():
+        want = manifest[name]
+        if list(want.get("shape", [])) != [int(n) for n in shape] or want.get("dtype") != np.dtype(dtype).str:
+            raise CheckpointError(f"array {name!r} is {want.get('dtype')}{want.get('shape')}, this run expects "
+                                  f"{np.dtype(dtype).str}{list(shape)}")
+
+
+def _check_storage(name: str, ds: h5py.Dataset) -> int:
+    """Bytes ``ds`` declares; refuses layouts this format never writes (chunked, filtered, sparse) and a
+    stored size other than the declared one (checked before the data are read)."""
+    layout = ds.id.get_create_plist().get_layout()
+    if layout not in (h5py.h5d.CONTIGUOUS, h5py.h5d.COMPACT):
+        raise CheckpointError(f"dataset {name!r} is chunked or otherwise not stored contiguously (refused: this "
+                              "format writes contiguous datasets, and a chunked one may declare far more data "
+                              "than the file holds)")
+    nbytes = int(np.prod(ds.shape, dtype=object)) * ds.dtype.itemsize
+    stored = int(ds.id.get_storage_size())
+    if stored != nbytes:
+        raise CheckpointError(f"dataset {name!r} declares {nbytes:,} bytes but stores {stored:,} (refused)")
+    return nbytes
+
+
 def load_checkpoint(
-    path: str | os.PathLike, expect_config: Mapping[str, Any] | None = None
+    path: str | os.PathLike, expect_config: Mapping[str, Any] | None = None,
+    expect_arrays: ExpectArrays | None = None,
 ) -> tuple[int, dict[str, np.ndarray], dict[str, Any]]:
     """Read and verify one checkpoint file (single process). Raises ``CheckpointError`` saying why it
-    is rejected: unreadable/truncated, wrong format, checksum mismatch, or config mismatch."""
-    path = Path(path)
+    is rejected: unreadable/truncated, wrong format, checksum mismatch, config mismatch, arrays other
+    than ``expect_arrays`` (name -> (shape, dtype), exact; checked before reading), or storage that
+    declares more than the file holds. Any other error while reading is a ``CheckpointError`` too."""
+    try:
+        return _load_checkpoint(Path(path), expect_config, expect_arrays)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - MemoryError, h5py internals: the candidate is rejected
+        raise CheckpointError(f"cannot be loaded ({type(exc).__name__}: {exc})") from None
+
+
+def _load_checkpoint(
+    path: Path, expect_config: Mapping[str, Any] | None, expect_arrays: ExpectArrays | None,
+) -> tuple[int, dict[str, np.ndarray], dict[str, Any]]:
     m = _FILE_RE.match(path.name)
     try:
+        file_bytes = path.stat().st_size
         with h5py.File(path, "r") as f:
             fmt = _decode_attr("str", f.attrs.get("format", b""))
             if fmt != FORMAT:
@@ -505,12 +694,16 @@ def load_checkpoint(
                 raise CheckpointError(f"file name says step {int(m.group(1))} but the file says {step}")
             manifest = json.loads(_decode_attr("str", f.attrs["_manifest"]))
             kinds = json.loads(_decode_attr("str", f.attrs["_attr_kinds"]))
+            if not isinstance(manifest, dict) or not isinstance(kinds, dict):
+                raise CheckpointError("the manifest or the attribute kinds are not JSON objects")
+            if expect_arrays is not None:
+                _check_expected(manifest, expect_arrays)
             found = sorted(_walk(f))
             if found != sorted(manifest):
                 missing = sorted(set(manifest) - set(found))
                 extra = sorted(set(found) - set(manifest))
                 raise CheckpointError(f"datasets do not match the manifest (missing {missing}, unexpected {extra})")
-            arrays: dict[str, np.ndarray] = {}
+            total = 0
             for name in found:
                 check_name(name)
                 ds = f[name]
@@ -521,6 +714,13 @@ def load_checkpoint(
                         f"manifest says {want['dtype']}{want['shape']}"
                     )
                 _check_array(name, np.empty(0, ds.dtype))
+                total += _check_storage(name, ds)
+            if total > file_bytes:
+                raise CheckpointError(f"the datasets declare {total:,} bytes, more than the file's {file_bytes:,}")
+            arrays: dict[str, np.ndarray] = {}
+            for name in found:
+                ds = f[name]
+                want = manifest[name]
                 a = ds[()] if ds.shape == () else ds[...]
                 a = np.asarray(a, dtype=ds.dtype)
                 if array_sha256(a) != want["sha256"]:
@@ -552,32 +752,78 @@ def load_checkpoint(
     return step, arrays, attrs
 
 
+def _odd_entries(folder: str | os.PathLike) -> list[tuple[Path, str]]:
+    """Entries of ``folder`` named like a checkpoint that are not regular files: ``(path, what it is)``."""
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:
+        return []
+    odd = []
+    for e in sorted(entries):
+        if not _FILE_RE.match(e.name):
+            continue
+        try:
+            mode = e.lstat().st_mode
+        except OSError:
+            continue
+        if stat.S_ISLNK(mode):
+            odd.append((e, "a symbolic link (not followed)"))
+        elif stat.S_ISDIR(mode):
+            odd.append((e, "a directory"))
+        elif stat.S_ISFIFO(mode):
+            odd.append((e, "a FIFO"))
+        elif not stat.S_ISREG(mode):
+            odd.append((e, "not a regular file"))
+    return odd
+
+
 def load_latest(
     folder: str | os.PathLike,
     comm=None,
     expect_config: Mapping[str, Any] | None = None,
     report: Callable[[str], None] | None = None,
+    expect_arrays: ExpectArrays | None = None,
+    validate: Callable[[int, dict[str, np.ndarray], dict[str, Any]], None] | None = None,
 ) -> tuple[int, dict[str, np.ndarray], dict[str, Any]] | None:
     """The newest valid checkpoint in ``folder`` as ``(step, arrays, attrs)``; ``None`` if there is none.
 
     Collective over ``comm``: rank 0 reads and verifies, then broadcasts, so every rank gets the same
-    result (works for any number of ranks, whatever number wrote it). Checkpoints that fail a check
-    are reported through ``report`` (default: stderr on rank 0) with the reason and skipped: the
-    previous one is used. If checkpoints exist but none passes, ``CheckpointError`` is raised on every
-    rank. ``attrs`` holds the stored attributes plus ``step`` and ``nranks`` (ranks that wrote it).
+    result (works for any number of ranks, whatever number wrote it). A candidate is checked completely
+    before it is chosen: the file checks of :func:`load_checkpoint` (with ``expect_config`` and
+    ``expect_arrays``: name -> (shape, dtype), exact, checked before any data are read), then
+    ``validate(step, arrays, attrs)``, the caller's model-level checks (attribute types and ranges,
+    finiteness...), which raises to reject it. Checkpoints that fail a check are reported through
+    ``report`` (default: stderr on rank 0) with the file and the reason and skipped: the previous one is
+    used. Entries named like a checkpoint that are not regular files (directories, FIFOs, symbolic
+    links) are reported and skipped. If checkpoints exist but none passes, ``CheckpointError`` is
+    raised on every rank. ``attrs`` holds the stored attributes plus ``step`` and ``nranks`` (ranks that
+    wrote it).
     """
     rank, size = _rank_size(comm)
     report = report or _default_report(comm)
     result = None
     error = None
     if rank == 0:
-        candidates = list_checkpoints(folder)
+        try:
+            candidates = list_checkpoints(folder)
+            for path, what in _odd_entries(folder):
+                report(f"skipped {path}: {what}, not a checkpoint file")
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            candidates, error = [], f"cannot list checkpoints in {folder}: {type(exc).__name__}: {exc}"
         rejected = []
         for step, path in reversed(candidates):
             try:
-                result = load_checkpoint(path, expect_config)
+                result = load_checkpoint(path, expect_config, expect_arrays)
+                if validate is not None:
+                    try:
+                        validate(*result)
+                    except CheckpointError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - any failure of the caller's checks rejects it
+                        raise CheckpointError(f"{type(exc).__name__}: {exc}") from None
                 break
             except CheckpointError as exc:
+                result = None
                 rejected.append(f"{path.name}: {exc}")
                 older = [p.name for s, p in candidates if s < step]
                 nxt = f"falls back to {older[-1]}" if older else "no older checkpoint left"
@@ -598,7 +844,9 @@ def load_latest(
         arr_attrs = {k: v for k, v in attrs.items() if isinstance(v, np.ndarray)}
         meta = (step, [(n, a.shape, a.dtype.str) for n, a in arrays.items()],
                 [(n, a.shape, a.dtype.str) for n, a in arr_attrs.items()], plain)
-    error, meta = comm.bcast((error, meta), root=0)
+    from hpczeco.collectives import timed  # noqa: PLC0415
+
+    error, meta = timed.bcast(comm, (error, meta), 0, "checkpoint load")
     if error:
         raise CheckpointError(error)
     if meta is None:
@@ -606,14 +854,14 @@ def load_latest(
     step, arr_meta, attr_meta, plain = meta
     if rank == 0:
         arrays, attrs = result[1], result[2]
-    else:
+    else:  # the shapes were bounded by rank 0's checks (the file's size, expect_arrays)
         arrays = {n: np.empty(shape, np.dtype(dt)) for n, shape, dt in arr_meta}
         attrs = dict(plain)
         attrs.update({n: np.empty(shape, np.dtype(dt)) for n, shape, dt in attr_meta})
     for n, _, _ in arr_meta:
         if arrays[n].size:
-            comm.Bcast(arrays[n], root=0)
+            timed.Bcast(comm, _contig(arrays[n]), 0, "checkpoint load")
     for n, _, _ in attr_meta:
         if attrs[n].size:
-            comm.Bcast(attrs[n], root=0)
+            timed.Bcast(comm, _contig(attrs[n]), 0, "checkpoint load")
     return step, arrays, attrs

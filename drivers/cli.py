@@ -3,6 +3,12 @@
 Each subcommand lives in a module of ``hpczeco.drivers`` that exposes ``main(argv, prog) -> int`` with
 its own ``argparse`` parser, so ``hpczeco SUB --help`` is that driver's help. The modules are imported
 only when their subcommand runs, so ``hpczeco --help`` stays fast and never imports CuPy or PyTorch.
+
+:func:`main` (the console script and ``python -m hpczeco``) runs the subcommand under
+:func:`hpczeco.collectives.watchdog.abort_on_error`: a rank that fails prints its one-line error (and the
+traceback, for internal errors only) and ends the whole job with ``MPI_Abort`` on ``MPI_COMM_WORLD``, so
+no rank is left waiting in a collective for it; a non-zero exit status on some ranks only ends the job
+too (:func:`~hpczeco.collectives.watchdog.finish_rank`). :func:`dispatch` is the same without the guard.
 """
 
 from __future__ import annotations
@@ -56,7 +62,54 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def is_user_error(exc: BaseException) -> bool:
+    """Errors whose message says what is wrong (bad options, inputs, files, checkpoints, the collective
+    validation's errors): reported in one line; anything else -- a ``TypeError`` too, unless the collective
+    validation raised it -- is an internal error and gets its traceback."""
+    if isinstance(exc, (ValueError, OSError, FloatingPointError, MemoryError, KeyboardInterrupt)):
+        return True
+    ck = sys.modules.get("hpczeco.drivers.checkpoint")
+    return ck is not None and isinstance(exc, ck.CheckpointError)
+
+
+def _guard():
+    """:mod:`hpczeco.collectives.watchdog`, imported without starting MPI when no subcommand did."""
+    if "mpi4py.MPI" not in sys.modules:
+        import mpi4py  # noqa: PLC0415
+
+        mpi4py.rc.initialize = mpi4py.rc.finalize = False
+    from hpczeco.collectives import watchdog  # noqa: PLC0415
+
+    return watchdog
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The ``hpczeco`` command: :func:`dispatch`, and if any rank fails, the end of the whole job.
+
+    An exception on a rank of a multi-rank job: that rank prints its one-line error (with the traceback
+    only for internal errors, :func:`is_user_error`) and calls ``MPI_Abort`` on ``MPI_COMM_WORLD``. A
+    non-zero exit status: the ranks wait briefly for each other (they all fail alike when the error was
+    collective) and abort the job if some rank does not. One rank: the same message and exit status 2
+    (user error) or 1 (internal)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = "hpczeco" + (f" {argv[0]}" if argv and not argv[0].startswith("-") else "")
+    try:
+        code = dispatch(argv)
+    except SystemExit as exc:
+        if "mpi4py.MPI" in sys.modules:
+            status = _guard().exit_status(exc)
+            if status:
+                _guard().finish_rank(status, prog)
+        raise
+    except BaseException as exc:  # noqa: BLE001 - reported; with several ranks the job is aborted
+        return _guard().fail_rank(exc, prog, is_user_error)
+    if code and "mpi4py.MPI" in sys.modules:
+        return _guard().finish_rank(code, prog)
+    return code
+
+
+def dispatch(argv: list[str] | None = None) -> int:
+    """Run the subcommand named by ``argv[0]`` and return its exit status (no guard: see :func:`main`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if not argv or argv[0] in ("-h", "--help"):

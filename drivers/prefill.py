@@ -5,14 +5,44 @@ why) and the time to first token (TTFT = tokenize + plan + prefill + first-token
 under ``mpiexec -n P`` to split the prefill over ranks: ``--ranks sequence`` (the token sequence,
 with halo exchange and a key-region allgather) or ``--ranks heads`` (tensor parallel heads/MLP).
 ``--dense`` uses exact causal attention instead of DAAF (the baseline).
+
+Before any work it estimates the cost (tokens, key-region share, attention pairs, flop, memory per
+rank: :meth:`hpczeco.daaf.PrefillModel.estimate`) and refuses, with that estimate, a text above
+``--max-tokens`` or a run above ``--max-memory`` (0 lifts a limit). The text is tokenized on rank 0
+(a chunk at a time, stopping at the token limit) and only the ids are broadcast.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
+
+#: default limits (raise them with --max-tokens / --max-memory; 0 = no limit)
+DEFAULT_MAX_TOKENS = 1 << 17
+DEFAULT_MAX_MEMORY = "4G"
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """``'4G'`` -> 4 GiB (suffixes K, M, G, T, optional ``B``/``iB``; plain numbers are bytes); 0 = no limit."""
+    t = str(text).strip().upper()
+    for suffix in ("IB", "B"):
+        if t.endswith(suffix) and len(t) > len(suffix):
+            t = t[: -len(suffix)]
+            break
+    unit = t[-1] if t and t[-1] in "KMGT" else ""
+    number = t[:-1] if unit else t
+    try:
+        value = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4G, 512M, 0 for no limit)") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}")
+    return int(value * _UNITS[unit])
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -36,45 +66,102 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0, help="model weight seed")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                    help="refuse texts with more tokens than this (0: no limit)")
+    ap.add_argument("--max-memory", type=parse_bytes, default=parse_bytes(DEFAULT_MAX_MEMORY),
+                    help="refuse runs whose estimated memory per rank exceeds this (e.g. 16G; 0: no limit)")
     return ap
 
 
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Option ranges (the same verdict on every rank: every rank parses the same argv)."""
+    for name in ("layers", "d_model", "heads", "head_dim", "window"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("local_window", "seed", "max_tokens"):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.stride is not None and args.stride < 1:
+        ap.error(f"--stride must be >= 1, got {args.stride}")
+    if not math.isfinite(args.threshold) or (args.budget is not None and not math.isfinite(args.budget)):
+        ap.error("--threshold and --budget must be finite numbers")
+
+
+def _read_text(path: str, limit: int) -> str:
+    """The text of ``path`` ('-': stdin), refusing one larger than ``limit`` bytes (0: no limit) unread."""
+    if path == "-":
+        text = sys.stdin.read(limit + 1) if limit else sys.stdin.read()
+        if limit and len(text) > limit:
+            raise ValueError(f"stdin holds more than {limit:,} characters, more than --max-memory allows")
+        return text
+    size = os.stat(path).st_size
+    if limit and size > limit:
+        raise ValueError(f"{path} has {size:,} bytes: the text alone exceeds --max-memory {limit:,} bytes")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
 def main(argv: list[str] | None = None, prog: str = "hpczeco prefill") -> int:
-    args = build_parser(prog).parse_args(argv)
+    ap = build_parser(prog)
+    args = ap.parse_args(argv)
+    check_args(ap, args)
+    import numpy as np
     from mpi4py import MPI
 
-    from hpczeco.daaf import ModelConfig, PrefillModel, plan, tokenize
+    from hpczeco.daaf import ModelConfig, PrefillModel, dense_pairs, plan, tokenize
+    from hpczeco.daaf.tokenizer import TokenLimitError
 
     comm = MPI.COMM_WORLD
     size, rank = comm.Get_size(), comm.Get_rank()
+    vocab = 256 if args.tokenizer == "byte" else 32768
+    model = PrefillModel(ModelConfig(vocab_size=vocab, d_model=args.d_model, n_heads=args.heads,
+                                     head_dim=args.head_dim, n_layers=args.layers, seed=args.seed))
     text, err = None, None
     if rank == 0:
         try:
-            if args.file == "-":
-                text = sys.stdin.read()
-            else:
-                with open(args.file, encoding="utf-8", errors="replace") as f:
-                    text = f.read()
+            text = _read_text(args.file, args.max_memory)
         except OSError as exc:
             err = f"{prog}: cannot read {args.file}: {exc}"
-    text, err = comm.bcast((text, err), root=0)
+        except ValueError as exc:
+            err = f"{prog}: refusing to start: {exc}"
+    comm.Barrier()
+    t0 = time.perf_counter()
+    # rank 0 tokenizes (stopping at --max-tokens) and broadcasts the ids, not the text
+    tokens = None
+    if rank == 0 and err is None:
+        try:
+            tokens = tokenize(text, mode=args.tokenizer, vocab_size=vocab, max_tokens=args.max_tokens or None)
+        except TokenLimitError as exc:
+            low = model.estimate(args.max_tokens, 0, 0, size, args.ranks, local_window=args.local_window)
+            err = (f"{prog}: refusing to start: {exc} (--max-tokens {args.max_tokens:,}); at that many tokens alone "
+                   f"the prefill needs ~{low.bytes_per_rank / 2**20:,.0f} MiB per rank and up to "
+                   f"{dense_pairs(args.max_tokens):.3g} attention pairs; raise --max-tokens (0: no limit) to run it")
+        except ValueError as exc:
+            err = f"{prog}: {exc}"
+        del text
+    err, T = comm.bcast((err, 0 if tokens is None else int(tokens.size)), root=0)
     if err:
         if rank == 0:
             print(err, file=sys.stderr)
         return 2
-    vocab = 256 if args.tokenizer == "byte" else 32768
-    model = PrefillModel(ModelConfig(vocab_size=vocab, d_model=args.d_model, n_heads=args.heads,
-                                     head_dim=args.head_dim, n_layers=args.layers, seed=args.seed))
-    comm.Barrier()
-    t0 = time.perf_counter()
+    if rank != 0:
+        tokens = np.empty(T, np.int32)
+    comm.Bcast(tokens, root=0)
     try:
-        tokens = tokenize(text, mode=args.tokenizer, vocab_size=vocab)
         t_tok = time.perf_counter()
         p = None
         if not args.dense:
             p = plan(tokens, window=args.window, threshold=args.threshold, local_window=args.local_window,
                      budget=args.budget, policy=args.fallback, stride=args.stride, vocab_size=vocab)
         t_plan = time.perf_counter()
+        est = model.estimate(T, T if p is None else p.n_global, dense_pairs(T) if p is None else p.pairs, size,
+                             args.ranks, local_window=args.local_window)
+        if args.max_memory and est.bytes_per_rank > args.max_memory:
+            if rank == 0:
+                print(f"{prog}: refusing to start: estimated memory {est.bytes_per_rank / 2**20:,.0f} MiB per rank "
+                      f"exceeds --max-memory {args.max_memory / 2**20:,.0f} MiB ({est.summary()}); raise "
+                      "--max-memory (0: no limit) or use more ranks", file=sys.stderr)
+            return 2
         res = model.prefill(tokens, "dense" if args.dense else "daaf", p, comm=comm if size > 1 else None,
                             mode=args.ranks)
     except (ValueError, TypeError) as exc:
@@ -97,6 +184,7 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco prefill") -> int:
         "attention_s": res.timings.get("attention"),
         "first_token": res.first_token,
         "plan": None if p is None else p.to_dict(),
+        "estimate": est.to_dict(),
     }
     if args.json:
         print(json.dumps(out))
@@ -106,6 +194,7 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco prefill") -> int:
     else:
         print(f"T={len(tokens)}: dense causal attention (--dense), {len(tokens) * (len(tokens) + 1) // 2} pairs")
     print(f"ranks={size} mode={out['mode']} attention={out['attention']}")
+    print(f"estimate: {est.summary()}")
     print(f"TTFT {ttft:.3f} s (tokenize {out['tokenize_s']:.3f} s, plan {out['plan_s']:.3f} s, "
           f"prefill {res.seconds:.3f} s of which attention {res.timings.get('attention', 0):.3f} s); "
           f"first token id {res.first_token}")

@@ -35,6 +35,12 @@ from .lm import GLALM, LMConfig, init_params, make_mixers, param_shapes
 #: fault injection for the reliability tests: ``RANK:STEP`` -- that rank SIGKILLs itself in the middle of
 #: that step (after its forward/backward, before the gradient allreduce). Not for production use.
 FAULT_KILL_ENV = "HPCZECO_FAULT_KILL"
+#: fault injection: ``RANK:STEP`` -- that rank SIGSTOPs itself in that step (where FAULT_KILL would kill it): the
+#: others must end within the collective timeout, naming it. Not for production use.
+FAULT_STOP_ENV = "HPCZECO_FAULT_STOP"
+#: fault injection: ``RANK:STEP`` -- that rank raises an internal error (RuntimeError) in that step: the job must
+#: end at once (the CLI aborts it), with the rank's traceback. Not for production use.
+FAULT_RAISE_ENV = "HPCZECO_FAULT_RAISE"
 #: ``N``: every rank prints one ``soak:`` line (VmRSS, scan handles in flight, pooled buffers) to stderr
 #: after step N and after the last step (leak checks in the reliability tests).
 SOAK_REPORT_ENV = "HPCZECO_SOAK_REPORT"
@@ -62,15 +68,15 @@ class _SignalFlag:
             signal.signal(self.signum, self._old)
 
 
-def _fault_kill_at() -> tuple[int, int] | None:
-    env = os.environ.get(FAULT_KILL_ENV, "").strip()
+def _fault_at(name: str = FAULT_KILL_ENV) -> tuple[int, int] | None:
+    env = os.environ.get(name, "").strip()
     if not env:
         return None
     try:
         r, s = env.split(":")
         return int(r), int(s)
     except ValueError:
-        raise ValueError(f"${FAULT_KILL_ENV} must be RANK:STEP, got {env!r}") from None
+        raise ValueError(f"${name} must be RANK:STEP, got {env!r}") from None
 
 
 def _rss_kb() -> int:
@@ -155,8 +161,13 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for name in ("steps", "warmup", "ckpt_every", "d_ff"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "clip"):
+        if not math.isfinite(getattr(args, name)):
+            ap.error(f"--{name.replace('_', '-')} must be a finite number, got {getattr(args, name)}")
     if args.lr <= 0 or not 0 <= args.beta1 < 1 or not 0 <= args.beta2 < 1 or args.eps <= 0 or args.clip < 0:
         ap.error("need --lr > 0, 0 <= --beta1, --beta2 < 1, --eps > 0, --clip >= 0")
+    if args.weight_decay < 0:
+        ap.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
     if args.resume and not args.ckpt_dir:
         ap.error("--resume needs --ckpt-dir")
     if args.device == "gpu" and args.dtype == "float64":
@@ -280,7 +291,10 @@ def set_blas_threads(n: int) -> str:
 
 def allreduce_sum(comm, x: np.ndarray, how: str = "ordered") -> np.ndarray:
     """Sum of ``x`` (1-D) over ranks, the same on every rank. 'ordered': allgather and add in rank
-    order (bitwise reproducible for a fixed rank count); 'mpi': ``MPI_Allreduce``."""
+    order (bitwise reproducible for a fixed rank count); 'mpi': ``MPI_Allreduce``. The exchange
+    honours ``$HPCZECO_COLLECTIVE_TIMEOUT`` (:mod:`hpczeco.collectives.timed`)."""
+    from hpczeco.collectives import timed
+
     P = comm.Get_size()
     if P == 1:
         return x.copy()
@@ -288,14 +302,87 @@ def allreduce_sum(comm, x: np.ndarray, how: str = "ordered") -> np.ndarray:
         from mpi4py import MPI
 
         out = x.copy()
-        comm.Allreduce(MPI.IN_PLACE, out, op=MPI.SUM)
+        timed.Allreduce(comm, out, MPI.SUM, "gradient sum")
         return out
     buf = np.empty((P, x.size), dtype=x.dtype)
-    comm.Allgather(x, buf)
+    timed.Allgather(comm, np.ascontiguousarray(x), buf, "gradient sum")
     acc = buf[0].copy()
     for r in range(1, P):
         acc += buf[r]
     return acc
+
+
+def open_outputs(args: argparse.Namespace, comm) -> Any:
+    """Check every output path before the first collective and open the log: the same ``ValueError`` on
+    every rank when one is unusable (a missing folder, a directory as ``--log``, a file as ``--ckpt-dir``).
+
+    Only rank 0 writes the log and the checkpoint files, so rank 0 checks them -- it opens ``--log`` for
+    appending and creates ``--ckpt-dir`` -- and broadcasts its verdict (collective over ``comm``, honouring
+    the collective timeout). Returns the open log on rank 0 (None elsewhere or without ``--log``)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    log, err = None, None
+    if rank == 0:
+        try:
+            if args.log:
+                if os.path.isdir(args.log):
+                    raise ValueError(f"--log {args.log} is a directory; give a file name")
+                parent = os.path.dirname(os.path.abspath(args.log))
+                if not os.path.isdir(parent):
+                    raise ValueError(f"--log {args.log}: the folder {parent} does not exist")
+                log = open(args.log, "a")  # noqa: SIM115 - closed by run()
+            if args.ckpt_dir:
+                if os.path.exists(args.ckpt_dir) and not os.path.isdir(args.ckpt_dir):
+                    raise ValueError(f"--ckpt-dir {args.ckpt_dir} exists and is not a folder")
+                os.makedirs(args.ckpt_dir, exist_ok=True)
+                if not os.access(args.ckpt_dir, os.W_OK | os.X_OK):
+                    raise ValueError(f"--ckpt-dir {args.ckpt_dir} is not writable")
+        except ValueError as exc:
+            err = str(exc)
+        except OSError as exc:
+            err = f"cannot use {exc.filename or 'an output path'}: {exc.strerror or exc}"
+    if size > 1:
+        from hpczeco.collectives import timed
+
+        err = timed.bcast(comm, err, 0, "hpczeco train (output paths)")
+    if err:
+        if log is not None:
+            log.close()
+        raise ValueError(err)
+    return log
+
+
+def resume_checks(shapes: dict[str, tuple[int, ...]], dtype: np.dtype, n_tokens: int, seq: int, batch: int):
+    """``(expect_arrays, validate)`` for :func:`~.checkpoint.load_latest`: the exact arrays of this model
+    (parameters and both Adam moments, their shapes and ``dtype``) and the model-level checks of a candidate
+    checkpoint -- ``adam_t`` an int in ``[0, step]``, a sampler state this corpus can continue from, every
+    array finite, the second moments non-negative -- so a checkpoint that fails them is skipped (with the
+    reason) in favour of an older one instead of ending the run."""
+    expect = {f"{prefix}{n}": (tuple(s), dtype) for prefix in ("params/", "adam/m/", "adam/v/")
+              for n, s in shapes.items()}
+
+    def validate(step: int, arrays: dict[str, np.ndarray], attrs: dict[str, Any]) -> None:
+        t = attrs.get("adam_t")
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise ValueError(f"attribute adam_t is {type(t).__name__} {t!r}, expected an int")
+        if not 0 <= t <= step:
+            raise ValueError(f"attribute adam_t = {t} is outside [0, step {step}]")
+        state = attrs.get("sampler")
+        try:
+            if not isinstance(state, dict):
+                raise TypeError(f"a {type(state).__name__}, expected a dict")
+            drawn = state.get("drawn")
+            if isinstance(drawn, bool) or not isinstance(drawn, int) or drawn < 0:
+                raise ValueError(f"drawn = {drawn!r}, expected an int >= 0")
+            Sampler(n_tokens, seq, batch, seed=0).set_state(state)
+        except Exception as exc:  # noqa: BLE001 - any malformed state
+            raise ValueError(f"attribute sampler is not a valid sampler state ({type(exc).__name__}: {exc})") from None
+        for name, a in arrays.items():
+            if not np.isfinite(a).all():
+                raise ValueError(f"array {name!r} holds NaN or Inf")
+            if name.startswith("adam/v/") and (a < 0).any():
+                raise ValueError(f"array {name!r} (Adam second moment) holds negative values")
+
+    return expect, validate
 
 
 def run(argv: list[str] | None, comm, prog: str = "hpczeco train") -> TrainResult:
@@ -303,9 +390,20 @@ def run(argv: list[str] | None, comm, prog: str = "hpczeco train") -> TrainResul
     ap = build_parser(prog)
     args = ap.parse_args(argv)
     check_args(ap, args)
-    rank, P = comm.Get_rank(), comm.Get_size()
+    P = comm.Get_size()
     if args.seq < P:
         ap.error(f"--seq {args.seq} is shorter than the number of ranks {P}")
+    log = open_outputs(args, comm)
+    try:
+        return _train(ap, args, comm, log, argv)
+    finally:
+        if log is not None and not log.closed:
+            log.close()
+
+
+def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any,
+           argv: list[str] | None) -> TrainResult:
+    rank, P = comm.Get_rank(), comm.Get_size()
     say = (lambda *a: print(*a, flush=True)) if rank == 0 and not args.quiet else (lambda *a: None)
     dtype = np.dtype(args.dtype)
     if args.blas_threads > 0:
@@ -326,7 +424,8 @@ def run(argv: list[str] | None, comm, prog: str = "hpczeco train") -> TrainResul
     adam_t = 0
     step0 = 0
     if args.resume:
-        found = load_latest(args.ckpt_dir, comm, expect_config=config)
+        expect, validate = resume_checks(shapes, dtype, int(tokens.size), args.seq, args.batch)
+        found = load_latest(args.ckpt_dir, comm, expect_config=config, expect_arrays=expect, validate=validate)
         if found is None:
             say(f"resume: no checkpoint in {args.ckpt_dir}; starting from step 0")
         else:
@@ -343,7 +442,6 @@ def run(argv: list[str] | None, comm, prog: str = "hpczeco train") -> TrainResul
     mixers = make_mixers(args.mixer, cfg.n_layers, comm, scan=args.scan, blocks=args.blocks, chunk_size=args.chunk_size)
     model = GLALM(cfg, mixers)
     writer = CheckpointWriter(args.ckpt_dir, comm, keep=args.keep) if args.ckpt_dir else None
-    log = open(args.log, "a") if args.log and rank == 0 else None  # noqa: SIM115 - closed below
 
     def emit(rec: dict[str, Any]) -> None:
         if log is not None:
@@ -386,7 +484,7 @@ def run(argv: list[str] | None, comm, prog: str = "hpczeco train") -> TrainResul
     t_run = time.perf_counter()
     rates: list[float] = []
     last_saved = step0 if args.resume else -1
-    fault = _fault_kill_at()
+    fault, sigstop_at, bug = _fault_at(FAULT_KILL_ENV), _fault_at(FAULT_STOP_ENV), _fault_at(FAULT_RAISE_ENV)
     soak_at = int(os.environ.get(SOAK_REPORT_ENV, "0") or 0)
     stop_flag = _SignalFlag(CHECKPOINT_SIGNAL) if writer is not None else None
     try:
@@ -406,6 +504,18 @@ def run(argv: list[str] | None, comm, prog: str = "hpczeco train") -> TrainResul
                                  f"at t={time.time():.3f}\n")
                 sys.stderr.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
+            if sigstop_at is not None and sigstop_at == (rank, step):
+                import signal
+
+                sys.stderr.write(f"hpczeco train: fault injection: rank {rank} SIGSTOPs itself in step {step} "
+                                 f"at t={time.time():.3f}\n")
+                sys.stderr.flush()
+                os.kill(os.getpid(), signal.SIGSTOP)
+            if bug is not None and bug == (rank, step):
+                sys.stderr.write(f"hpczeco train: fault injection: rank {rank} raises in step {step} "
+                                 f"at t={time.time():.3f}\n")
+                sys.stderr.flush()
+                raise RuntimeError(f"fault injection: rank {rank} raises in step {step}")
             g = allreduce_sum(comm, params.pack(grads), args.allreduce)
             # the loss and "did any rank get CHECKPOINT_SIGNAL" in one reduction: all ranks stop at the same step
             raised = float(stop_flag is not None and stop_flag.raised)

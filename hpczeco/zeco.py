@@ -36,6 +36,7 @@ K, V]``, with ``documents`` (:class:`~hpczeco.zeco_varlen.RankDocuments`) naming
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +65,16 @@ def _check_scan_options(scan: Any, blocks: Any) -> None:
     check_blocks(blocks)
 
 
+def _check_scale(scale: Any) -> None:
+    """``scale``: None (``K ** -0.5``) or a positive finite real number (not a bool, not a string)."""
+    if scale is None:
+        return
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale must be a positive number or None, got {type(scale).__name__} {scale!r}")
+    if not (math.isfinite(float(scale)) and float(scale) > 0):
+        raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
+
+
 def _state_dtype(x) -> Any:
     """float64 stays float64; everything else keeps states in float32."""
     return np.float64 if str(x.dtype) == "float64" else np.float32
@@ -87,12 +98,14 @@ class ZeCOGLA:
     """Sequence-parallel GLA layer over ``comm`` (ranks hold contiguous slices in rank order).
 
     Args:
-        comm: the communicator (the caller owns it; every rank of it must call forward/backward).
+        comm: the communicator (the caller owns it; every rank of it must call forward/backward). Every
+            wait of the layer (the agreements, the scans, the serial relay) honours
+            ``$HPCZECO_COLLECTIVE_TIMEOUT`` (agreed over ``comm``'s ranks on first use).
         scan: "ring" (pipelined All-Scan), "tree", "allgather" (LASP-2), "serial" (LASP-1),
             "exscan" (MPI_Exscan) or "auto" (the cost model's pick).
         blocks: pieces the ring splits the state into along K (None: cost model's choice).
         chunk_size: chunk length of the local chunked GLA.
-        scale: query scale (default ``K ** -0.5``).
+        scale: query scale (default ``K ** -0.5``): a positive finite number (checked here).
         transport: device transport name or object for CuPy arrays (None: detection / env).
         check_values: scan q, k, v, g, do (and the states) for NaN/Inf and g for positive values on every call
             (shapes, dtypes and options are always agreed across ranks). ``False`` is for loops whose inputs
@@ -106,6 +119,7 @@ class ZeCOGLA:
                  scale: float | None = None, transport: Any = None, profile: bool = False,
                  check_values: bool = True):
         _check_scan_options(scan, blocks)
+        _check_scale(scale)
         self.comm = comm
         self.scan = scan
         self.blocks = blocks
@@ -234,8 +248,10 @@ class ZeCOGLA:
 
         err = local_error(check)
         agree = self._forward_agreement(err, shapes, q)
-        agree_fast(self.comm, "ZeCOGLA.forward", err, agree)  # one Allreduce when all is well
-        has_h0 = self.comm.bcast(initial_state is not None, root=0) if self.size > 1 else initial_state is not None
+        # one Allreduce when all is well (point to point with a collective timeout), which also tells every rank
+        # whether rank 0 passed initial_state
+        (has_h0,) = agree_fast(self.comm, "ZeCOGLA.forward", err, agree,
+                               flags=(int(self.rank == 0 and initial_state is not None),))
 
         xp = get_array_module(q)
         B, H, K, V = shapes["B"], shapes["H"], shapes["K"], shapes["V"]
@@ -311,6 +327,8 @@ class ZeCOGLA:
             check_array("do", do, ndim=4, float_only=False)
             check_input_dtype("do", do)  # floating, or raw bf16 bits (uint16) on CuPy
             check_shape("do", do, (B, L, H, V), "(like v)")
+            if str(do.dtype) != str(q.dtype):
+                raise TypeError(f"do must have the forward's dtype {q.dtype}, got {do.dtype}")
             if dht is not None:
                 if self.rank != last:
                     raise ValueError("dht is the gradient of the global final state: pass it on the last rank only")
@@ -335,8 +353,13 @@ class ZeCOGLA:
 
         prepared: list = []
         err = local_error(check)
-        agree_fast(self.comm, "ZeCOGLA.backward", err, {"scan": self.scan, "B,H,K,V": (B, H, K, V)})
-        has_dht = self.comm.bcast(dht is not None, root=last) if self.size > 1 else dht is not None
+        # like the forward: do's dtype, array module and shape agreed (its values checked locally above), and
+        # whether the last rank passed dht, in one Allreduce
+        agree = {"scan": self.scan, "B,H,K,V": (B, H, K, V), "check_values": self.check_values,
+                 "do": None if err else (str(do.dtype), get_array_module(do).__name__, do.shape[0], do.shape[2],
+                                         do.shape[3])}
+        (has_dht,) = agree_fast(self.comm, "ZeCOGLA.backward", err, agree,
+                                flags=(int(self.rank == last and dht is not None),))
 
         xp = get_array_module(q)
         sdt = _state_dtype(q)

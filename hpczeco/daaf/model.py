@@ -18,8 +18,10 @@ Prefill modes:
 
 from __future__ import annotations
 
+import hashlib
+import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,11 +32,17 @@ from .attention import attention, exact_attention
 from .distributed import distributed_attention, head_range
 from .planner import Plan, check_tokens, plan_from_mask
 
-__all__ = ["ModelConfig", "PrefillModel", "PrefillResult"]
+__all__ = ["ModelConfig", "PrefillModel", "PrefillResult", "PrefillEstimate", "MLP_ROWS"]
+
+#: token rows the MLP processes at a time (its hidden activations are ``[MLP_ROWS, mlp_mult * d_model]``)
+MLP_ROWS = 4096
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """Sizes and seed of the random-weight model (checked: positive ints, ``vocab_size >= 2``, ``n_layers >= 0``,
+    a positive finite ``rope_base``)."""
+
     vocab_size: int = 32768
     d_model: int = 128
     n_heads: int = 4
@@ -43,6 +51,52 @@ class ModelConfig:
     mlp_mult: int = 4
     rope_base: float = 10000.0
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, lo in (("vocab_size", 2), ("d_model", 1), ("n_heads", 1), ("head_dim", 1), ("n_layers", 0),
+                         ("mlp_mult", 1), ("seed", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"ModelConfig.{name} must be an int, got {type(v).__name__} {v!r}")
+            if v < lo:
+                raise ValueError(f"ModelConfig.{name} must be >= {lo}, got {v}")
+        rb = self.rope_base
+        if isinstance(rb, bool) or not isinstance(rb, (int, float, np.integer, np.floating)) or not (
+                math.isfinite(float(rb)) and float(rb) > 0):
+            raise ValueError(f"ModelConfig.rope_base must be a positive finite number, got {rb!r}")
+
+
+@dataclass(frozen=True)
+class PrefillEstimate:
+    """What a prefill will cost, computed before it starts (:meth:`PrefillModel.estimate`).
+
+    ``tokens`` ``T``; ``n_global`` key-region tokens (their share ``global_fraction``); ``pairs`` the exact
+    query-key pairs of the attention; ``flops`` of the whole prefill (attention ``4 Dh`` per pair and head,
+    projections and MLP ``2`` per weight and token, every layer); ``bytes_per_rank`` the largest rank's
+    memory: weights, token ids and the activations that are live at once (see :meth:`PrefillModel.estimate`).
+    """
+
+    tokens: int
+    n_global: int
+    pairs: int
+    flops: float
+    bytes_per_rank: int
+    ranks: int
+    mode: str
+
+    @property
+    def global_fraction(self) -> float:
+        return self.n_global / max(1, self.tokens)
+
+    def to_dict(self) -> dict:
+        return {"tokens": self.tokens, "n_global": self.n_global, "global_fraction": self.global_fraction,
+                "pairs": self.pairs, "flops": self.flops, "bytes_per_rank": self.bytes_per_rank,
+                "ranks": self.ranks, "mode": self.mode}
+
+    def summary(self) -> str:
+        return (f"{self.tokens:,} tokens, {100 * self.global_fraction:.1f}% global, {self.pairs:.3g} attention pairs "
+                f"(~{self.flops:.2g} flop), ~{self.bytes_per_rank / 2**20:,.0f} MiB per rank on {self.ranks} "
+                f"rank(s) ({self.mode})")
 
 
 @dataclass
@@ -141,6 +195,44 @@ class PrefillModel:
     def _logits(self, x_last: np.ndarray) -> np.ndarray:
         return _rmsnorm(x_last, self.nf) @ self.emb.T
 
+    # ------------------------------------------------------------------ cost
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights (every rank holds all of them)."""
+        return int(self.emb.nbytes + self.nf.nbytes + sum(a.nbytes for L in self.layers for a in L.values()))
+
+    def estimate(self, T: int, n_global: int, pairs: int, ranks: int = 1, mode: str = "sequence",
+                 local_window: int = 0) -> PrefillEstimate:
+        """:class:`PrefillEstimate` of a prefill of ``T`` tokens with ``n_global`` key-region tokens and
+        ``pairs`` attention pairs over ``ranks`` ranks in ``mode`` (no work is done).
+
+        Memory of the largest rank, float32 activations (4 bytes) of the ``R`` token rows it holds
+        (``ceil(T / ranks)`` plus the ``local_window`` halo in sequence mode, ``T`` in heads mode, where
+        it holds ``Hp = ceil(H / ranks)`` heads): the residual, its norm and the projected outputs (``4 d``
+        per row), q/k/v with the RoPE, head-major and concatenated copies alive at once (``9 Hp Dh``), the
+        RoPE table (``Dh``), the MLP's hidden rows (``3 mlp d`` for at most :data:`MLP_ROWS` rows), in sequence
+        mode the gathered key-region rows of every rank (``3 H Dh`` per key-region token) and their
+        partial softmax states, plus token ids (12 bytes each) and the weights. Checked against the
+        measured peak RSS in docs/RELIABILITY.md.
+        """
+        cfg = self.cfg
+        d, H, Dh, m = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.mlp_mult
+        P = max(1, int(ranks))
+        if P == 1:
+            rows, Hp, G = T, H, 0
+        elif mode == "heads":
+            rows, Hp, G = T, -(-H // P), 0
+        else:
+            rows, Hp, G = -(-T // P) + min(int(local_window), T), H, n_global
+        per_row = 4 * d + 9 * Hp * Dh + Dh
+        mlp = 3 * m * d * min(rows, MLP_ROWS)
+        gathered = G * (3 * H * Dh + 2 * H * (Dh + 2))
+        nbytes = 4 * (rows * per_row + mlp + gathered) + 12 * T + self.weight_bytes()
+        proj = 2 * T * (3 * d * H * Dh + H * Dh * d + 2 * d * m * d)
+        flops = float(cfg.n_layers) * (4.0 * Dh * H * pairs + proj)
+        return PrefillEstimate(int(T), int(n_global), int(pairs), flops, int(nbytes), P,
+                               "single" if P == 1 else mode)
+
     # ------------------------------------------------------------------ prefill
 
     def prefill(self, tokens: Any, attn: str = "daaf", plan: Plan | None = None, comm=None, mode: str = "sequence",
@@ -169,8 +261,12 @@ class PrefillModel:
 
         err = local_error(check)
         if size > 1:
-            agree = {} if err is not None else {"T": len(tokens), "attn": attn, "mode": mode,
-                                                 "tokens": int(np.asarray(tokens, np.int64).sum() % (1 << 61))}
+            # every rank must hold the same tokens and the same model (weights come from cfg.seed): a digest of
+            # the ids, not a sum (a sum misses swapped tokens), and the whole config
+            agree = {} if err is not None else {
+                "T": len(tokens), "attn": attn, "mode": mode, "model": astuple(self.cfg),
+                "tokens": hashlib.blake2b(np.ascontiguousarray(tokens, np.int64).tobytes(), digest_size=16).hexdigest(),
+            }
             collective_check(comm, "prefill", err, agree)
         elif err is not None:
             raise err
@@ -190,7 +286,14 @@ class PrefillModel:
         return res
 
     def _mlp(self, L: dict, x: np.ndarray, cols: slice = slice(None)) -> np.ndarray:
-        return _gelu(_rmsnorm(x, L["n2"]) @ L["w1"][:, cols]) @ L["w2"][cols]
+        """The MLP of rows ``x`` ``[T, d]`` (its hidden units ``cols``), :data:`MLP_ROWS` rows at a time."""
+        if len(x) <= MLP_ROWS:
+            return _gelu(_rmsnorm(x, L["n2"]) @ L["w1"][:, cols]) @ L["w2"][cols]
+        out = np.empty((len(x), L["w2"].shape[1]), dtype=np.result_type(x, L["w2"]))
+        for a in range(0, len(x), MLP_ROWS):
+            xa = x[a:a + MLP_ROWS]
+            out[a:a + MLP_ROWS] = _gelu(_rmsnorm(xa, L["n2"]) @ L["w1"][:, cols]) @ L["w2"][cols]
+        return out
 
     def _prefill_local(self, tok, attn, p: Plan, keep_hidden, keep_qkv) -> PrefillResult:
         x = self.emb[tok]
