@@ -538,6 +538,60 @@ DH_WG_KERNEL(daaf_hwg_f16_d64_n128_w2_s3, false, 64, 128, 2, 3, 1)
 DH_WG_KERNEL(daaf_hwg_bf16_d128_n128_w2_s3_nosw, true, 128, 128, 2, 3, 0)
 #endif
 
+// ------------------------------------------------------------------ warp-specialised and window-only kernels
+#include "daaf_hopper_ws.cuh"   // dh_ws_body: producer warpgroup + NC consumer warpgroups, mbarrier ring
+#include "daaf_hopper_win.cuh"  // dh_win_body: plans without key regions, W <= 128, the whole band at once
+
+#define DH_WS_KERNEL(NAME, BF, D, BN, NC, ST, PP)                                                              \
+    extern "C" __global__ void __launch_bounds__(128 * (NC + 1), 1) NAME(                                     \
+        const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ o, \
+        const int* __restrict__ gidx, const unsigned char* __restrict__ gmask, int B, int T, int H,           \
+        int n_global, int W, float scale_log2, int sched) {                                                   \
+        dh_ws_body<BF, D, BN, NC, ST, PP>(q, k, v, o, gidx, gmask, B, T, H, n_global, W, scale_log2, sched);   \
+    }
+// the window kernels take the same arguments (gidx, gmask, n_global unused: the launcher checks n_global == 0)
+#define DH_WIN_KERNEL(NAME, BF, D, NWG)                                                                        \
+    extern "C" __global__ void __launch_bounds__(128 * NWG, NWG == 1 ? 2 : 1) NAME(                           \
+        const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ o, \
+        const int* __restrict__ gidx, const unsigned char* __restrict__ gmask, int B, int T, int H,           \
+        int n_global, int W, float scale_log2, int sched) {                                                   \
+        (void)gidx;                                                                                            \
+        (void)gmask;                                                                                           \
+        (void)n_global;                                                                                        \
+        dh_win_body<BF, D, NWG>(q, k, v, o, B, T, H, W, scale_log2, sched);                                    \
+    }
+
+// names: daaf_hws_{elem}_d{D}_n{BN}_c{NC}_s{ST}[_pp], daaf_hwin_{elem}_d{D}_w{NWG}
+#if DH_IN_GROUP(11)
+DH_WS_KERNEL(daaf_hws_bf16_d128_n128_c2_s3, true, 128, 128, 2, 3, false)
+#endif
+#if DH_IN_GROUP(12)
+DH_WS_KERNEL(daaf_hws_f16_d128_n128_c2_s3, false, 128, 128, 2, 3, false)
+DH_WS_KERNEL(daaf_hws_bf16_d64_n128_c2_s3, true, 64, 128, 2, 3, false)
+DH_WS_KERNEL(daaf_hws_f16_d64_n128_c2_s3, false, 64, 128, 2, 3, false)
+#endif
+#if DH_IN_GROUP(13)
+DH_WS_KERNEL(daaf_hws_bf16_d128_n128_c2_s3_pp, true, 128, 128, 2, 3, true)
+#endif
+#if DH_IN_GROUP(14)
+DH_WS_KERNEL(daaf_hws_bf16_d128_n64_c2_s6, true, 128, 64, 2, 6, false)
+#endif
+#if DH_IN_GROUP(15)
+DH_WS_KERNEL(daaf_hws_bf16_d128_n64_c3_s5, true, 128, 64, 3, 5, false)
+#endif
+#if DH_IN_GROUP(16)
+DH_WS_KERNEL(daaf_hws_bf16_d128_n64_c3_s5_pp, true, 128, 64, 3, 5, true)
+#endif
+#if DH_IN_GROUP(17)
+DH_WIN_KERNEL(daaf_hwin_bf16_d128_w1, true, 128, 1)
+DH_WIN_KERNEL(daaf_hwin_f16_d128_w1, false, 128, 1)
+DH_WIN_KERNEL(daaf_hwin_bf16_d64_w1, true, 64, 1)
+DH_WIN_KERNEL(daaf_hwin_f16_d64_w1, false, 64, 1)
+#endif
+#if DH_IN_GROUP(18)
+DH_WIN_KERNEL(daaf_hwin_bf16_d128_w2, true, 128, 2)
+#endif
+
 // ------------------------------------------------------------------ wgmma unit check
 // One warpgroup. a: [64][128] (row-major, K-major), b: mode & 1 ? [128 (k)][128 (n)] (n contiguous:
 // MN-major, as the V tile) : [128 (n)][128 (k)] (k contiguous: K-major, as the K tile); d: [64][128]

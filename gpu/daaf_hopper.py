@@ -15,6 +15,15 @@ Kernels (``impl``; :data:`VARIANTS` has the shapes):
   for diagnosis; bf16, D = 128.
 * ``"hfa2"``: mma.sync fallback, 8 warps x 16 rows, 64-key tiles, 3 stages (bf16/f16, D in {64, 128});
   ``"hfa2s2"``: the same with 2 stages (bf16, D = 128).
+* ``"hws"``: warp-specialised wgmma (``daaf_hopper_ws.cuh``): a producer warpgroup fills rings of 3 slots
+  of 128-key K and V tiles by cp.async completing on mbarriers, 2 consumer warpgroups x 64 rows, setmaxnreg;
+  bf16/f16, D in {64, 128}. ``"hwsp"``: the same with ping-pong between the consumers (FlashAttention-3's
+  scheduler barrier); ``"hws64"``: 64-key tiles, 6 stages; ``"hws3"`` / ``"hws3p"``: 3 consumers
+  (192 rows), 64-key tiles, 5 stages, without / with ping-pong (bf16, D = 128).
+* ``"hwin"``: window-only plans (no key regions, ``local_window <= 128``; ``daaf_hopper_win.cuh``): one
+  warpgroup x 64 rows loads Q and its whole 192-key band at once, one S product, an exact softmax, two CTAs
+  per SM; bf16/f16, D in {64, 128}. ``"hwin2"``: two warpgroups (128 rows) sharing a 256-key band (bf16,
+  D = 128). :func:`choose_impl` picks a kernel for a plan.
 
 ``sched`` (kernel argument): bit 0 reverses the query tiles (longest rows first), bit 1 makes heads
 vary fastest in the 1-D grid. :func:`prepare` returns a :class:`hpczeco.gpu.daaf.Prepared` (``p()``
@@ -58,6 +67,9 @@ __all__ = [
     "build_cubin",
     "build_method",
     "cached_cubin",
+    "choose_impl",
+    "AUTO_IMPLS",
+    "WIN_MAX_WINDOW",
     "prebuild",
     "kernel_info",
     "kernel_name",
@@ -79,24 +91,28 @@ SCHED_DEFAULT = 3  # reverse (longest rows first), heads fastest: every head's l
 
 @dataclass(frozen=True)
 class Variant:
-    """One compiled kernel family: ``kind`` "wg" (wgmma) or "fa2" (mma.sync)."""
+    """One compiled kernel family: ``kind`` "wg" (wgmma), "ws" (warp-specialised wgmma), "win" (window-only
+    wgmma) or "fa2" (mma.sync)."""
 
     kind: str
-    bn: int  # keys per tile
-    nwg: int  # warpgroups (wg); 0 for fa2
-    stages: int
+    bn: int  # keys per tile (win: the band of a warpgroup, 192)
+    nwg: int  # warpgroups owning query rows (wg, win; ws: the consumers); 0 for fa2
+    stages: int  # shared-memory stages (win: 1, the band)
     swizzle: bool
     elems: tuple[str, ...]
     dims: tuple[int, ...]
+    pingpong: bool = False  # ws: the consumers take turns issuing their wgmma batches
 
     @property
     def rows(self) -> int:
         """Query rows per CTA."""
-        return 64 * self.nwg if self.kind == "wg" else 128
+        return 128 if self.kind == "fa2" else 64 * self.nwg
 
     @property
     def threads(self) -> int:
-        return 128 * self.nwg if self.kind == "wg" else 256
+        if self.kind == "ws":
+            return 128 * (self.nwg + 1)  # + the producer warpgroup
+        return 256 if self.kind == "fa2" else 128 * self.nwg
 
 
 VARIANTS: dict[str, Variant] = {
@@ -107,9 +123,21 @@ VARIANTS: dict[str, Variant] = {
     "hwg_nosw": Variant("wg", 128, 2, 3, False, ("bf16",), (128,)),
     "hfa2": Variant("fa2", 64, 0, 3, False, ("bf16", "f16"), (64, 128)),
     "hfa2s2": Variant("fa2", 64, 0, 2, False, ("bf16",), (128,)),
+    "hws": Variant("ws", 128, 2, 3, True, ("bf16", "f16"), (64, 128)),
+    "hwsp": Variant("ws", 128, 2, 3, True, ("bf16",), (128,), pingpong=True),
+    "hws64": Variant("ws", 64, 2, 6, True, ("bf16",), (128,)),
+    "hws3": Variant("ws", 64, 3, 5, True, ("bf16",), (128,)),
+    "hws3p": Variant("ws", 64, 3, 5, True, ("bf16",), (128,), pingpong=True),
+    "hwin": Variant("win", 192, 1, 1, True, ("bf16", "f16"), (64, 128)),
+    "hwin2": Variant("win", 192, 2, 1, True, ("bf16",), (128,)),
 }
 IMPLS = tuple(VARIANTS)
 UNIT_SMEM_BYTES = (64 + 128) * 128 * 2 + 1024  # DH_UNIT_SMEM_BYTES
+WIN_MAX_WINDOW = 128  # DH_WIN_WMAX: the window kernels' band covers local_window <= 128
+#: the kernels :func:`choose_impl` returns: plans without key regions (window <= WIN_MAX_WINDOW), and the
+#: rest. Predictions until measured (docs/benchmarks/daaf_hopper_design.md); the device harness prints the
+#: measured best per plan.
+AUTO_IMPLS = {"window": "hwin", "key_regions": "hws"}
 
 
 def kernel_name(impl: str, elem: str, D: int) -> str:
@@ -117,6 +145,10 @@ def kernel_name(impl: str, elem: str, D: int) -> str:
     v = VARIANTS[impl]
     if v.kind == "wg":
         return f"daaf_hwg_{elem}_d{D}_n{v.bn}_w{v.nwg}_s{v.stages}" + ("" if v.swizzle else "_nosw")
+    if v.kind == "ws":
+        return f"daaf_hws_{elem}_d{D}_n{v.bn}_c{v.nwg}_s{v.stages}" + ("_pp" if v.pingpong else "")
+    if v.kind == "win":
+        return f"daaf_hwin_{elem}_d{D}_w{v.nwg}"
     return f"daaf_hfa2_{elem}_d{D}_s{v.stages}"
 
 
@@ -130,11 +162,15 @@ def unit_kernel_name(elem: str = "bf16", swizzle: bool = True) -> str:
 
 
 def smem_bytes(impl: str, D: int) -> int:
-    """Dynamic shared memory of a kernel (DhWgCfg / DhFa2Cfg::SMEM_BYTES)."""
+    """Dynamic shared memory of a kernel (DhWgCfg / DhWsCfg / DhWinCfg / DhFa2Cfg::SMEM_BYTES)."""
     v = VARIANTS[impl]
     flags = (v.stages * v.bn + 15) // 16 * 16
     if v.kind == "wg":
         return v.rows * D * 2 + v.stages * 2 * v.bn * D * 2 + flags + 1024
+    if v.kind == "ws":  # Q, the K and V rings, 4 mbarriers per stage, alignment slack
+        return v.rows * D * 2 + v.stages * 2 * v.bn * D * 2 + 4 * v.stages * 8 + 1024
+    if v.kind == "win":  # Q, the K and V bands of rows + 128 keys, alignment slack
+        return v.rows * D * 2 + 2 * (v.rows + WIN_MAX_WINDOW) * D * 2 + 1024
     rowb = (D + 8) * 2
     return 128 * rowb + v.stages * 2 * v.bn * rowb + flags + 16
 
@@ -170,6 +206,19 @@ GROUPS: dict[str, int] = {
     "daaf_hfa2_f16_d128_s3": 10,
     "daaf_hfa2_bf16_d64_s3": 10,
     "daaf_hfa2_f16_d64_s3": 10,
+    "daaf_hws_bf16_d128_n128_c2_s3": 11,
+    "daaf_hws_f16_d128_n128_c2_s3": 12,
+    "daaf_hws_bf16_d64_n128_c2_s3": 12,
+    "daaf_hws_f16_d64_n128_c2_s3": 12,
+    "daaf_hws_bf16_d128_n128_c2_s3_pp": 13,
+    "daaf_hws_bf16_d128_n64_c2_s6": 14,
+    "daaf_hws_bf16_d128_n64_c3_s5": 15,
+    "daaf_hws_bf16_d128_n64_c3_s5_pp": 16,
+    "daaf_hwin_bf16_d128_w1": 17,
+    "daaf_hwin_f16_d128_w1": 17,
+    "daaf_hwin_bf16_d64_w1": 17,
+    "daaf_hwin_f16_d64_w1": 17,
+    "daaf_hwin_bf16_d128_w2": 18,
 }
 N_GROUPS = max(GROUPS.values())
 
@@ -283,6 +332,10 @@ def prepare(q, k, v, plan, scale: float | None = None, *, impl: str = "hwg", sto
     var = resolve(impl, elem, D, int(v.shape[3]))
     if int(plan.T) != T:
         raise ValueError(f"plan covers T={plan.T} tokens, q has T={T}")
+    W = min(int(plan.local_window), T)
+    if var.kind == "win" and (int(plan.n_global) != 0 or W > WIN_MAX_WINDOW):
+        raise ValueError(f"impl={impl!r} is for plans without key regions and local_window <= {WIN_MAX_WINDOW}; "
+                         f"got n_global={plan.n_global}, local_window={W} (see choose_impl)")
     if T >= 2**31 - 256 or B * H * T >= 2**31:
         raise ValueError(f"shape out of range: B={B}, T={T}, H={H}")
     scale = D**-0.5 if scale is None else float(scale)
@@ -299,9 +352,43 @@ def prepare(q, k, v, plan, scale: float | None = None, *, impl: str = "hwg", sto
     name = kernel_name(impl, elem, D)
     nqt = (T + var.rows - 1) // var.rows
     args = (q, k, v, out, gidx, plan.gmask, np.int32(B), np.int32(T), np.int32(H), np.int32(plan.n_global),
-            np.int32(min(int(plan.local_window), T)), np.float32(scale * math.log2(math.e)), np.int32(sched))
+            np.int32(W), np.float32(scale * math.log2(math.e)), np.int32(sched))
     launch = rt.bind(name, (nqt * H * B,), (var.threads,), args, smem_bytes(impl, D))
+    if var.kind == "win" and var.nwg == 1:
+        _prefer_max_shared(rt, name, smem_bytes(impl, D))
     return Prepared(launch, out, impl, name)
+
+
+def _prefer_max_shared(rt: Any, name: str, smem: int) -> None:
+    """Ask for the largest shared-memory carveout (two 113 KB CTAs of ``hwin`` per SM need 228 KB); CuPy's
+    kernels only (the emulation has no carveout)."""
+    function = getattr(rt, "function", None)
+    if function is None:
+        return
+    kern = function(name, smem)
+    if hasattr(kern, "preferred_shared_memory_carveout"):
+        kern.preferred_shared_memory_carveout = 100
+
+
+def choose_impl(plan: Any, T: int | None = None, D: int = 128, cc: str | int = "90", elem: str = "bf16") -> str | None:
+    """The kernel of this module for a plan, from its host metadata only (no device access, no sync).
+
+    ``plan``: anything with ``n_global`` and ``local_window`` (and ``T`` when ``T`` is None), e.g. a
+    :class:`hpczeco.gpu.daaf.DevicePlan`; ``cc``: the device's compute capability ("90"); ``elem``: "bf16" or
+    "f16". Plans without key regions and ``local_window <= WIN_MAX_WINDOW`` get :data:`AUTO_IMPLS` ["window"],
+    the others ["key_regions"]; the first of those, "hws", "hwg" that exists for ``elem`` and ``D``. None when
+    no kernel here applies (not compute capability 9.0, or no variant for ``elem`` / ``D``): use gpu/daaf.py's.
+    """
+    if str(cc).replace(".", "") != "90":
+        return None
+    T = int(plan.T) if T is None else int(T)
+    window_only = int(plan.n_global) == 0 and min(int(plan.local_window), T) <= WIN_MAX_WINDOW
+    key = "window" if window_only else "key_regions"
+    for impl in (AUTO_IMPLS[key], "hws", "hwg"):
+        v = VARIANTS[impl]
+        if elem in v.elems and D in v.dims and (v.kind != "win" or window_only):
+            return impl
+    return None
 
 
 def wgmma_unit(a_bits, b_bits, mode: int, elem: str = "bf16", swizzle: bool = True):

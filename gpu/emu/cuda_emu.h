@@ -18,19 +18,27 @@
 //     a read of shared memory before the wait (and barrier) sees stale data, as on the GPU; they land
 //     through the generic proxy: the async proxy (wgmma operands) sees them only after the writing
 //     thread's fence.proxy.async;
-//   * bar.sync with an id other than 0 (named barriers) is a barrier of the count the first arriving
-//     thread names, per block;
+//   * bar.sync / bar.arrive with an id other than 0 (named barriers) count towards a barrier of the count
+//     the first arriving thread of a phase names, per block;
+//   * mbarriers (init, arrive, try_wait.parity, and cp.async.mbarrier.arrive.noinc, whose tracked copies
+//     land at once and reach the async proxy only through a fence.proxy.async of the reading thread after
+//     they landed); setmaxnreg moves registers through the CTA's pool (an increase the decreases do not
+//     cover waits forever, as on the GPU);
 //   * the warpgroup MMA (wgmma) with its shared-memory descriptors and asynchronous retirement: wgmma_emu.h.
 // Broken rules the emulation sees (a cp.async outside the dynamic shared memory or misaligned, copies
 // still pending at kernel exit, a launch whose dynamic shared memory is not the size a kernel states with
-// emu_expect_dynamic_smem, and wgmma_emu.h's checks) are recorded with emu_error; the launch
+// emu_expect_dynamic_smem, an mbarrier used before its init, named-barrier arrivals left over at block
+// exit, a wait that never completes (after a timeout), and wgmma_emu.h's checks) are recorded with emu_error; the launch
 // entry point counts them per launch and gpu/emu/__init__.py raises EmuCheckError with the first.
 // It checks indexing and arithmetic, not performance; races between warps beyond that are not modelled.
 #pragma once
 #include <algorithm>
 #include <atomic>
 #include <barrier>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -94,18 +102,61 @@ inline void emu_error(const std::string& msg) {
     emu_error_first = msg + " (block " + std::to_string(blockIdx.x) + ", thread " + std::to_string(emu_tid()) + ")";
 }
 
-// bar.sync id, nthreads (id > 0): the first thread to arrive at `id` in this block sets the count
+// waits that never end (a deadlock: a barrier phase nobody completes) are recorded after
+// $HPCZECO_EMU_WAIT_TIMEOUT_S seconds (default 60); after the first, every later wait of the launch gives up
+inline std::atomic<bool> emu_wait_abandoned{false};
+inline std::chrono::milliseconds emu_wait_timeout() {
+  const char* s = std::getenv("HPCZECO_EMU_WAIT_TIMEOUT_S");
+  const double sec = s ? std::atof(s) : 60.0;
+  return std::chrono::milliseconds((long long)(1000.0 * (sec > 0 ? sec : 60.0)));
+}
+// wait on cv until done() (mu held by lk); false (and the error recorded once) on a timeout
+template <typename F>
+inline bool emu_wait_until(std::condition_variable& cv, std::unique_lock<std::mutex>& lk, F done, const char* what) {
+  if (emu_wait_abandoned.load()) return done();
+  if (cv.wait_for(lk, emu_wait_timeout(), done)) return true;
+  if (!emu_wait_abandoned.exchange(true)) emu_error(std::string(what) + " never completed (deadlock?)");
+  return false;
+}
+
+// bar.sync / bar.arrive id, nthreads (id > 0): the first thread to arrive at `id` in a phase sets the count;
+// bar.arrive counts without waiting. Arrivals left over at block exit are recorded (emu_named_exit_checks).
+struct EmuNamedBar {
+  int expected = 0, arrived = 0;
+  long long gen = 0;
+};
 inline std::mutex emu_named_mu;
-inline std::map<int, std::unique_ptr<std::barrier<>>> emu_named_barriers;  // of the running block
-inline void emu_bar_sync(int id, int nthreads) {
-  std::barrier<>* b;
-  {
-    std::lock_guard<std::mutex> g(emu_named_mu);
-    auto& slot = emu_named_barriers[id];
-    if (!slot) slot = std::make_unique<std::barrier<>>((std::ptrdiff_t)nthreads);
-    b = slot.get();
+inline std::condition_variable emu_named_cv;
+inline std::map<int, EmuNamedBar> emu_named_barriers;  // of the running block
+inline long long emu_named_arrive_locked(int id, int nthreads) {
+  EmuNamedBar& b = emu_named_barriers[id];
+  if (b.arrived == 0) b.expected = nthreads;
+  else if (b.expected != nthreads)
+    emu_error("named barrier " + std::to_string(id) + ": thread count " + std::to_string(nthreads) +
+              " differs from the phase's " + std::to_string(b.expected));
+  const long long gen = b.gen;
+  if (++b.arrived >= b.expected) {
+    b.arrived = 0;
+    ++b.gen;
+    emu_named_cv.notify_all();
   }
-  b->arrive_and_wait();
+  return gen;
+}
+inline void emu_bar_sync(int id, int nthreads) {
+  std::unique_lock<std::mutex> lk(emu_named_mu);
+  const long long gen = emu_named_arrive_locked(id, nthreads);
+  EmuNamedBar& b = emu_named_barriers[id];
+  emu_wait_until(emu_named_cv, lk, [&] { return b.gen != gen; }, "named barrier bar.sync");
+}
+inline void emu_bar_arrive(int id, int nthreads) {
+  std::lock_guard<std::mutex> lk(emu_named_mu);
+  emu_named_arrive_locked(id, nthreads);
+}
+inline void emu_named_exit_checks() {
+  for (const auto& [id, b] : emu_named_barriers)
+    if (b.arrived)
+      emu_error("named barrier " + std::to_string(id) + ": " + std::to_string(b.arrived) + " of " +
+                std::to_string(b.expected) + " arrivals left over at block exit");
 }
 
 inline int atomicMax(int* p, int v) {
@@ -195,20 +246,34 @@ inline void emu_expect_dynamic_smem(std::size_t bytes) {
 }
 
 // generic and async proxy: per 16-byte chunk of the dynamic shared memory, the thread whose cp.async
-// wrote it and which has not fenced since (-1: none); reset per block
+// wrote it and which has not fenced since (-1: none; EMU_MBAR_WRITER: copies completed on an mbarrier,
+// see emu_cp_async_mbar_arrive); reset per block
+inline constexpr int EMU_MBAR_WRITER = -2;
 inline std::unique_ptr<std::atomic<int>[]> emu_unfenced_writer;
+inline std::unique_ptr<std::atomic<long long>[]> emu_chunk_landed;  // when an mbarrier-tracked copy landed
 inline std::size_t emu_unfenced_chunks = 0;
+inline std::atomic<long long> emu_proxy_clock{0};                // ticks at every such landing and fence
+inline thread_local long long emu_fenced_at = -1;                // this thread's last fence.proxy.async
 inline thread_local std::vector<uint32_t> emu_unfenced_mine;  // chunks this thread wrote since its fence
-// fence.proxy.async.shared::cta: this thread's cp.async writes become visible to the async proxy
+// fence.proxy.async.shared::cta: this thread's cp.async writes become visible to the async proxy, and so do,
+// for this thread's own async-proxy reads, the mbarrier-tracked copies that landed before it (the consumer
+// side fence after an mbarrier wait)
 inline void emu_fence_proxy_async() {
   for (uint32_t c : emu_unfenced_mine) {
     int me = (int)emu_tid();
     emu_unfenced_writer[c].compare_exchange_strong(me, -1);
   }
   emu_unfenced_mine.clear();
+  emu_fenced_at = ++emu_proxy_clock;
 }
-// the async proxy sees the byte at shared address `addr` (no unfenced cp.async write to its chunk)
-inline bool emu_async_proxy_sees(uint32_t addr) { return emu_unfenced_writer[addr / 16].load() < 0; }
+// the async proxy of this thread sees the byte at shared address `addr`: no unfenced cp.async write to its
+// chunk (by the writer's fence, or, for copies completed on an mbarrier, by this thread's fence after they
+// landed)
+inline bool emu_async_proxy_sees(uint32_t addr) {
+  const int w = emu_unfenced_writer[addr / 16].load();
+  if (w == EMU_MBAR_WRITER) return emu_chunk_landed[addr / 16].load() < emu_fenced_at;
+  return w < 0;
+}
 
 struct EmuCopy {
   unsigned char* dst;
@@ -243,6 +308,105 @@ inline void emu_cp_async_wait(int pending) {
     }
     emu_cp_groups.pop_front();
   }
+}
+
+// ---------------------------------------------------------------- mbarrier
+
+// mbarrier objects (8 bytes of shared memory each, by shared address; reset per block): a phase completes
+// when `expected` arrivals have happened; try_wait.parity(p) succeeds once the phase of parity p completed,
+// i.e. while the number of completed phases has the other parity. Waits block (with the deadlock timeout).
+struct EmuMbar {
+  int expected = 0, pending = 0;
+  long long phase = 0;  // completed phases
+};
+inline std::mutex emu_mbar_mu;
+inline std::condition_variable emu_mbar_cv;
+inline std::map<uint32_t, EmuMbar> emu_mbars;  // of the running block
+inline EmuMbar* emu_mbar_at_locked(uint32_t addr) {
+  auto it = emu_mbars.find(addr);
+  if (it == emu_mbars.end()) {
+    emu_error("mbarrier at shared address " + std::to_string(addr) + " used before mbarrier.init");
+    return nullptr;
+  }
+  return &it->second;
+}
+inline void emu_mbar_init(uint32_t addr, int count) {
+  std::lock_guard<std::mutex> lk(emu_mbar_mu);
+  if (addr % 8 || addr + 8 > emu_smem_bytes) emu_error("mbarrier not 8-byte aligned inside the dynamic shared memory");
+  if (count < 1) emu_error("mbarrier.init with a count below 1");
+  emu_mbars[addr] = EmuMbar{count, count, 0};
+}
+inline void emu_mbar_arrive_locked(uint32_t addr) {
+  EmuMbar* b = emu_mbar_at_locked(addr);
+  if (b == nullptr) return;
+  if (--b->pending == 0) {
+    ++b->phase;
+    b->pending = b->expected;
+    emu_mbar_cv.notify_all();
+  }
+}
+inline void emu_mbar_arrive(uint32_t addr) {
+  std::lock_guard<std::mutex> lk(emu_mbar_mu);
+  emu_mbar_arrive_locked(addr);
+}
+// mbarrier.try_wait.parity in a loop: until the phase of parity `parity` has completed
+inline void emu_mbar_wait(uint32_t addr, uint32_t parity) {
+  std::unique_lock<std::mutex> lk(emu_mbar_mu);
+  EmuMbar* b = emu_mbar_at_locked(addr);
+  if (b == nullptr) return;
+  emu_wait_until(emu_mbar_cv, lk, [&] { return (uint32_t)(b->phase & 1) != (parity & 1); }, "mbarrier wait");
+}
+// cp.async.mbarrier.arrive.noinc: one arrival once every earlier cp.async of this thread has landed. The
+// emulation lands them now (their groups empty out); the async proxy sees them only in a thread that executes
+// fence.proxy.async after they landed (the consumer of the barrier, after its wait).
+inline void emu_cp_async_mbar_arrive(uint32_t addr) {
+  auto land = [](const EmuCopy& c) {
+    std::memset(c.dst, 0, 16);
+    std::memcpy(c.dst, c.src, (size_t)c.n);
+    const uint32_t chunk = emu_smem_addr(c.dst) / 16;
+    emu_chunk_landed[chunk].store(++emu_proxy_clock);
+    emu_unfenced_writer[chunk].store(EMU_MBAR_WRITER);
+  };
+  for (auto& grp : emu_cp_groups) {
+    for (const EmuCopy& c : grp) land(c);
+    grp.clear();
+  }
+  for (const EmuCopy& c : emu_cp_open) land(c);
+  emu_cp_open.clear();
+  emu_mbar_arrive(addr);
+}
+
+// setmaxnreg.{inc,dec}.sync.aligned.u32 n: per-thread register budgets moved between the warpgroups of a CTA.
+// The CTA starts with the kernel's register cap per thread (ptxas: 65536 / threads, a multiple of 8); dec
+// returns cap - n registers per thread to the CTA's pool, inc takes n - cap from it and waits until the pool
+// has them (so an inc the decs never cover is a deadlock: recorded after the timeout).
+inline std::mutex emu_reg_mu;
+inline std::condition_variable emu_reg_cv;
+inline long long emu_reg_pool = 0;  // of the running block
+inline int emu_reg_cap() {
+  const unsigned nt = blockDim.x * blockDim.y * blockDim.z;
+  return (int)std::min(256u, 65536u / nt / 8u * 8u);
+}
+inline bool emu_setmaxnreg_count_ok(int n) {
+  if (n >= 24 && n <= 256 && n % 8 == 0) return true;
+  emu_error("setmaxnreg count must be a multiple of 8 in [24, 256]");
+  return false;
+}
+inline void emu_setmaxnreg_dec(int n) {
+  if (!emu_setmaxnreg_count_ok(n)) return;
+  if (n > emu_reg_cap()) emu_error("setmaxnreg.dec above the kernel's register cap");
+  std::lock_guard<std::mutex> lk(emu_reg_mu);
+  emu_reg_pool += emu_reg_cap() - n;
+  emu_reg_cv.notify_all();
+}
+inline void emu_setmaxnreg_inc(int n) {
+  if (!emu_setmaxnreg_count_ok(n)) return;
+  const long long need = n - emu_reg_cap();
+  if (need < 0) emu_error("setmaxnreg.inc below the kernel's register cap");
+  std::unique_lock<std::mutex> lk(emu_reg_mu);
+  if (emu_wait_until(emu_reg_cv, lk, [&] { return emu_reg_pool >= need; },
+                     "setmaxnreg.inc (the registers released by setmaxnreg.dec in the CTA do not cover it)"))
+    emu_reg_pool -= need;
 }
 
 // ---------------------------------------------------------------- ldmatrix and mma.sync
@@ -333,6 +497,8 @@ void emu_launch(void (*k)(A...), dim3 grid, dim3 block, std::size_t smem_bytes, 
   emu_smem_bytes = smem_bytes;
   emu_unfenced_chunks = smem.size() * sizeof(EmuSmemLine) / 16;
   emu_unfenced_writer = std::make_unique<std::atomic<int>[]>(emu_unfenced_chunks);
+  emu_chunk_landed = std::make_unique<std::atomic<long long>[]>(emu_unfenced_chunks);
+  emu_wait_abandoned = false;
   blockDim = block;
   gridDim = grid;
   for (unsigned bz = 0; bz < grid.z; ++bz)
@@ -341,7 +507,12 @@ void emu_launch(void (*k)(A...), dim3 grid, dim3 block, std::size_t smem_bytes, 
         std::barrier<> bar((std::ptrdiff_t)nt);
         emu_block_barrier = &bar;
         emu_named_barriers.clear();
-        for (std::size_t c = 0; c < emu_unfenced_chunks; ++c) emu_unfenced_writer[c].store(-1);
+        emu_mbars.clear();
+        emu_reg_pool = 0;
+        for (std::size_t c = 0; c < emu_unfenced_chunks; ++c) {
+          emu_unfenced_writer[c].store(-1);
+          emu_chunk_landed[c].store(0);
+        }
         emu_warps.clear();
         for (unsigned w = 0; w < (nt + 31) / 32; ++w) {
           emu_warps.push_back(std::make_unique<EmuWarp>());
@@ -357,9 +528,12 @@ void emu_launch(void (*k)(A...), dim3 grid, dim3 block, std::size_t smem_bytes, 
             emu_thread_exit_checks();
           });
         for (auto& x : th) x.join();
+        blockIdx = dim3{bx, by, bz};
+        emu_named_exit_checks();
       }
   emu_warps.clear();
   emu_named_barriers.clear();
+  emu_mbars.clear();
   emu_smem_base = nullptr;
   emu_smem_bytes = 0;
 }
