@@ -503,8 +503,10 @@ def table(tables: dict[str, list[dict]]) -> str:
     ttft_rows = tables.get("ttft", [])
     if ttft_rows:
         lines.append("")
-        lines.append("time to first token (ms), random-weight decoders; bound = 1/(1 - attention share of exact); "
-                     "needle: % retrieved in key regions")
+        lines.append("time to first token (ms), random-weight decoders (7b: a few layers of a 7-8B decoder's shape: "
+                     "the attention share per layer sets the bound);")
+        lines.append("bound = 1/(1 - attention share of exact TTFT); of bd = speedup / bound; needle: % retrieved in "
+                     "key regions")
         lines.append(f"{'model':<6} {'T':>7} {'impl':<9} {'exact':>9} {'DAAF':>9} {'speedup':>8} {'bound':>6} "
                      f"{'of bd':>6} {'attn %':>6} {'plan':>6} {'hid.err':>8} {'needle':>7}")
         for r in ttft_rows:

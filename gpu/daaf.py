@@ -25,7 +25,8 @@ Kernels (``impl``):
   when that function exists and returns a choice, else: no key-region token -> :data:`AUTO_WINDOW`
   (``"tc2"``), key regions in one span -> the first of :data:`AUTO_HOPPER_ONE_SPAN` that exists for the
   dtype and D, several spans (or a count the plan does not know) -> the first of
-  :data:`AUTO_HOPPER_SPANS`, with ``sched`` :data:`AUTO_SCHED`.
+  :data:`AUTO_HOPPER_SPANS`, with ``sched`` :data:`AUTO_SCHED` (:data:`AUTO_WINDOW` instead, with a warning
+  once, when that kernel's sm_90a cubin does not build here).
 
 16-bit inputs: CuPy ``float16``, CuPy ``bfloat16`` (CuPy with ml_dtypes), or raw 16-bit integer
 arrays with ``storage="bfloat16"``/``"float16"`` (bf16 bits without ml_dtypes). PyTorch tensors go
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -163,6 +165,28 @@ def auto_choice(elem: str, D: int, Dv: int, plan: Any = None, cc: Any = None) ->
     one_span = plan is not None and plan.n_regions is not None and plan.n_regions <= 1
     name = _hopper_for(AUTO_HOPPER_ONE_SPAN if one_span else AUTO_HOPPER_SPANS, elem, D)
     return (name, AUTO_SCHED) if name is not None else (AUTO_WINDOW, None)
+
+
+#: whether a Hopper kernel's module builds and loads: (id(runtime), device, kernel name) -> bool
+_HOPPER_USABLE: dict[tuple[int, int, str], bool] = {}
+
+
+def _hopper_usable(kernel: str) -> bool:
+    """Whether the Hopper kernel ``kernel`` is there (its cubin builds and loads; checked once per device, a
+    failure warned about once): ``"auto"`` falls back to :data:`AUTO_WINDOW` otherwise."""
+    dh = _hopper()
+    rt = dh._runtime()
+    key = (id(rt), _device_id(rt), kernel)
+    ok = _HOPPER_USABLE.get(key)
+    if ok is None:
+        group = dh.GROUPS.get(kernel)
+        ok = True if group is None else bool(rt.available(dh.KERNEL_SOURCE.name, str(group)))
+        _HOPPER_USABLE[key] = ok
+        if not ok:
+            warnings.warn(f"hpczeco.gpu.daaf: the Hopper kernel {kernel} does not build here "
+                          f"({getattr(rt, 'errors', {})}); impl='auto' uses {AUTO_WINDOW!r} instead",
+                          RuntimeWarning, stacklevel=3)
+    return ok
 
 
 def resolve_impl(impl: str, elem: str, D: int, Dv: int, plan: Any = None, cc: Any = None) -> str:
@@ -629,6 +653,8 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
     auto_sched = None
     if impl == "auto":
         kind, auto_sched = auto_choice(elem, D, Dv, plan, cc)
+        if kind not in IMPLS and not _hopper_usable(_hopper().kernel_name(kind, elem, D)):
+            kind, auto_sched = AUTO_WINDOW, None
 
     def prep(x):
         if not x.flags.c_contiguous:

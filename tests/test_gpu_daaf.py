@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -547,6 +548,27 @@ def test_gpu_bad_inputs_raise():
         gd.attention(q, q, q, np.array([], np.int32), -1)
     with pytest.raises(TypeError, match="storage"):
         gd.attention(q.view(cp.uint16), q.view(cp.uint16), q.view(cp.uint16), np.array([], np.int32), 4)
+
+
+def test_emulated_auto_falls_back_when_hopper_cubins_fail(hopper_emu, emu, rng, monkeypatch):
+    """A Hopper module that does not build here: "auto" warns once and takes tc2 (whose output is right)."""
+    monkeypatch.setattr(gd, "_HOPPER_USABLE", {})
+    monkeypatch.setattr(hopper_emu, "available", lambda file, group=None: False)
+    T = 64
+    q, k, v = daaf_inputs(rng, 1, T, 1, 128)
+    bits = [bf16.to_bits(x) for x in (q, k, v)]
+    gi = list(range(0, 20))
+    with pytest.warns(RuntimeWarning, match="does not build here"):
+        p = gd.prepare(*bits, gi, 8, storage="bfloat16")
+    assert p.impl == "tc2"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p = gd.prepare(*bits, gi, 8, storage="bfloat16")
+    assert p.impl == "tc2" and not caught  # warned once
+    p()
+    out, ref = _vals_of(p.out, "bf16"), reference_attention(*(bf16.from_bits(b) for b in bits),
+                                                           np.arange(T) < 20, 8)
+    assert rel_max(out, ref) <= TOL["bf16"]
 
 
 # --------------------------------------------------------------------------- the benchmark's host side
