@@ -18,6 +18,7 @@ __all__ = [
     "allowed_mask_torch",
     "bench_plans",
     "daaf_pairs",
+    "flash_backend",
     "key_regions",
     "make_flex",
     "needle_rates",
@@ -85,6 +86,18 @@ def synthetic_tokens(T: int, rng: np.random.Generator, window: int = 512, vocab:
     return tok.astype(np.int64), regions
 
 
+def flash_backend():
+    """A context that restricts SDPA to its flash backend (a null context where torch cannot say so)."""
+    import contextlib  # noqa: PLC0415
+
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+    except Exception:  # noqa: BLE001 - older torch
+        return contextlib.nullcontext()
+
+
 def sdpa_causal(q, k, v):
     """Exact causal attention, torch ``[B, T, H, D]`` in and out (flash backend where it applies)."""
     import torch  # noqa: PLC0415
@@ -126,22 +139,49 @@ def make_flex(T: int, W: int = 128):
 
 
 class TinyModel:
-    """Random-weight decoder: embedding, L x [RMSNorm, QKV, attention, out proj, RMSNorm, GELU MLP], tied head."""
+    """Random-weight decoder: embedding, L x [RMSNorm, Q/K/V projections, attention, out projection, RMSNorm,
+    MLP], tied head; bf16 weights on ``device``.
 
-    def __init__(self, layers: int, H: int, D: int, mlp_ratio: float, vocab: int, seed: int):
+    ``mlp``: ``"gelu"`` (``W2 gelu(W1 x)``, width ``ffn`` or ``mlp_ratio * d``) or ``"swiglu"`` (Llama's
+    ``W2 (silu(Wg x) * (Wu x))``). Q, K and V come from three projections so that each is a contiguous
+    ``[1, T, H, D]`` tensor (no copy before a kernel that needs contiguous inputs).
+    """
+
+    def __init__(self, layers: int, H: int, D: int, mlp_ratio: float, vocab: int, seed: int, *, mlp: str = "gelu",
+                 ffn: int | None = None, device: str = "cuda"):
         import torch  # noqa: PLC0415
 
+        if mlp not in ("gelu", "swiglu"):
+            raise ValueError(f"mlp must be 'gelu' or 'swiglu', got {mlp!r}")
         d = H * D
-        f = int(mlp_ratio * d)
-        gen = torch.Generator(device="cuda").manual_seed(seed)
+        f = int(ffn) if ffn is not None else int(mlp_ratio * d)
+        gen = torch.Generator(device=device).manual_seed(seed)
 
         def w(*shape, std):
-            return (torch.randn(*shape, device="cuda", generator=gen) * std).to(torch.bfloat16)
+            return (torch.randn(*shape, device=device, generator=gen) * std).to(torch.bfloat16)
 
-        self.H, self.D, self.d = H, D, d
+        self.H, self.D, self.d, self.ffn, self.mlp, self.vocab = H, D, d, f, mlp, vocab
         self.emb = w(vocab, d, std=1.0)
-        self.layers = [dict(wqkv=w(d, 3 * d, std=d**-0.5), wo=w(d, d, std=d**-0.5), w1=w(d, f, std=d**-0.5),
-                            w2=w(f, d, std=f**-0.5)) for _ in range(layers)]
+        self.layers = []
+        for _ in range(layers):
+            lw = dict(wq=w(d, d, std=d**-0.5), wk=w(d, d, std=d**-0.5), wv=w(d, d, std=d**-0.5),
+                      wo=w(d, d, std=d**-0.5), w1=w(d, f, std=d**-0.5), w2=w(f, d, std=f**-0.5))
+            if mlp == "swiglu":
+                lw["wg"] = w(d, f, std=d**-0.5)
+            self.layers.append(lw)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def param_bytes(self) -> int:
+        """Bytes of the weights (bf16)."""
+        return 2 * (self.emb.numel() + sum(t.numel() for lw in self.layers for t in lw.values()))
+
+    @staticmethod
+    def activation_bytes(T: int, d: int, ffn: int) -> int:
+        """A bound on the bytes one prefill of ``T`` tokens holds at once (bf16 activations, fp32 norms)."""
+        return 2 * T * (10 * d + 3 * ffn) + 8 * T * d
 
     @staticmethod
     def _norm(x):
@@ -151,18 +191,23 @@ class TinyModel:
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
     def prefill(self, tokens, attn):
-        """tokens ``[T]`` (cuda int64), ``attn(q, k, v) -> o`` on ``[1, T, H, D]`` -> (last hidden states
-        ``[T, d]``, last-token logits ``[vocab]``)."""
+        """tokens ``[T]`` (int64 on the model's device), ``attn(q, k, v) -> o`` on ``[1, T, H, D]`` -> (last
+        hidden states ``[T, d]``, last-token logits ``[vocab]``)."""
         import torch  # noqa: PLC0415
 
+        F = torch.nn.functional
         T = tokens.shape[0]
-        x = self.emb[tokens][None]  # [1, T, d]
+        x = self.emb[tokens]  # [T, d]
         for lw in self.layers:
-            qkv = (self._norm(x) @ lw["wqkv"]).view(1, T, 3, self.H, self.D)
-            a = attn(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
-            x = x + a.reshape(1, T, self.d) @ lw["wo"]
-            x = x + torch.nn.functional.gelu(self._norm(x) @ lw["w1"]) @ lw["w2"]
-        h = self._norm(x)[0]
+            h = self._norm(x)
+            q, k, v = ((h @ lw[n]).view(1, T, self.H, self.D) for n in ("wq", "wk", "wv"))
+            x = x + attn(q, k, v).reshape(T, self.d) @ lw["wo"]
+            h = self._norm(x)
+            if self.mlp == "swiglu":
+                x = x + (F.silu(h @ lw["wg"]) * (h @ lw["w1"])) @ lw["w2"]
+            else:
+                x = x + F.gelu(h @ lw["w1"]) @ lw["w2"]
+        h = self._norm(x)
         return h, h[-1] @ self.emb.T
 
 

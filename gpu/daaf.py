@@ -14,8 +14,19 @@ Kernels (``impl``):
   K/V fragment read from shared memory (half the shared-memory traffic per mma, more registers).
 * ``"tc3"``: ``"tc"`` compiled for 3 resident blocks per SM (register cap; D = 128 only).
 * ``"simple"``: one warp per query row, fp32 online softmax, any ``D, Dv <= 256``, float32 too.
-* ``"auto"``: :data:`AUTO_TC` (``"tc"``) where it applies (16-bit inputs, D == Dv in {64, 128}), else
-  ``"simple"``.
+* the Hopper kernels of :mod:`hpczeco.gpu.daaf_hopper` (``"hwg"``, ``"hwg64"``, ``"hwg3"``, ``"hwg1"``,
+  ``"hwg_nosw"``, ``"hfa2"``, ``"hfa2s2"``, and whatever variants it lists in ``VARIANTS``): 16-bit,
+  ``D == Dv`` in {64, 128} (most variants: bf16, D = 128), compute capability 9.0 only (sm_90a cubins).
+  ``sched`` (:func:`prepare`): bit 0 longest rows first, bit 1 heads fastest (default :data:`AUTO_SCHED`,
+  bit 0 cleared when ``reverse=False``).
+* ``"auto"`` (:func:`auto_choice`, from the dtype, head dims, the device's compute capability and the
+  plan's host metadata only, never a device read): float32 or other head dims -> ``"simple"``; not
+  compute capability 9.0 -> :data:`AUTO_TC` (``"tc"``); on 9.0 ``daaf_hopper.choose_impl(plan, elem, D)``
+  when that function exists and returns a choice, else: no key-region token -> :data:`AUTO_WINDOW`
+  (``"tc2"``), key regions in one span -> the first of :data:`AUTO_HOPPER_ONE_SPAN` that exists for the
+  dtype and D, several spans (or a count the plan does not know) -> the first of
+  :data:`AUTO_HOPPER_SPANS`, with ``sched`` :data:`AUTO_SCHED` (:data:`AUTO_WINDOW` instead, with a warning
+  once, when that kernel's sm_90a cubin does not build here).
 
 16-bit inputs: CuPy ``float16``, CuPy ``bfloat16`` (CuPy with ml_dtypes), or raw 16-bit integer
 arrays with ``storage="bfloat16"``/``"float16"`` (bf16 bits without ml_dtypes). PyTorch tensors go
@@ -28,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -40,14 +52,22 @@ from .runtime import HERE, KernelSet, RuntimeSlot
 from .runtime import kernel_source as _source
 
 __all__ = [
+    "AUTO_HOPPER_ONE_SPAN",
+    "AUTO_HOPPER_SPANS",
+    "AUTO_SCHED",
     "AUTO_TC",
+    "AUTO_WINDOW",
+    "HOPPER_CC",
     "IMPLS",
     "KERNEL_SOURCE",
     "DevicePlan",
     "Prepared",
     "attention",
     "attention_torch",
+    "auto_choice",
+    "compute_capability",
     "device_plan",
+    "impl_names",
     "kernel_info",
     "plan_on_device",
     "prepare",
@@ -57,8 +77,13 @@ __all__ = [
 ]
 
 KERNEL_SOURCE = HERE / "daaf_attention.cu"
-IMPLS = ("auto", "tc", "tc2", "tc3", "simple")
-AUTO_TC = "tc"  # the tensor-core variant "auto" picks
+IMPLS = ("auto", "tc", "tc2", "tc3", "simple")  # this module's kernels; impl_names(): with the Hopper ones
+AUTO_TC = "tc"  # the tensor-core variant "auto" picks off compute capability 9.0
+HOPPER_CC = "90"  # the compute capability the Hopper kernels (sm_90a) run on
+AUTO_WINDOW = "tc2"  # "auto" on compute capability 9.0 without key-region tokens
+AUTO_HOPPER_ONE_SPAN = ("hwg3", "hwg64", "hwg", "hfa2")  # ... key regions in one span (e.g. a leading block)
+AUTO_HOPPER_SPANS = ("hwg64", "hwg", "hwg3", "hfa2")  # ... several spans, or their number unknown
+AUTO_SCHED = 3  # sched of the Hopper kernels: longest rows first, heads fastest
 TC_MTILES = {"tc": 1, "tc2": 2, "tc3": 1}  # 16-row m-tiles per warp
 TC_BLOCK_Q = 64  # query rows per block per m-tile (DAAF_TC_BR)
 TC_BLOCK_K = 64  # keys per tile (DAAF_TC_BC)
@@ -78,13 +103,105 @@ def tc_smem_bytes(D: int, mtiles: int = 1) -> int:
     return 4 * TC_BLOCK_K * (D + 8) * 2 + (0 if mtiles == 1 else TC_BLOCK_Q * mtiles * (D + 8) * 2)
 
 
-def resolve_impl(impl: str, elem: str, D: int, Dv: int) -> str:
-    """The kernel family ``impl`` means for element type ``elem`` ("f32"/"f16"/"bf16") and head dims."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    tc_ok = elem in ("f16", "bf16") and D == Dv and D in TC_DIMS
+def _hopper():
+    """:mod:`hpczeco.gpu.daaf_hopper` (imported on first use: it imports this module)."""
+    from . import daaf_hopper  # noqa: PLC0415
+
+    return daaf_hopper
+
+
+def impl_names() -> tuple[str, ...]:
+    """Every ``impl`` :func:`prepare` accepts: :data:`IMPLS` and the Hopper kernels (``daaf_hopper.IMPLS``)."""
+    return IMPLS + tuple(_hopper().IMPLS)
+
+
+def _norm_cc(cc: Any) -> str:
+    """A compute capability as CuPy spells it ("90"), from "90", "9.0", 90 or (9, 0)."""
+    if isinstance(cc, tuple):
+        return "".join(str(int(c)) for c in cc)
+    return "".join(ch for ch in str(cc) if ch.isdigit())
+
+
+def _check_hopper(impl: str, elem: str, D: int, Dv: int, cc: Any) -> None:
+    var = _hopper().VARIANTS[impl]
+    if elem not in var.elems or D != Dv or D not in var.dims:
+        raise ValueError(f"impl={impl!r} needs {'/'.join(var.elems)} inputs with D == Dv in {var.dims}; got {elem}, "
+                         f"D={D}, Dv={Dv} (use impl='auto')")
+    if cc is not None and _norm_cc(cc) != HOPPER_CC:
+        here = f"sm_{_norm_cc(cc)}" if _norm_cc(cc) else "of unknown compute capability"
+        raise ValueError(f"impl={impl!r} is a Hopper kernel (sm_90a): it needs compute capability 9.0, this device "
+                         f"is {here} (use impl='auto', 'tc2' or 'tc')")
+
+
+def _hopper_for(order: tuple[str, ...], elem: str, D: int) -> str | None:
+    variants = _hopper().VARIANTS
+    for name in order:
+        var = variants.get(name)
+        if var is not None and elem in var.elems and D in var.dims:
+            return name
+    return None
+
+
+def auto_choice(elem: str, D: int, Dv: int, plan: Any = None, cc: Any = None) -> tuple[str, int | None]:
+    """``(impl, sched)`` that ``impl="auto"`` means (``sched`` None: not a Hopper kernel); see the module
+    docstring. ``plan``: a :class:`DevicePlan` (its host fields ``n_global``, ``n_regions``; None: key regions
+    assumed, their layout unknown); ``cc``: the device's compute capability ("90"; None: unknown, no Hopper)."""
+    if not (elem in ("f16", "bf16") and D == Dv and D in TC_DIMS):
+        return "simple", None
+    if cc is None or _norm_cc(cc) != HOPPER_CC:
+        return AUTO_TC, None
+    dh = _hopper()
+    choose = getattr(dh, "choose_impl", None)
+    if choose is not None and plan is not None:
+        got = choose(plan, elem, D)
+        if got is not None:
+            name, sched = got if isinstance(got, tuple) else (got, None)
+            resolve_impl(name, elem, D, Dv, cc=cc)  # a choice that does not exist here raises
+            if name not in dh.VARIANTS:
+                return name, None
+            return name, AUTO_SCHED if sched is None else int(sched)
+    if plan is not None and plan.n_global == 0:
+        return AUTO_WINDOW, None
+    one_span = plan is not None and plan.n_regions is not None and plan.n_regions <= 1
+    name = _hopper_for(AUTO_HOPPER_ONE_SPAN if one_span else AUTO_HOPPER_SPANS, elem, D)
+    return (name, AUTO_SCHED) if name is not None else (AUTO_WINDOW, None)
+
+
+#: whether a Hopper kernel's module builds and loads: (id(runtime), device, kernel name) -> bool
+_HOPPER_USABLE: dict[tuple[int, int, str], bool] = {}
+
+
+def _hopper_usable(kernel: str) -> bool:
+    """Whether the Hopper kernel ``kernel`` is there (its cubin builds and loads; checked once per device, a
+    failure warned about once): ``"auto"`` falls back to :data:`AUTO_WINDOW` otherwise."""
+    dh = _hopper()
+    rt = dh._runtime()
+    key = (id(rt), _device_id(rt), kernel)
+    ok = _HOPPER_USABLE.get(key)
+    if ok is None:
+        group = dh.GROUPS.get(kernel)
+        ok = True if group is None else bool(rt.available(dh.KERNEL_SOURCE.name, str(group)))
+        _HOPPER_USABLE[key] = ok
+        if not ok:
+            warnings.warn(f"hpczeco.gpu.daaf: the Hopper kernel {kernel} does not build here "
+                          f"({getattr(rt, 'errors', {})}); impl='auto' uses {AUTO_WINDOW!r} instead",
+                          RuntimeWarning, stacklevel=3)
+    return ok
+
+
+def resolve_impl(impl: str, elem: str, D: int, Dv: int, plan: Any = None, cc: Any = None) -> str:
+    """The kernel family ``impl`` means for element type ``elem`` ("f32"/"f16"/"bf16") and head dims.
+
+    ``plan`` and ``cc`` (the device's compute capability, "90"; None: not checked, and ``"auto"`` stays off the
+    Hopper kernels) matter for ``"auto"`` (:func:`auto_choice`) and the Hopper kernels (which need 9.0)."""
     if impl == "auto":
-        return AUTO_TC if tc_ok else "simple"
+        return auto_choice(elem, D, Dv, plan, cc)[0]
+    if impl not in IMPLS:
+        if impl in _hopper().VARIANTS:
+            _check_hopper(impl, elem, D, Dv, cc)
+            return impl
+        raise ValueError(f"impl must be one of {impl_names()}, got {impl!r}")
+    tc_ok = elem in ("f16", "bf16") and D == Dv and D in TC_DIMS
     if impl in TC_MTILES and not tc_ok:
         raise ValueError(f"impl={impl!r} needs float16/bfloat16 inputs with D == Dv in {TC_DIMS}; got {elem}, "
                          f"D={D}, Dv={Dv} (use impl='simple' or 'auto')")
@@ -128,6 +245,33 @@ def _runtime():
 def _set_runtime(rt: Any) -> Any:
     """Testing hook: run the wrappers on another runtime (e.g. the CPU emulation); returns the old one."""
     return _SLOT.set(rt)
+
+
+#: compute capability by (xp, device id): a driver attribute, looked up once
+_CC: dict[tuple[int, int], str] = {}
+
+
+def compute_capability(rt: Any = None) -> str | None:
+    """The compute capability of the current device as CuPy spells it ("90"), None when unknown. A runtime
+    with a ``compute_capability`` attribute (the CPU emulation, in tests) answers for itself. No device read
+    (a driver attribute, cached per device)."""
+    rt = _runtime() if rt is None else rt
+    own = getattr(rt, "compute_capability", None)
+    if own is not None:
+        return _norm_cc(own) or None
+    cuda = getattr(rt.xp, "cuda", None)
+    if cuda is None:
+        return None
+    dev = _device_id(rt)
+    key = (id(rt.xp), dev)
+    got = _CC.get(key)
+    if got is None:
+        try:
+            got = _norm_cc(cuda.Device(dev).compute_capability)
+        except AttributeError:  # a stand-in without the attribute
+            got = ""
+        _CC[key] = got
+    return got or None
 
 
 def _smem_of(name: str) -> int:
@@ -177,6 +321,16 @@ class DevicePlan:
         self.info = dict(info or {})
         # the kernels get a valid pointer even without key-region tokens
         self._gidx_arg = global_idx if self.n_global else get_array_module(global_idx).zeros(1, dtype=np.int32)
+
+    @property
+    def n_regions(self) -> int | None:
+        """Key-region spans (runs of consecutive key-region tokens): ``info["n_regions"]`` (the planners
+        know it), else counted once from ``host_idx``; None when neither is known (a device index)."""
+        got = self.info.get("n_regions")
+        if got is None and self.host_idx is not None:
+            h = self.host_idx
+            got = self.info["n_regions"] = 0 if h.size == 0 else 1 + int(np.count_nonzero(np.diff(h) != 1))
+        return None if got is None else int(got)
 
     def with_window(self, local_window: int) -> DevicePlan:
         """The same key regions (the same device arrays) with another local window."""
@@ -434,8 +588,8 @@ def _elem_of(x: Any, storage: str | None) -> str:
 class Prepared:
     """One ready launch: ``p()`` runs the kernel on the current stream and returns the output array."""
 
-    def __init__(self, launch, out, impl: str, name: str):
-        self.launch, self.out, self.impl, self.name = launch, out, impl, name
+    def __init__(self, launch, out, impl: str, name: str, sched: int | None = None):
+        self.launch, self.out, self.impl, self.name, self.sched = launch, out, impl, name, sched
 
     def __call__(self):
         self.launch()
@@ -444,14 +598,18 @@ class Prepared:
 
 def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = None,
             is_global_query_mask: Any = None, *, impl: str = "auto", storage: str | None = None,
-            validate: bool = True, out=None, reverse: bool = True, plan: Any = None) -> Prepared:
+            validate: bool = True, out=None, reverse: bool = True, plan: Any = None,
+            sched: int | None = None) -> Prepared:
     """Check everything once and return a :class:`Prepared` launch (for repeated calls and timing).
 
     ``reverse`` schedules the last query tiles (the longest rows) first. ``plan``: a :class:`DevicePlan`
     (e.g. from :func:`device_plan` or :func:`hpczeco.gpu.daaf_plan.plan`) or a :class:`hpczeco.daaf.Plan`
     (its device arrays cached, :func:`plan_on_device`); then ``global_idx``, ``local_window`` and
-    ``is_global_query_mask`` are ignored. Nothing here reads the device: the only synchronisations are
-    those :func:`device_plan` documents (none for ``plan=``, none for host ``global_idx`` seen before).
+    ``is_global_query_mask`` are ignored. ``sched``: the Hopper kernels' schedule bits (0..3; default
+    :data:`AUTO_SCHED`, or 2 when ``reverse`` is False); ignored by the other kernels. The result's ``impl``
+    and ``sched`` say what ``"auto"`` chose. Nothing here reads the device: the only synchronisations are
+    those :func:`device_plan` documents (none for ``plan=``, none for host ``global_idx`` seen before); the
+    launch parameters come from the plan's host fields.
     """
     rt = _runtime()
     cupy = rt.xp
@@ -473,7 +631,12 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
     if T >= 2**31 - TC_BLOCK_Q or H > 65535 or B > 65535:
         raise ValueError(f"shape out of range for the kernels: B={B} (<= 65535), T={T}, H={H} (<= 65535)")
     elem = _elem_of(q, storage)
-    kind = resolve_impl(impl, elem, D, Dv)
+    hopper = impl not in IMPLS and impl in _hopper().VARIANTS
+    cc = compute_capability(rt) if (hopper or impl == "auto") else None
+    if impl != "auto":
+        kind = resolve_impl(impl, elem, D, Dv, cc=cc if cc is not None else "unknown")
+    if sched is not None and (check_int("sched", sched, 0) > 3):
+        raise ValueError(f"sched must be in [0, 3], got {sched}")
     if scale is None:
         scale = D**-0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
@@ -487,6 +650,11 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
         plan = plan_on_device(plan)
     if plan.T != T:
         raise ValueError(f"plan covers T={plan.T} tokens, q has T={T}")
+    auto_sched = None
+    if impl == "auto":
+        kind, auto_sched = auto_choice(elem, D, Dv, plan, cc)
+        if kind not in IMPLS and not _hopper_usable(_hopper().kernel_name(kind, elem, D)):
+            kind, auto_sched = AUTO_WINDOW, None
 
     def prep(x):
         if not x.flags.c_contiguous:
@@ -501,6 +669,12 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
     elif not (rt.is_native(out) and out.shape == (B, T, H, Dv) and out.dtype == v.dtype
               and out.flags.c_contiguous and rt.ptr(out) % 16 == 0):
         raise ValueError(f"out must be a C-contiguous CuPy array of shape {(B, T, H, Dv)} and dtype {v.dtype}")
+    if kind not in IMPLS:  # a Hopper kernel (daaf_hopper.py launches it)
+        hs = sched if sched is not None else auto_sched if auto_sched is not None else (
+            AUTO_SCHED if reverse else AUTO_SCHED & ~1)
+        p = _hopper().prepare(q, k, v, plan, scale, impl=kind, storage=storage, out=out, sched=hs)
+        p.sched = hs
+        return p
     if kind == "simple":
         name = f"daaf_simple_{elem}"
         rows = B * T * H
@@ -556,7 +730,7 @@ def _torch_views(q, k, v):
 class _TorchPrepared:
     def __init__(self, prepared: Prepared, out_t, stream_ptr: int, device: int, keep):
         self.prepared, self.out_t, self.stream_ptr, self.device, self._keep = prepared, out_t, stream_ptr, device, keep
-        self.impl, self.name = prepared.impl, prepared.name
+        self.impl, self.name, self.sched = prepared.impl, prepared.name, prepared.sched
 
     def __call__(self):
         cupy = _runtime().xp
@@ -567,10 +741,10 @@ class _TorchPrepared:
 
 def prepare_torch(q, k, v, global_idx: Any, local_window: int, scale: float | None = None,
                   is_global_query_mask: Any = None, *, impl: str = "auto", validate: bool = True,
-                  reverse: bool = True, plan: Any = None):
+                  reverse: bool = True, plan: Any = None, sched: int | None = None):
     """:func:`prepare` for PyTorch CUDA tensors ``[B, T, H, D]`` (zero-copy DLPack views; launches on
     torch's current stream). Calling the result returns the output tensor (the same tensor each call).
-    ``plan``: a :class:`DevicePlan` to reuse (e.g. across layers)."""
+    ``plan``: a :class:`DevicePlan` to reuse (e.g. across layers); ``sched``: as :func:`prepare`."""
     import torch  # noqa: PLC0415
 
     cupy = _runtime().xp
@@ -586,7 +760,7 @@ def prepare_torch(q, k, v, global_idx: Any, local_window: int, scale: float | No
     with cupy.cuda.Device(dev), cupy.cuda.ExternalStream(stream_ptr):
         cq, ck, cv, co = view(q), view(k), view(v), view(out_t)
         p = prepare(cq, ck, cv, global_idx, local_window, scale, is_global_query_mask, impl=impl,
-                    storage=storage, validate=validate, out=co, reverse=reverse, plan=plan)
+                    storage=storage, validate=validate, out=co, reverse=reverse, plan=plan, sched=sched)
     return _TorchPrepared(p, out_t, stream_ptr, dev, (q, k, v))
 
 

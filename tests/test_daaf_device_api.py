@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 
 import counting_cupy
 import numpy as np
 import pytest
+from helpers import rel_max
 from hpczeco.gpu import daaf as gd
 from hpczeco.gpu import daaf_plan as dpl
 from hpczeco.gpu import emu as gemu
@@ -473,3 +475,116 @@ def test_gpu_torch_per_call_forms(rng):
     _same_plan(dp, planner.plan(tok.cpu().numpy(), 512, 0.8, W), ent_rtol=1e-10)
     o = gd.attention_torch(q[:, :1], k[:, :1], v[:, :1], None, W, plan=dpl.plan_torch(tok[:1], 512, 0.8, W))
     assert o.shape == (1, 1, H, D)
+
+
+# --------------------------------------------------------------------------- Hopper kernels: no sync per call
+
+HOPPER_FAULTS = Path(__file__).resolve().parent / "daaf_hopper_faults.cu"
+
+
+@pytest.fixture(scope="module")
+def hopper_sources():
+    """gpu/daaf.py's kernels (all of them: tc2 is "auto"'s window kernel) and the Hopper kernels (the build of
+    tests/test_daaf_hopper_emu.py, so the compiled library is shared)."""
+    if gemu.compiler() is None:
+        pytest.skip("g++ not found: the CPU emulation of the kernels needs it")
+    from hpczeco.gpu import daaf_hopper as dh
+
+    return ((gd.kernel_source(), gd.kernel_names()),
+            (dh.kernel_source() + "\n" + HOPPER_FAULTS.read_text(), [*dh.GROUPS, "daaf_wgmma_fault_check"]))
+
+
+@pytest.fixture
+def cph(cp, hopper_sources, monkeypatch):
+    """The counting CuPy with the Hopper kernels behind gpu/daaf.py, on a device that says compute capability
+    9.0 (the ``cp`` fixture's runtimes otherwise)."""
+    from hpczeco.gpu import daaf_hopper as dh
+
+    rt = _CountingEmu(*hopper_sources[0], cp)
+    rt.compute_capability = "90"
+    old_a = gd._set_runtime(rt)
+    old_h = dh._set_runtime(_CountingEmu(*hopper_sources[1], cp))
+    yield cp
+    gd._set_runtime(old_a)
+    dh._set_runtime(old_h)
+
+
+def _bf16_qkv(cp, rng, T, H=1, D=128):
+    from hpczeco.base import bf16
+
+    bits = [bf16.to_bits(rng.standard_normal((1, T, H, D)).astype(np.float32)) for _ in range(3)]
+    return [bf16.from_bits(b) for b in bits], [cp.asarray(b) for b in bits]
+
+
+def test_hopper_per_call_costs_no_synchronisation(cph, rng):
+    """Every per-call form on the Hopper kernels ("auto" and named) reads nothing back and uploads nothing once
+    its plan exists; "auto" picks from the plan's host metadata (one span: hwg3; several: hwg64; none: tc2)."""
+    from hpczeco.base import bf16
+
+    from hpczeco.daaf.reference import attention_reference
+
+    cp = cph
+    T, W = 72, 8
+    host, (q, k, v) = _bf16_qkv(cp, rng, T)
+    sb = dict(storage="bfloat16")
+
+    def check(prepare, g, want_impl, n=2):
+        prepare()()  # warm: a cache miss may upload (and synchronise once)
+        cp.reset()
+        cp.state["strict"] = True
+        try:
+            for _ in range(n):  # one call = prepare + launch
+                p = prepare()
+                o = p()
+        finally:
+            cp.state["strict"] = False
+        assert cp.counts == {"sync": 0, "upload": 0}, (want_impl, cp.state["where"])
+        assert p.impl == want_impl
+        ref = attention_reference(*host, g, None, local_window=W)
+        assert rel_max(bf16.from_bits(np.asarray(o)), ref) <= 1e-2, want_impl
+
+    lead = np.zeros(T, bool)
+    lead[:20] = True
+    two = np.zeros(T, bool)
+    two[[*range(10, 18), *range(40, 52)]] = True
+    for g, want in ((lead, "hwg3"), (two, "hwg64"), (np.zeros(T, bool), "tc2")):
+        gi = np.flatnonzero(g).astype(np.int32)
+        check(lambda gi=gi: gd.prepare(q, k, v, gi, W, **sb), g, want)  # host index: checked on the host
+        check(lambda gi=gi, g=g: gd.prepare(q, k, v, gi, W, None, g, **sb), g, want)
+        dp = gd.device_plan(gi, W, T)
+        check(lambda dp=dp: gd.prepare(q, k, v, None, 0, plan=dp, **sb), g, want)
+        p = planner.plan_from_mask(g, W)
+        check(lambda p=p: gd.prepare(q, k, v, None, 0, plan=p, **sb), g, want)
+    gi = np.flatnonzero(two).astype(np.int32)
+    for impl in ("hwg", "hwg3", "hfa2"):  # named kernels: the same costs
+        check(lambda impl=impl: gd.prepare(q, k, v, gi, W, impl=impl, **sb), two, impl, n=1)
+    # a device index without checks: used in place, no read; its spans are unknown on the host -> hwg64
+    gdev = cp.asarray(np.flatnonzero(lead).astype(np.int32))
+    check(lambda: gd.prepare(q, k, v, gdev, W, validate=False, **sb), lead, "hwg64")
+
+
+def test_hopper_auto_on_the_device_planner(cph, rng):
+    """The device planner's plan (one read back, when it is made) carries the span count "auto" needs: no
+    read per call after it."""
+    from hpczeco.base import bf16
+
+    from hpczeco.daaf.reference import attention_reference
+
+    cp = cph
+    T, W = 96, 8
+    tok = cp.asarray(_stream(rng, [(32, 3), (32, 5000), (32, 2)]))
+    cp.reset()
+    dp = dpl.plan(tok, 32, 0.8, W, threads=32, select_threads=32)
+    assert cp.counts["sync"] == 1 and dp.n_regions == 1 and dp.n_global == 32
+    host, (q, k, v) = _bf16_qkv(cp, rng, T)
+    cp.reset()
+    cp.state["strict"] = True
+    try:
+        p = gd.prepare(q, k, v, None, 0, plan=dp, storage="bfloat16")
+        o = p()
+    finally:
+        cp.state["strict"] = False
+    assert cp.counts == {"sync": 0, "upload": 0} and (p.impl, p.sched) == ("hwg3", gd.AUTO_SCHED)
+    g = np.asarray(dp.gmask).astype(bool)
+    ref = attention_reference(*host, g, None, local_window=W)
+    assert rel_max(bf16.from_bits(np.asarray(o)), ref) <= 1e-2

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +87,92 @@ def test_resolve_impl():
         gd.resolve_impl("tc", "f32", 128, 128)
     with pytest.raises(ValueError, match="D=128"):
         gd.resolve_impl("tc3", "bf16", 64, 64)
+
+
+def _plan(T: int, spans=(), W: int = 16, host: bool = True, info: dict | None = None) -> gd.DevicePlan:
+    """A DevicePlan on numpy arrays: with its host index (``host``) or without (a device index's plan)."""
+    g = _mask(T, spans)
+    gi = np.flatnonzero(g).astype(np.int32)
+    return gd.DevicePlan(gi, g.astype(np.uint8), T, W, host_idx=gi if host else None, info=info)
+
+
+def test_resolve_hopper_impls():
+    from hpczeco.gpu import daaf_hopper as dh
+
+    assert set(dh.IMPLS) <= set(gd.impl_names()) and set(gd.IMPLS) <= set(gd.impl_names())
+    for impl, var in dh.VARIANTS.items():  # every variant resolves for what it supports, on 9.0
+        for e in var.elems:
+            for d in var.dims:
+                assert gd.resolve_impl(impl, e, d, d, cc="90") == impl
+    with pytest.raises(ValueError, match=r"D == Dv in \(128,\)"):
+        gd.resolve_impl("hwg3", "bf16", 64, 64, cc="90")
+    with pytest.raises(ValueError, match="bf16 inputs"):
+        gd.resolve_impl("hwg64", "f16", 128, 128, cc="90")
+    with pytest.raises(ValueError, match="D == Dv"):
+        gd.resolve_impl("hwg", "bf16", 128, 64, cc="90")
+    with pytest.raises(ValueError, match="got f32"):
+        gd.resolve_impl("hfa2", "f32", 128, 128, cc="90")
+    with pytest.raises(ValueError, match="compute capability 9.0, this device is sm_86"):
+        gd.resolve_impl("hwg", "bf16", 128, 128, cc="86")
+    with pytest.raises(ValueError, match="unknown compute capability"):
+        gd.resolve_impl("hwg3", "bf16", 128, 128, cc="unknown")
+    assert gd.resolve_impl("hwg3", "bf16", 128, 128, cc=(9, 0)) == "hwg3"
+    with pytest.raises(ValueError, match="hwg64"):  # the error lists the Hopper kernels too
+        gd.resolve_impl("wgmma", "bf16", 128, 128)
+
+
+def test_auto_choice_by_device_and_plan():
+    """"auto" from the dtype, head dims, compute capability and the plan's host metadata."""
+    window, one, two = _plan(300), _plan(300, [(0, 96)]), _plan(300, [(10, 40), (200, 230)])
+    unknown = _plan(300, [(0, 96)], host=False)  # a device index: its spans are not known on the host
+    assert unknown.n_regions is None and one.n_regions == 1 and two.n_regions == 2 and window.n_regions == 0
+    assert _plan(300, [(0, 96)], host=False, info={"n_regions": 1}).n_regions == 1  # the planners' count
+    choice = gd.auto_choice
+    for p in (None, window, one, two, unknown):  # off 9.0 (or unknown): the tensor-core kernel of any GPU
+        assert choice("bf16", 128, 128, p, None) == (gd.AUTO_TC, None)
+        assert choice("bf16", 128, 128, p, "86") == (gd.AUTO_TC, None)
+        assert choice("f32", 128, 128, p, "90") == ("simple", None)
+        assert choice("bf16", 96, 96, p, "90") == ("simple", None)
+        assert choice("bf16", 128, 64, p, "90") == ("simple", None)
+    assert choice("bf16", 128, 128, window, "90") == (gd.AUTO_WINDOW, None) == ("tc2", None)
+    assert choice("bf16", 128, 128, one, "90") == ("hwg3", gd.AUTO_SCHED)
+    assert choice("bf16", 128, 128, two, "90") == ("hwg64", gd.AUTO_SCHED)
+    assert choice("bf16", 128, 128, unknown, "90") == ("hwg64", gd.AUTO_SCHED)
+    assert choice("bf16", 128, 128, None, "90") == ("hwg64", gd.AUTO_SCHED)
+    for e, d in (("f16", 128), ("bf16", 64), ("f16", 64)):  # hwg3/hwg64 exist for bf16 D=128 only
+        assert choice(e, d, d, one, "90") == ("hwg", gd.AUTO_SCHED)
+        assert choice(e, d, d, two, "90") == ("hwg", gd.AUTO_SCHED)
+        assert choice(e, d, d, window, "90") == ("tc2", None)
+    assert gd.resolve_impl("auto", "bf16", 128, 128, plan=one, cc="90") == "hwg3"
+    assert gd.resolve_impl("auto", "bf16", 128, 128, plan=one) == gd.AUTO_TC
+
+
+def test_auto_choice_defers_to_choose_impl(monkeypatch):
+    """When gpu/daaf_hopper.py has choose_impl(plan, elem, D), "auto" on 9.0 takes its answer (checked)."""
+    from hpczeco.gpu import daaf_hopper as dh
+
+    seen = []
+
+    def choose(plan, elem, D):
+        seen.append((plan.n_global, plan.n_regions, elem, D))
+        return answer
+
+    monkeypatch.setattr(dh, "choose_impl", choose, raising=False)
+    one = _plan(300, [(0, 96)])
+    answer = ("hwg", 1)
+    assert gd.auto_choice("bf16", 128, 128, one, "90") == ("hwg", 1)
+    assert seen == [(96, 1, "bf16", 128)]
+    answer = "hwg1"
+    assert gd.auto_choice("bf16", 128, 128, one, "90") == ("hwg1", gd.AUTO_SCHED)
+    answer = "tc"
+    assert gd.auto_choice("bf16", 128, 128, one, "90") == ("tc", None)
+    answer = None  # no opinion: the built-in rule
+    assert gd.auto_choice("bf16", 128, 128, one, "90") == ("hwg3", gd.AUTO_SCHED)
+    answer = "hwg3"  # a choice that does not exist for these inputs is an error, not a silent fallback
+    with pytest.raises(ValueError, match="bf16 inputs"):
+        gd.auto_choice("f16", 128, 128, one, "90")
+    assert gd.auto_choice("bf16", 128, 128, one, "80") == (gd.AUTO_TC, None)  # only asked on 9.0
+    assert len(seen) == 5
 
 
 # --------------------------------------------------------------------------- nvcc build for sm_90
@@ -203,6 +290,140 @@ def test_emulated_simple_kernel_matches_reference(emu, rng):
     o = gd.attention(q, k, v, gidx, W, D**-0.5, g, impl="simple")
     assert emu.launched == ["daaf_simple_f32"]
     assert rel_max(o, reference_attention(q, k, v, g, W)) <= TOL["f32"]
+
+
+# --------------------------------------------------------------------------- the Hopper kernels through gpu/daaf.py
+
+FAULTS = Path(__file__).resolve().parent / "daaf_hopper_faults.cu"
+
+
+@pytest.fixture(scope="module")
+def hopper_emu(emu):
+    """The Hopper kernels on the CPU emulation behind gpu/daaf.py's wrappers, on a device that says compute
+    capability 9.0 (the same build as tests/test_daaf_hopper_emu.py's, so the compiled library is shared)."""
+    from hpczeco.gpu import daaf_hopper as dh
+
+    hrt = gemu.EmuRuntime(dh.kernel_source() + "\n" + FAULTS.read_text(), [*dh.GROUPS, "daaf_wgmma_fault_check"])
+    old = dh._set_runtime(hrt)
+    emu.compute_capability = "90"
+    yield hrt
+    del emu.compute_capability
+    dh._set_runtime(old)
+
+
+def _bits_of(x, elem):
+    if elem == "bf16":
+        h = bf16.to_bits(x)
+        return h, bf16.from_bits(h)
+    h = x.astype(np.float16).view(np.uint16)
+    return h, h.view(np.float16).astype(np.float32)
+
+
+def _vals_of(o, elem):
+    return bf16.from_bits(o) if elem == "bf16" else o.view(np.float16).astype(np.float32)
+
+
+def _emu_run(q, k, v, gidx, W, elem, mask=None, **kw):
+    """gd.prepare on 16-bit bits of float inputs: (Prepared, output as float32, float64 reference)."""
+    (hq, fq), (hk, fk), (hv, fv) = (_bits_of(x, elem) for x in (q, k, v))
+    storage = "bfloat16" if elem == "bf16" else "float16"
+    p = gd.prepare(hq, hk, hv, gidx, W, None, mask, storage=storage, **kw)
+    out = _vals_of(p(), elem)
+    T = q.shape[1]
+    g = np.zeros(T, bool)
+    if kw.get("plan") is not None:
+        g = np.asarray(kw["plan"].gmask if isinstance(kw["plan"], gd.DevicePlan) else kw["plan"].global_mask, bool)
+    else:
+        g[np.asarray(gidx, dtype=np.int64)] = True
+    return p, out, reference_attention(fq, fk, fv, g, W)
+
+
+HOPPER_CASES = [("hwg", "bf16", 64), ("hwg", "f16", 128), ("hwg64", "bf16", 128), ("hwg3", "bf16", 128),
+                ("hwg1", "bf16", 128), ("hwg_nosw", "bf16", 128), ("hfa2", "f16", 64), ("hfa2s2", "bf16", 128)]
+
+
+def test_hopper_cases_cover_every_variant():
+    from hpczeco.gpu import daaf_hopper as dh
+
+    missing = set(dh.IMPLS) - {c[0] for c in HOPPER_CASES}
+    assert not missing, f"add the new Hopper variants to HOPPER_CASES: {missing}"
+
+
+@pytest.mark.parametrize("impl,elem,D", HOPPER_CASES)
+def test_emulated_hopper_impls_through_daaf_py(hopper_emu, rng, impl, elem, D):
+    """Each Hopper kernel named through gd.prepare (host index, host mask, both schedules' reverse bit): the
+    float64 reference, and the emulated tc2 kernel on the same inputs."""
+    from hpczeco.gpu import daaf_hopper as dh
+
+    T, W = 130, 16
+    g = _mask(T, [(10, 40), (90, 100)])
+    q, k, v = daaf_inputs(rng, 1, T, 2 if impl == "hwg3" else 1, D)  # (emulation time: one head mostly)
+    gidx = np.flatnonzero(g)
+    for reverse, want_sched in ((True, 3), (False, 2)):
+        hopper_emu.launched.clear()
+        p, out, ref = _emu_run(q, k, v, gidx, W, elem, g, impl=impl, reverse=reverse)
+        assert (p.impl, p.sched, p.name) == (impl, want_sched, dh.kernel_name(impl, elem, D))
+        assert hopper_emu.launched == [p.name]
+        assert rel_max(out, ref) <= TOL[elem], (impl, reverse)
+    _, out_tc2, _ = _emu_run(q, k, v, gidx, W, elem, g, impl="tc2")
+    assert rel_max(out, out_tc2) <= 2 * TOL[elem]
+
+
+def test_emulated_auto_choice(hopper_emu, emu, rng):
+    """impl="auto" on a 9.0 device: tc2 without key regions, hwg3 for one span, hwg64 for several spans or
+    an index whose spans the host does not know; each output equals the reference."""
+    from hpczeco.gpu import daaf_plan as dpl
+
+    import hpczeco.daaf as daaf
+
+    T, W, D = 160, 16, 128
+    q, k, v = daaf_inputs(rng, 1, T, 1, D)
+    lead = np.flatnonzero(_mask(T, [(0, 48)]))
+    two = np.flatnonzero(_mask(T, [(20, 40), (100, 120)]))
+    cases = [  # (index or plan, what "auto" must pick)
+        (dict(gidx=np.zeros(0, np.int32)), "tc2"),
+        (dict(gidx=list(lead)), "hwg3"),  # a host list: its spans are counted on the host
+        (dict(gidx=None, plan=daaf.plan_from_mask(_mask(T, [(0, 48)]), W)), "hwg3"),  # a Plan: its regions
+        (dict(gidx=list(two)), "hwg64"),
+        (dict(gidx=lead.astype(np.int32)), "hwg64"),  # numpy is device memory here: spans unknown on the host
+    ]
+    tok = np.concatenate([rng.integers(0, 3, 64), rng.integers(0, 5000, 32), rng.integers(0, 3, 32),
+                          rng.integers(0, 5000, 32)])
+    dp = dpl.plan(tok, 32, 0.8, W, threads=32, select_threads=32)  # the device planner: its n_regions
+    assert dp.n_regions == 2 and dp.n_global == 64
+    cases.append((dict(gidx=None, plan=dp), "hwg64"))
+    for kw, want in cases:
+        gidx = kw.pop("gidx")
+        p, out, ref = _emu_run(q, k, v, gidx, W, "bf16", **kw)
+        assert p.impl == want, (kw, p.impl)
+        assert p.sched == (None if want == "tc2" else gd.AUTO_SCHED)
+        assert rel_max(out, ref) <= TOL["bf16"], want
+
+
+def test_emulated_hopper_errors(hopper_emu, emu, rng):
+    T = 64
+    q, k, v = daaf_inputs(rng, 1, T, 1, 128)
+    bits = [bf16.to_bits(x) for x in (q, k, v)]
+    gi = np.array([3, 4, 5], np.int32)
+    with pytest.raises(ValueError, match="bf16/f16 inputs"):  # float32
+        gd.prepare(q, k, v, gi, 8, impl="hwg")
+    with pytest.raises(ValueError, match=r"D == Dv in \(128,\)"):
+        gd.prepare(*(b[..., :64].copy() for b in bits), gi, 8, impl="hwg3", storage="bfloat16")
+    with pytest.raises(ValueError, match="D == Dv"):
+        gd.prepare(bits[0], bits[1], bits[2][..., :64].copy(), gi, 8, impl="hwg", storage="bfloat16")
+    with pytest.raises(ValueError, match="sched must be in"):
+        gd.prepare(*bits, gi, 8, impl="hwg", storage="bfloat16", sched=4)
+    emu.compute_capability = "86"
+    try:
+        with pytest.raises(ValueError, match="compute capability 9.0, this device is sm_86"):
+            gd.prepare(*bits, gi, 8, impl="hwg3", storage="bfloat16")
+        emu.launched.clear()
+        p = gd.prepare(*bits, gi, 8, storage="bfloat16")  # "auto" off 9.0: the tensor-core kernel
+        assert (p.impl, p.sched) == (gd.AUTO_TC, None)
+        p()
+        assert emu.launched == ["daaf_tc_bf16_d128"]
+    finally:
+        emu.compute_capability = "90"
 
 
 # --------------------------------------------------------------------------- Numba kernels under the CUDA simulator
@@ -327,3 +548,83 @@ def test_gpu_bad_inputs_raise():
         gd.attention(q, q, q, np.array([], np.int32), -1)
     with pytest.raises(TypeError, match="storage"):
         gd.attention(q.view(cp.uint16), q.view(cp.uint16), q.view(cp.uint16), np.array([], np.int32), 4)
+
+
+def test_emulated_auto_falls_back_when_hopper_cubins_fail(hopper_emu, emu, rng, monkeypatch):
+    """A Hopper module that does not build here: "auto" warns once and takes tc2 (whose output is right)."""
+    monkeypatch.setattr(gd, "_HOPPER_USABLE", {})
+    monkeypatch.setattr(hopper_emu, "available", lambda file, group=None: False)
+    T = 64
+    q, k, v = daaf_inputs(rng, 1, T, 1, 128)
+    bits = [bf16.to_bits(x) for x in (q, k, v)]
+    gi = list(range(0, 20))
+    with pytest.warns(RuntimeWarning, match="does not build here"):
+        p = gd.prepare(*bits, gi, 8, storage="bfloat16")
+    assert p.impl == "tc2"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p = gd.prepare(*bits, gi, 8, storage="bfloat16")
+    assert p.impl == "tc2" and not caught  # warned once
+    p()
+    out, ref = _vals_of(p.out, "bf16"), reference_attention(*(bf16.from_bits(b) for b in bits),
+                                                           np.arange(T) < 20, 8)
+    assert rel_max(out, ref) <= TOL["bf16"]
+
+
+# --------------------------------------------------------------------------- the benchmark's host side
+
+
+def test_bench_parser_bound_and_table():
+    from hpczeco.drivers import bench_gpu_daaf as bench
+
+    args = bench.build_parser("x").parse_args([])
+    assert bench._csv(args.impls)[0] == "auto" and args.ttft_impl == "auto" and args.models == "small,7b"
+    assert bench.build_parser("x").parse_args(["--no-model"]).no_ttft  # the former option still works
+    assert set(bench._csv(bench.DEFAULT_IMPLS)) <= set(gd.impl_names())
+    assert bench.amdahl(0.0) == 1.0 and bench.amdahl(0.5) == pytest.approx(2.0) and bench.amdahl(0.75) == 4.0
+    assert bench.tflops(10**6, 16, 128, 1.0) == pytest.approx(4 * 10**6 * 16 * 128 / 1e9)
+    shapes = bench._model_shapes(args)
+    assert shapes["7b"] == dict(layers=2, H=32, D=128, mlp="swiglu", ffn=11008)
+    assert shapes["small"]["H"] * shapes["small"]["D"] == 2048 and shapes["small"]["ffn"] == 8192
+    tables = {
+        "timings": [{"T": 8192, "plan": "w128+8x512", "method": "daaf-auto", "choice": "hwg64/s3", "median_ms": 0.5,
+                     "tflops": 300.0, "vs_flex": 0.77}, {"name": "T=8192 flex", "error": "boom"}],
+        "api": [{"T": 8192, "plan": "w128", "form": "attention_torch(plan=Plan)", "stream_ms": 0.12,
+                 "synced_ms": 0.2, "stream_ratio": 1.02, "synced_ratio": 1.4}],
+        "ttft": [{"model": "7b", "T": 32768, "impl": "hwg64/s3", "ttft_exact_ms": 100.0, "ttft_daaf_ms": 60.0,
+                  "speedup": 100 / 60, "amdahl_bound": 2.0, "of_bound": 100 / 120, "attn_fraction_exact": 0.5,
+                  "plan_ms": 0.3, "hidden_rel_err": 0.1, "needle_daaf_key_pct": 100.0},
+                 {"model": "7b", "T": 131072, "skipped": "out of memory"}],
+    }
+    text = bench.table(tables)
+    assert "hwg64/s3" in text and "0.77x" in text and "boom" in text and "1.40" in text
+    row = next(line for line in text.splitlines() if line.startswith("7b") and "32768" in line).split()
+    assert row[5:9] == ["1.67x", "2.00x", "83%", "50%"] and row[-1] == "100%"
+    assert "skipped: out of memory" in text
+
+
+def test_bench_model_on_cpu():
+    """The TTFT models' prefill (GELU and SwiGLU MLPs) on the CPU: contiguous [1, T, H, D] q/k/v into the
+    attention, the shapes out, and the same result for the same seed."""
+    torch = pytest.importorskip("torch")
+    from hpczeco.drivers.gpu_daaf_model import TinyModel
+
+    seen = []
+
+    def attn(q, k, v):
+        seen.append((tuple(q.shape), q.is_contiguous() and k.is_contiguous() and v.is_contiguous()))
+        qh, kh, vh = (x.transpose(1, 2).float() for x in (q, k, v))
+        return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(1, 2).to(q.dtype)
+
+    tok = torch.randint(0, 50, (24,))
+    for mlp, ffn in (("gelu", None), ("swiglu", 40)):
+        m = TinyModel(2, 2, 8, 2.0, 50, seed=3, mlp=mlp, ffn=ffn, device="cpu")
+        assert m.ffn == (32 if ffn is None else 40) and ("wg" in m.layers[0]) == (mlp == "swiglu")
+        h, logits = m.prefill(tok, attn)
+        assert h.shape == (24, 16) and logits.shape == (50,) and bool(torch.isfinite(logits.float()).all())
+        h2, _ = TinyModel(2, 2, 8, 2.0, 50, seed=3, mlp=mlp, ffn=ffn, device="cpu").prefill(tok, attn)
+        assert torch.equal(h, h2)
+        assert m.param_bytes() == 2 * (50 * 16 + 2 * (4 * 16 * 16 + (3 if mlp == "swiglu" else 2) * 16 * m.ffn))
+    assert seen and all(s == ((1, 24, 2, 8), True) for s in seen)
+    with pytest.raises(ValueError, match="mlp"):
+        TinyModel(1, 1, 8, 2.0, 10, seed=0, mlp="relu", device="cpu")

@@ -1,5 +1,6 @@
 """The DAAF GPU kernels (:mod:`hpczeco.gpu.daaf`, :mod:`hpczeco.gpu.daaf_numba`) at the shapes the GPU machine
-runs: every kernel family (simple, tc, tc2, tc3) in fp32/fp16/bf16 against the float64 reference
+runs: every kernel family (simple, tc, tc2, tc3; on compute capability 9.0 the Hopper kernels through
+``hpczeco.gpu.daaf``, also against tc2, and what ``impl="auto"`` picks) in fp32/fp16/bf16 against the float64 reference
 (``hpczeco.daaf.reference``) on small random inputs over several T, local windows and key-region sets;
 the Numba entropy scan, mask compaction and threshold plan against the CPU planner; medium T against
 PyTorch SDPA with an explicit boolean mask; the benchmark's plans against FlexAttention; the device plan
@@ -62,6 +63,100 @@ def kernel_cases() -> list[tuple]:
 
 
 KERNEL_CASES = kernel_cases()
+
+
+def _is_hopper_impl(impl: str) -> bool:
+    from hpczeco.gpu import daaf as gd
+
+    return impl not in gd.IMPLS
+
+
+def _hopper_or_skip() -> None:
+    """Skip unless the current device is compute capability 9.0 (the Hopper kernels are sm_90a cubins)."""
+    from hpczeco.gpu import daaf as gd
+
+    cc = gd.compute_capability()
+    if cc != gd.HOPPER_CC:
+        pytest.skip(f"the Hopper kernels need compute capability 9.0, this device is {cc}")
+
+
+def hopper_cases() -> list[tuple]:
+    """(impl, elem, B, T, H, D, W, key-region set): each Hopper variant on each dtype and D it has, over T,
+    windows and key-region sets (fewer per variant than the tc families: every variant shares its loops)."""
+    from hpczeco.gpu import daaf_hopper as dh
+
+    Ts = (1, 63, 64, 65, 200, 700)
+    kinds = ("none", "regions", "scatter", "all", "first70")
+    Ws = (0, 1, 16, 128, 10**6)
+    out = []
+    n = 0
+    for impl, var in dh.VARIANTS.items():
+        for elem in var.elems:
+            for D in var.dims:
+                for T in Ts:
+                    out.append((impl, elem, 2 if T < 500 else 1, T, 2, D, Ws[n % len(Ws)], kinds[n % len(kinds)]))
+                    n += 1
+    return out
+
+
+HOPPER_CASES = hopper_cases()
+
+
+@pytest.mark.parametrize("impl,elem,B,T,H,D,W,kind", HOPPER_CASES,
+                         ids=["{}-{}-B{}T{}H{}D{}W{}-{}".format(*c) for c in HOPPER_CASES])
+def test_hopper_kernel_matches_reference(rng, impl, elem, B, T, H, D, W, kind):
+    """The Hopper kernels named through hpczeco.gpu.daaf.attention: the float64 reference, and tc2 on the same
+    inputs (two bf16/fp16 kernels: within twice the tolerance of each other)."""
+    _hopper_or_skip()
+    import cupy as cp
+    from hpczeco.gpu import daaf as gd
+
+    from hpczeco.daaf.reference import attention_reference
+
+    q, k, v = daaf_inputs(rng, B, T, H, D)
+    g = global_set(T, kind, rng)
+    if elem == "bf16":
+        hq, hk, hv = bf16.to_bits(q), bf16.to_bits(k), bf16.to_bits(v)
+        fq, fk, fv = bf16.from_bits(hq), bf16.from_bits(hk), bf16.from_bits(hv)
+    else:
+        hq, hk, hv = (x.astype(np.float16).view(np.uint16) for x in (q, k, v))
+        fq, fk, fv = (x.view(np.float16).astype(np.float32) for x in (hq, hk, hv))
+    storage = "bfloat16" if elem == "bf16" else "float16"
+    args = (cp.asarray(hq), cp.asarray(hk), cp.asarray(hv), np.flatnonzero(g).astype(np.int32), W, None,
+            cp.asarray(g))
+    p = gd.prepare(*args, impl=impl, storage=storage)
+    assert p.impl == impl and p.sched == gd.AUTO_SCHED
+    o = p().get()
+    ref_tc2 = gd.attention(*args, impl="tc2", storage=storage).get()
+    val = (lambda x: bf16.from_bits(x)) if elem == "bf16" else (lambda x: x.view(np.float16).astype(np.float32))
+    err = rel_max(val(o), attention_reference(fq, fk, fv, g, local_window=W))
+    assert err <= TOL[elem], f"max rel err {err:.3g} > {TOL[elem]}"
+    assert rel_max(val(o), val(ref_tc2)) <= 2 * TOL[elem]
+
+
+def test_auto_picks_by_plan_on_hopper(rng):
+    """impl="auto" at the benchmark's plans: what gd.auto_choice says for the plan (without choose_impl in
+    gpu/daaf_hopper.py: tc2 for the window alone, hwg3 for the leading block, hwg64 for 8 regions); the output
+    equals the named kernel's."""
+    _hopper_or_skip()
+    torch = _torch()
+    from hpczeco.drivers.gpu_daaf_model import bench_plans
+    from hpczeco.gpu import daaf as gd
+    from hpczeco.gpu import daaf_hopper as dh
+
+    T, H, D, W = 8192, 4, 128, 128
+    q, k, v = (torch.randn(1, T, H, D, device="cuda").to(torch.bfloat16) for _ in range(3))
+    rule = {"w128": "tc2", "w128+first4096": "hwg3", "w128+8x512": "hwg64"}
+    for pname, g in bench_plans(T).items():
+        gidx = np.flatnonzero(g).astype(np.int32)
+        dp = gd.device_plan(gidx, W, T)
+        want = gd.auto_choice("bf16", D, D, dp, "90")
+        if not hasattr(dh, "choose_impl"):
+            assert want[0] == rule[pname], (pname, want)
+        p = gd.prepare_torch(q, k, v, None, W, plan=dp)
+        assert (p.impl, p.sched) == want, pname
+        named = gd.attention_torch(q, k, v, None, W, plan=dp, impl=want[0])
+        assert torch.equal(p(), named), pname
 
 
 @pytest.mark.parametrize("impl,elem,B,T,H,D,Dv,W,kind", KERNEL_CASES,
@@ -170,11 +265,14 @@ SDPA_CASES = [(4096, 8, "regions", 128), (8192, 4, "first4096", 128), (16384, 2,
 
 
 @pytest.mark.parametrize("impl,elem", [("simple", "f32"), ("simple", "bf16"), ("tc", "bf16"), ("tc2", "bf16"),
-                                       ("tc3", "bf16")])
+                                       ("tc3", "bf16"), ("auto", "bf16"), ("hwg", "bf16"), ("hwg64", "bf16"),
+                                       ("hwg3", "bf16"), ("hfa2", "bf16")])
 @pytest.mark.parametrize("T,H,kind,W", SDPA_CASES)
 def test_kernel_matches_sdpa_with_boolean_mask(rng, T, H, kind, W, impl, elem):
     """Medium T against PyTorch SDPA in fp32 with the DAAF rule as an explicit boolean mask."""
     torch = _torch()
+    if _is_hopper_impl(impl):
+        _hopper_or_skip()
     from hpczeco.drivers.gpu_daaf_model import allowed_mask_torch, bench_plans
     from hpczeco.gpu import daaf as gd
 
@@ -202,10 +300,12 @@ def test_kernel_matches_sdpa_with_boolean_mask(rng, T, H, kind, W, impl, elem):
     assert err <= TOL[elem], f"max rel err {err:.3g} > {TOL[elem]}"
 
 
-@pytest.mark.parametrize("impl", ["simple", "tc", "tc2", "tc3"])
+@pytest.mark.parametrize("impl", ["simple", "tc", "tc2", "tc3", "auto", "hwg", "hwg64", "hwg3", "hfa2"])
 def test_bench_plans_match_flex_attention(rng, impl):
     """The timed plans of `hpczeco bench gpu-daaf` at T = 8192: DAAF output vs FlexAttention's (both bf16)."""
     torch = _torch()
+    if _is_hopper_impl(impl):
+        _hopper_or_skip()
     pytest.importorskip("torch.nn.attention.flex_attention")
     from hpczeco.drivers.gpu_daaf_model import bench_plans, make_flex
     from hpczeco.gpu import daaf as gd
@@ -243,10 +343,14 @@ def test_device_plan_finds_planted_key_regions(rng, T):
     assert int((cp.asnumpy(dp.gmask).astype(bool) != expect).sum()) == 0
 
 
-@pytest.mark.parametrize("T,impl", [(8192, "tc"), (32768, "tc"), (131072, "tc"), (32768, "tc2"), (32768, "tc3")])
+@pytest.mark.parametrize("T,impl", [(8192, "tc"), (32768, "tc"), (131072, "tc"), (32768, "tc2"), (32768, "tc3"),
+                                    (8192, "auto"), (32768, "auto"), (131072, "auto"), (32768, "hwg64"),
+                                    (32768, "hwg3")])
 def test_needles_in_key_regions_are_retrieved(rng, T, impl):
     """A key/value planted in each key region is returned, in every head, to the query that matches it."""
     torch = _torch()
+    if _is_hopper_impl(impl):
+        _hopper_or_skip()
     from hpczeco.drivers.gpu_daaf_model import needle_rates, synthetic_tokens
 
     torch.manual_seed(int(rng.integers(2**31)))  # the needles' q, k, v come from torch's generator
