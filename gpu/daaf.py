@@ -153,7 +153,7 @@ def auto_choice(elem: str, D: int, Dv: int, plan: Any = None, cc: Any = None) ->
     dh = _hopper()
     choose = getattr(dh, "choose_impl", None)
     if choose is not None and plan is not None:
-        got = choose(plan, elem, D)
+        got = choose(plan, D=D, cc=cc, elem=elem)
         if got is not None:
             name, sched = got if isinstance(got, tuple) else (got, None)
             resolve_impl(name, elem, D, Dv, cc=cc)  # a choice that does not exist here raises

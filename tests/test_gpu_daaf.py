@@ -121,8 +121,12 @@ def test_resolve_hopper_impls():
         gd.resolve_impl("wgmma", "bf16", 128, 128)
 
 
-def test_auto_choice_by_device_and_plan():
-    """"auto" from the dtype, head dims, compute capability and the plan's host metadata."""
+def test_auto_choice_by_device_and_plan(monkeypatch):
+    """"auto" from the dtype, head dims, compute capability and the plan's host metadata (the built-in rule,
+    without gpu/daaf_hopper.py's choose_impl)."""
+    from hpczeco.gpu import daaf_hopper as dh
+
+    monkeypatch.delattr(dh, "choose_impl", raising=False)
     window, one, two = _plan(300), _plan(300, [(0, 96)]), _plan(300, [(10, 40), (200, 230)])
     unknown = _plan(300, [(0, 96)], host=False)  # a device index: its spans are not known on the host
     assert unknown.n_regions is None and one.n_regions == 1 and two.n_regions == 2 and window.n_regions == 0
@@ -148,12 +152,12 @@ def test_auto_choice_by_device_and_plan():
 
 
 def test_auto_choice_defers_to_choose_impl(monkeypatch):
-    """When gpu/daaf_hopper.py has choose_impl(plan, elem, D), "auto" on 9.0 takes its answer (checked)."""
+    """When gpu/daaf_hopper.py has choose_impl(plan, *, D, cc, elem), "auto" on 9.0 takes its answer (checked)."""
     from hpczeco.gpu import daaf_hopper as dh
 
     seen = []
 
-    def choose(plan, elem, D):
+    def choose(plan, T=None, D=128, cc="90", elem="bf16"):
         seen.append((plan.n_global, plan.n_regions, elem, D))
         return answer
 
@@ -339,7 +343,10 @@ def _emu_run(q, k, v, gidx, W, elem, mask=None, **kw):
 
 
 HOPPER_CASES = [("hwg", "bf16", 64), ("hwg", "f16", 128), ("hwg64", "bf16", 128), ("hwg3", "bf16", 128),
-                ("hwg1", "bf16", 128), ("hwg_nosw", "bf16", 128), ("hfa2", "f16", 64), ("hfa2s2", "bf16", 128)]
+                ("hwg1", "bf16", 128), ("hwg_nosw", "bf16", 128), ("hfa2", "f16", 64), ("hfa2s2", "bf16", 128),
+                ("hws", "f16", 64), ("hwsp", "bf16", 128), ("hws64", "bf16", 128), ("hws3", "bf16", 128),
+                ("hws3p", "bf16", 128), ("hwin", "bf16", 64), ("hwin2", "bf16", 128)]
+WINDOW_ONLY = ("hwin", "hwin2")  # the window kernels take plans without key regions only
 
 
 def test_hopper_cases_cover_every_variant():
@@ -356,7 +363,7 @@ def test_emulated_hopper_impls_through_daaf_py(hopper_emu, rng, impl, elem, D):
     from hpczeco.gpu import daaf_hopper as dh
 
     T, W = 130, 16
-    g = _mask(T, [(10, 40), (90, 100)])
+    g = _mask(T, [] if impl in WINDOW_ONLY else [(10, 40), (90, 100)])
     q, k, v = daaf_inputs(rng, 1, T, 2 if impl == "hwg3" else 1, D)  # (emulation time: one head mostly)
     gidx = np.flatnonzero(g)
     for reverse, want_sched in ((True, 3), (False, 2)):
