@@ -505,8 +505,6 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any
                 sys.stderr.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
             if sigstop_at is not None and sigstop_at == (rank, step):
-                import signal
-
                 sys.stderr.write(f"hpczeco train: fault injection: rank {rank} SIGSTOPs itself in step {step} "
                                  f"at t={time.time():.3f}\n")
                 sys.stderr.flush()

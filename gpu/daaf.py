@@ -21,8 +21,9 @@ Kernels (``impl``):
   bit 0 cleared when ``reverse=False``).
 * ``"auto"`` (:func:`auto_choice`, from the dtype, head dims, the device's compute capability and the
   plan's host metadata only, never a device read): float32 or other head dims -> ``"simple"``; not
-  compute capability 9.0 -> :data:`AUTO_TC` (``"tc"``); on 9.0 ``daaf_hopper.choose_impl(plan, elem, D)``
-  when that function exists and returns a choice, else: no key-region token -> :data:`AUTO_WINDOW`
+  compute capability 9.0 -> :data:`AUTO_TC` (``"tc"``); on 9.0 ``daaf_hopper.choose_impl(plan, D=, cc=,
+  elem=)`` when that function exists and returns a choice (the window kernel ``"hwin"`` for plans without
+  key regions, ``"hwg3"`` for one span, ``"hws"`` for several), else: no key-region token -> :data:`AUTO_WINDOW`
   (``"tc2"``), key regions in one span -> the first of :data:`AUTO_HOPPER_ONE_SPAN` that exists for the
   dtype and D, several spans (or a count the plan does not know) -> the first of
   :data:`AUTO_HOPPER_SPANS`, with ``sched`` :data:`AUTO_SCHED` (:data:`AUTO_WINDOW` instead, with a warning
@@ -81,8 +82,8 @@ IMPLS = ("auto", "tc", "tc2", "tc3", "simple")  # this module's kernels; impl_na
 AUTO_TC = "tc"  # the tensor-core variant "auto" picks off compute capability 9.0
 HOPPER_CC = "90"  # the compute capability the Hopper kernels (sm_90a) run on
 AUTO_WINDOW = "tc2"  # "auto" on compute capability 9.0 without key-region tokens
-AUTO_HOPPER_ONE_SPAN = ("hwg3", "hwg64", "hwg", "hfa2")  # ... key regions in one span (e.g. a leading block)
-AUTO_HOPPER_SPANS = ("hwg64", "hwg", "hwg3", "hfa2")  # ... several spans, or their number unknown
+AUTO_HOPPER_ONE_SPAN = ("hwg3", "hws", "hwg", "hfa2")  # ... key regions in one span (e.g. a leading block)
+AUTO_HOPPER_SPANS = ("hws", "hwg64", "hwg", "hfa2")  # ... several spans, or their number unknown
 AUTO_SCHED = 3  # sched of the Hopper kernels: longest rows first, heads fastest
 TC_MTILES = {"tc": 1, "tc2": 2, "tc3": 1}  # 16-row m-tiles per warp
 TC_BLOCK_Q = 64  # query rows per block per m-tile (DAAF_TC_BR)

@@ -134,10 +134,10 @@ VARIANTS: dict[str, Variant] = {
 IMPLS = tuple(VARIANTS)
 UNIT_SMEM_BYTES = (64 + 128) * 128 * 2 + 1024  # DH_UNIT_SMEM_BYTES
 WIN_MAX_WINDOW = 128  # DH_WIN_WMAX: the window kernels' band covers local_window <= 128
-#: the kernels :func:`choose_impl` returns: plans without key regions (window <= WIN_MAX_WINDOW), and the
-#: rest. Predictions until measured (docs/benchmarks/daaf_hopper_design.md); the device harness prints the
-#: measured best per plan.
-AUTO_IMPLS = {"window": "hwin", "key_regions": "hws"}
+#: the kernels :func:`choose_impl` returns: plans without key regions (window <= WIN_MAX_WINDOW), key
+#: regions in one span (e.g. a leading block), and the rest (several spans, or a count the plan does not
+#: know). The fastest of each kind on one H200 (docs/benchmarks/daaf_hopper_design.md, 2026-12-01).
+AUTO_IMPLS = {"window": "hwin", "one_span": "hwg3", "key_regions": "hws"}
 
 
 def kernel_name(impl: str, elem: str, D: int) -> str:
@@ -373,20 +373,26 @@ def _prefer_max_shared(rt: Any, name: str, smem: int) -> None:
 def choose_impl(plan: Any, T: int | None = None, D: int = 128, cc: str | int = "90", elem: str = "bf16") -> str | None:
     """The kernel of this module for a plan, from its host metadata only (no device access, no sync).
 
-    ``plan``: anything with ``n_global`` and ``local_window`` (and ``T`` when ``T`` is None), e.g. a
-    :class:`hpczeco.gpu.daaf.DevicePlan`; ``cc``: the device's compute capability ("90"); ``elem``: "bf16" or
-    "f16". Plans without key regions and ``local_window <= WIN_MAX_WINDOW`` get :data:`AUTO_IMPLS` ["window"],
-    the others ["key_regions"]; the first of those, "hws", "hwg" that exists for ``elem`` and ``D``. None when
-    no kernel here applies (not compute capability 9.0, or no variant for ``elem`` / ``D``): use gpu/daaf.py's.
+    ``plan``: anything with ``n_global`` and ``local_window`` (``T`` when ``T`` is None; optional
+    ``n_regions``, the number of key-region spans, None when unknown), e.g. a
+    :class:`hpczeco.gpu.daaf.DevicePlan`; ``cc``: the device's compute capability ("90"); ``elem``: "bf16"
+    or "f16". Plans without key regions and ``local_window <= WIN_MAX_WINDOW`` get :data:`AUTO_IMPLS`
+    ["window"]; key regions in one span ["one_span"]; the others ["key_regions"]; the first of that, "hws",
+    "hwg" that exists for ``elem`` and ``D``. None when no kernel here applies (not compute capability 9.0,
+    no variant for ``elem`` / ``D``, or a window-only plan wider than the window kernels): use gpu/daaf.py's.
     """
     if str(cc).replace(".", "") != "90":
         return None
     T = int(plan.T) if T is None else int(T)
-    window_only = int(plan.n_global) == 0 and min(int(plan.local_window), T) <= WIN_MAX_WINDOW
-    key = "window" if window_only else "key_regions"
+    if int(plan.n_global) == 0:
+        if min(int(plan.local_window), T) > WIN_MAX_WINDOW:
+            return None  # the window alone, wider than hwin's band: gpu/daaf.py's window kernel is faster
+        key = "window"
+    else:
+        key = "one_span" if getattr(plan, "n_regions", None) == 1 else "key_regions"
     for impl in (AUTO_IMPLS[key], "hws", "hwg"):
         v = VARIANTS[impl]
-        if elem in v.elems and D in v.dims and (v.kind != "win" or window_only):
+        if elem in v.elems and D in v.dims and (v.kind != "win" or key == "window"):
             return impl
     return None
 

@@ -518,7 +518,7 @@ def _bf16_qkv(cp, rng, T, H=1, D=128):
 
 def test_hopper_per_call_costs_no_synchronisation(cph, rng):
     """Every per-call form on the Hopper kernels ("auto" and named) reads nothing back and uploads nothing once
-    its plan exists; "auto" picks from the plan's host metadata (one span: hwg3; several: hwg64; none: tc2)."""
+    its plan exists; "auto" picks from the plan's host metadata (one span: hwg3; several: hws; none: hwin)."""
     from hpczeco.base import bf16
 
     from hpczeco.daaf.reference import attention_reference
@@ -547,7 +547,7 @@ def test_hopper_per_call_costs_no_synchronisation(cph, rng):
     lead[:20] = True
     two = np.zeros(T, bool)
     two[[*range(10, 18), *range(40, 52)]] = True
-    for g, want in ((lead, "hwg3"), (two, "hwg64"), (np.zeros(T, bool), "tc2")):
+    for g, want in ((lead, "hwg3"), (two, "hws"), (np.zeros(T, bool), "hwin")):
         gi = np.flatnonzero(g).astype(np.int32)
         check(lambda gi=gi: gd.prepare(q, k, v, gi, W, **sb), g, want)  # host index: checked on the host
         check(lambda gi=gi, g=g: gd.prepare(q, k, v, gi, W, None, g, **sb), g, want)
@@ -558,9 +558,9 @@ def test_hopper_per_call_costs_no_synchronisation(cph, rng):
     gi = np.flatnonzero(two).astype(np.int32)
     for impl in ("hwg", "hwg3", "hfa2"):  # named kernels: the same costs
         check(lambda impl=impl: gd.prepare(q, k, v, gi, W, impl=impl, **sb), two, impl, n=1)
-    # a device index without checks: used in place, no read; its spans are unknown on the host -> hwg64
+    # a device index without checks: used in place, no read; its spans are unknown on the host -> hws
     gdev = cp.asarray(np.flatnonzero(lead).astype(np.int32))
-    check(lambda: gd.prepare(q, k, v, gdev, W, validate=False, **sb), lead, "hwg64")
+    check(lambda: gd.prepare(q, k, v, gdev, W, validate=False, **sb), lead, "hws")
 
 
 def test_hopper_auto_on_the_device_planner(cph, rng):

@@ -260,22 +260,28 @@ def test_window_kernel_rejects_other_plans(emu, rng):
 
 
 def test_choose_impl():
-    """The auto rule from host metadata: window-only plans -> the window kernel, key regions -> hws; None off
-    Hopper; element types and head dims the preferred kernel lacks fall back to one that has them."""
+    """The auto rule from host metadata: window-only plans -> the window kernel (None when wider than its band:
+    gpu/daaf.py's), one key-region span -> hwg3, several or unknown -> hws; None off Hopper; element types and
+    head dims the preferred kernel lacks fall back to one that has them."""
     plan = SimpleNamespace(n_global=0, local_window=128, T=32768)
     assert dh.choose_impl(plan) == dh.AUTO_IMPLS["window"] == "hwin"
-    assert dh.choose_impl(SimpleNamespace(n_global=0, local_window=256, T=32768)) == "hws"
+    assert dh.choose_impl(SimpleNamespace(n_global=0, local_window=256, T=32768)) is None
     assert dh.choose_impl(SimpleNamespace(n_global=0, local_window=256, T=100)) == "hwin"  # window clipped to T
-    assert dh.choose_impl(SimpleNamespace(n_global=4096, local_window=128, T=32768)) == "hws"
+    assert dh.choose_impl(SimpleNamespace(n_global=4096, local_window=128, T=32768)) == "hws"  # spans unknown
+    assert dh.choose_impl(SimpleNamespace(n_global=4096, local_window=128, T=32768, n_regions=None)) == "hws"
+    assert dh.choose_impl(SimpleNamespace(n_global=4096, local_window=128, T=32768, n_regions=1)) == "hwg3"
+    assert dh.choose_impl(SimpleNamespace(n_global=4096, local_window=128, T=32768, n_regions=8)) == "hws"
+    assert dh.AUTO_IMPLS["one_span"] == "hwg3" and dh.AUTO_IMPLS["key_regions"] == "hws"
     assert dh.choose_impl(plan, cc="80") is None and dh.choose_impl(plan, cc=90) == "hwin"
     assert dh.choose_impl(plan, D=96) is None
-    for key in ("window", "key_regions"):
+    for n_global, n_regions in ((0, 0), (8, 1), (8, 3), (8, None)):
         for D in (64, 128):
             for elem in ("bf16", "f16"):
-                impl = dh.choose_impl(SimpleNamespace(n_global=0 if key == "window" else 8, local_window=64,
+                impl = dh.choose_impl(SimpleNamespace(n_global=n_global, n_regions=n_regions, local_window=64,
                                                       T=1000), D=D, elem=elem)
                 v = dh.VARIANTS[impl]
-                assert elem in v.elems and D in v.dims, (key, D, elem, impl)
+                assert elem in v.elems and D in v.dims, (n_global, n_regions, D, elem, impl)
+                assert (v.kind == "win") == (n_global == 0), impl
 
 
 # (impl, elem, D, B, H): each variant over the hardest cases; batch and head offsets, both schedules

@@ -140,12 +140,12 @@ def test_auto_choice_by_device_and_plan(monkeypatch):
         assert choice("bf16", 128, 64, p, "90") == ("simple", None)
     assert choice("bf16", 128, 128, window, "90") == (gd.AUTO_WINDOW, None) == ("tc2", None)
     assert choice("bf16", 128, 128, one, "90") == ("hwg3", gd.AUTO_SCHED)
-    assert choice("bf16", 128, 128, two, "90") == ("hwg64", gd.AUTO_SCHED)
-    assert choice("bf16", 128, 128, unknown, "90") == ("hwg64", gd.AUTO_SCHED)
-    assert choice("bf16", 128, 128, None, "90") == ("hwg64", gd.AUTO_SCHED)
-    for e, d in (("f16", 128), ("bf16", 64), ("f16", 64)):  # hwg3/hwg64 exist for bf16 D=128 only
-        assert choice(e, d, d, one, "90") == ("hwg", gd.AUTO_SCHED)
-        assert choice(e, d, d, two, "90") == ("hwg", gd.AUTO_SCHED)
+    assert choice("bf16", 128, 128, two, "90") == ("hws", gd.AUTO_SCHED)
+    assert choice("bf16", 128, 128, unknown, "90") == ("hws", gd.AUTO_SCHED)
+    assert choice("bf16", 128, 128, None, "90") == ("hws", gd.AUTO_SCHED)
+    for e, d in (("f16", 128), ("bf16", 64), ("f16", 64)):  # hwg3 exists for bf16 D=128 only, hws for all four
+        assert choice(e, d, d, one, "90") == ("hws", gd.AUTO_SCHED)
+        assert choice(e, d, d, two, "90") == ("hws", gd.AUTO_SCHED)
         assert choice(e, d, d, window, "90") == ("tc2", None)
     assert gd.resolve_impl("auto", "bf16", 128, 128, plan=one, cc="90") == "hwg3"
     assert gd.resolve_impl("auto", "bf16", 128, 128, plan=one) == gd.AUTO_TC
@@ -377,8 +377,8 @@ def test_emulated_hopper_impls_through_daaf_py(hopper_emu, rng, impl, elem, D):
 
 
 def test_emulated_auto_choice(hopper_emu, emu, rng):
-    """impl="auto" on a 9.0 device: tc2 without key regions, hwg3 for one span, hwg64 for several spans or
-    an index whose spans the host does not know; each output equals the reference."""
+    """impl="auto" on a 9.0 device: the window kernel hwin without key regions, hwg3 for one span, hws for
+    several spans or an index whose spans the host does not know; each output equals the reference."""
     from hpczeco.gpu import daaf_plan as dpl
 
     import hpczeco.daaf as daaf
@@ -388,17 +388,17 @@ def test_emulated_auto_choice(hopper_emu, emu, rng):
     lead = np.flatnonzero(_mask(T, [(0, 48)]))
     two = np.flatnonzero(_mask(T, [(20, 40), (100, 120)]))
     cases = [  # (index or plan, what "auto" must pick)
-        (dict(gidx=np.zeros(0, np.int32)), "tc2"),
+        (dict(gidx=np.zeros(0, np.int32)), "hwin"),
         (dict(gidx=list(lead)), "hwg3"),  # a host list: its spans are counted on the host
         (dict(gidx=None, plan=daaf.plan_from_mask(_mask(T, [(0, 48)]), W)), "hwg3"),  # a Plan: its regions
-        (dict(gidx=list(two)), "hwg64"),
-        (dict(gidx=lead.astype(np.int32)), "hwg64"),  # numpy is device memory here: spans unknown on the host
+        (dict(gidx=list(two)), "hws"),
+        (dict(gidx=lead.astype(np.int32)), "hws"),  # numpy is device memory here: spans unknown on the host
     ]
     tok = np.concatenate([rng.integers(0, 3, 64), rng.integers(0, 5000, 32), rng.integers(0, 3, 32),
                           rng.integers(0, 5000, 32)])
     dp = dpl.plan(tok, 32, 0.8, W, threads=32, select_threads=32)  # the device planner: its n_regions
     assert dp.n_regions == 2 and dp.n_global == 64
-    cases.append((dict(gidx=None, plan=dp), "hwg64"))
+    cases.append((dict(gidx=None, plan=dp), "hws"))
     for kw, want in cases:
         gidx = kw.pop("gidx")
         p, out, ref = _emu_run(q, k, v, gidx, W, "bf16", **kw)
