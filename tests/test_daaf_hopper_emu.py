@@ -368,8 +368,10 @@ def test_gpu_kernels_match_reference(rng, impl):
     cp = _hopper_or_skip()
     from hpczeco.gpu import daaf as gd
 
+    window_only = dh.VARIANTS[impl].kind == "win"  # the window kernels take plans without key regions only
     for T, W, plan in ((1, 0, "none"), (65, 128, "none"), (200, 16, "regions"), (333, 5, "scattered"),
                        (257, 0, "all"), (700, 128, "first")):
+        plan = "none" if window_only else plan
         g = key_regions(T, plan, rng)
         q, k, v = _inputs(rng, 2, T, 2, 128)
         hq, hk, hv = (bf16.to_bits(x) for x in (q, k, v))
