@@ -50,6 +50,7 @@ from .gla import chunk_gla, chunk_gla_bwd, validate_gla_inputs
 from .gla.protocol import split_backward, split_forward
 from .gla.validate import check_chunk_size, check_cu_seqlens, check_document_states, raise_for_flags
 from .gla.varlen import chunk_gla_varlen, chunk_gla_varlen_bwd
+from .gla.workspace import SplitWorkspace
 from .zeco_varlen import RankDocuments, local_rows, owned_rows, rank_documents
 
 __all__ = ["ZeCOGLA", "zeco_gla", "SCANS"]
@@ -113,6 +114,11 @@ class ZeCOGLA:
         profile: synchronise the device at phase boundaries so that ``timings`` hold device time per
             phase (``checks``, ``states``, ``wait``, ``correction``); it costs the overlap of the phases,
             so use it to diagnose, not to benchmark.
+
+    On numpy arrays the layer keeps the phase-split GLA's arrays between calls (a
+    :class:`hpczeco.gla.workspace.SplitWorkspace`: chunk states, q-side operands, state gradients, each about
+    ``B H T K`` values), so that a step touches warm pages; a forward overwrites them, so a backward belongs
+    to the last forward (as before).
     """
 
     def __init__(self, comm, scan: str = "ring", blocks: int | None = None, chunk_size: int = 64,
@@ -134,6 +140,10 @@ class ZeCOGLA:
         self._device = False
         self._side: tuple[int, Any] | None = None  # (device id, side stream of the value checks)
         self._saved: dict[str, Any] | None = None
+        # the numpy split's arrays kept between its phases (chunk states, operands, state gradients), reused
+        # from call to call so that a step touches warm pages; the forward's chunk states in it are the ones
+        # the backward reads, so a forward invalidates the previous forward's saved values before reusing it
+        self._workspace = SplitWorkspace()
         self._final_state = None
         self.documents: RankDocuments | None = None  # with cu_seqlens: this rank's share of the documents
 
@@ -279,8 +289,9 @@ class ZeCOGLA:
         # one path for both backends (hpczeco.gla.protocol): the local pass (queued during the checks on the
         # device), the scan of (a, S_local), the state-independent work while it is in flight (on numpy every
         # product once, polling the scan), then the outputs with the incoming state
+        self._saved = None  # its chunk states live in the workspace that this forward overwrites
         fs = prepared[0] if prepared else split_forward(q, k, v, g, scale=scale, chunk_size=self.chunk_size,
-                                                         check_values=False)
+                                                         check_values=False, workspace=self._workspace)
         tm["states"] = self._now() - t0
         s_in = self._scan_overlapped(fs, fs.a, fs.S_local, init, False, tm)
         t4 = self._now()
@@ -386,7 +397,7 @@ class ZeCOGLA:
         # while it is in flight, then the gradients with the incoming state gradient
         bs = prepared[0] if prepared else split_backward(q, k, v, g, do, scale=scale, initial_state=s_in,
                                                          chunk_size=self.chunk_size, states=sv.get("states"),
-                                                         check_values=False)
+                                                         check_values=False, workspace=self._workspace)
         tm["states"] = self._now() - t0
         D = self._scan_overlapped(bs, a, bs.U, init, True, tm)
         t4 = self._now()

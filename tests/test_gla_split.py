@@ -282,3 +282,63 @@ def test_states_checked(rng):
         BackwardSplit(*args, d["do"], initial_state=d["s0"], chunk_size=16, states=fs.states.astype(np.float32))
     with pytest.raises(ValueError, match="initial_state"):
         BackwardSplit(*args, d["do"], initial_state=None, chunk_size=16, states=fs.states)
+
+
+def _poison(ws) -> None:
+    """Fill every array the workspace holds with NaN: a split that reads what it did not write then fails."""
+    for name in ws.names():
+        x = ws._arrays[name]
+        x.fill(np.nan)
+
+
+@pytest.mark.parametrize("dt", [np.float64, np.float32])
+def test_workspace_reused_across_calls(rng, dt):
+    """A SplitWorkspace handed to one split after another (changing inputs, shapes, chunk sizes, S_in and
+    initial_state; its arrays poisoned with NaN in between) gives the results of fresh splits: chunk_gla /
+    chunk_gla_bwd. Same-shape calls reuse its arrays (no new allocation)."""
+    from hpczeco.gla.workspace import SplitWorkspace
+
+    ws = SplitWorkspace()
+    calls = [(2, 100, 3, 16, 8, 16), (2, 100, 3, 16, 8, 16), (1, 75, 2, 5, 3, 7), (2, 100, 3, 16, 8, 16),
+             (1, 130, 2, 16, 16, 40)]
+    held: dict[str, int] = {}
+    for i, (B, T, H, K, V, cs) in enumerate(calls):
+        d = make(rng, B, T, H, K, V, "mixed", dt)
+        args = (d["q"], d["k"], d["v"], d["g"])
+        S_in = d["s0"] if i % 2 == 0 else None
+        _poison(ws)
+        fs = ForwardSplit(*args, chunk_size=cs, check_values=False, workspace=ws)
+        fs.intra()
+        o, f = fs.finish(S_in)
+        o_ref, f_ref = chunk_gla(*args, initial_state=S_in, output_final_state=True, chunk_size=cs)
+        assert rel(o, o_ref) < TOL[dt] and rel(f, f_ref) < TOL[dt]
+        for states in (fs.states, None):  # the backward with the forward's states, and recomputing them
+            bs = BackwardSplit(*args, d["do"], initial_state=S_in, chunk_size=cs, states=states,
+                               check_values=False, workspace=ws)
+            got = bs.finish(d["dht"])
+            ref = chunk_gla_bwd(*args, d["do"], initial_state=S_in, dht=d["dht"], chunk_size=cs)
+            for x, r in zip(got, ref):
+                assert x.dtype == r.dtype and rel(x, r) < TOL[dt]
+        assert set(ws.names()) == {"fwd.states", "fwd.Qs", "bwd.dHl", "bwd.E", "bwd.states"}
+        ids = {n: id(ws._arrays[n]) for n in ws.names()}
+        if i == 1:  # the second call has the first one's shapes: nothing was allocated anew
+            assert ids == held
+        held = ids
+    nbytes = ws.nbytes
+    assert nbytes > 0
+    ws.clear()
+    assert ws.nbytes == 0 and ws.names() == []
+
+
+def test_workspace_take():
+    from hpczeco.gla.workspace import SplitWorkspace
+
+    ws = SplitWorkspace()
+    a = ws.take("x", (3, 4), np.float32)
+    assert a.shape == (3, 4) and a.dtype == np.float32 and a.flags.c_contiguous
+    assert ws.take("x", (3, 4), np.float32) is a
+    b = ws.take("x", (3, 4), np.float64)  # another dtype replaces it
+    assert b is not a and b.dtype == np.float64 and ws.nbytes == b.nbytes
+    c = ws.take("x", [4, 3], "float64")  # another shape too
+    assert c is not b and c.shape == (4, 3)
+    assert ws.take("y", (2,), np.float32) is not c and ws.names() == ["x", "y"]

@@ -82,6 +82,37 @@ def test_zeco_matches_single_process(comm, rng, topology, dtype, with_states):
         assert dh0 is None
 
 
+def test_layer_reuses_its_workspace_across_calls(comm, rng):
+    """One layer, several steps with fresh inputs (its split arrays reused from step to step, poisoned with NaN
+    in between): every step equals the one-process float64 reference; a second forward before the backward
+    makes the backward that of the second forward; a slice length change reallocates."""
+    P, r = comm.Get_size(), comm.Get_rank()
+    B, H, K, V = 1, 2, 8, 4
+    layer = ZeCOGLA(comm, scan="ring", chunk_size=16)
+    f64 = lambda x: None if x is None else x.astype(np.float64)  # noqa: E731
+    for step, (per_rank, extra_forward) in enumerate([(40, False), (40, True), (40, False), (23, False)]):
+        T = per_rank * P
+        q, k, v, g, do, h0, dht = make_inputs(rng, B, T, H, K, V, np.float32, strong=False)
+        sl = slice(per_rank * r, per_rank * (r + 1))
+        for x in layer._workspace._arrays.values():
+            x.fill(np.nan)
+        if extra_forward:  # a forward of other inputs whose backward never comes
+            other = make_inputs(rng, B, T, H, K, V, np.float32, strong=True)
+            layer.forward(*(x[:, sl] for x in other[:4]))
+        o = layer.forward(q[:, sl], k[:, sl], v[:, sl], g[:, sl], initial_state=h0 if r == 0 else None)
+        grads = layer.backward(do[:, sl], dht=dht if r == P - 1 else None)
+        o_ref, _ = chunk_gla(f64(q), f64(k), f64(v), f64(g), initial_state=f64(h0), output_final_state=True,
+                             chunk_size=16)
+        refs = chunk_gla_bwd(f64(q), f64(k), f64(v), f64(g), f64(do), initial_state=f64(h0), dht=f64(dht),
+                             chunk_size=16)
+        for name, got, ref in zip("o dq dk dv dg".split(), (o, *grads[:4]), (o_ref, *refs[:4])):
+            full = np.concatenate(comm.allgather(np.asarray(got, dtype=np.float64)), axis=1)
+            assert rel(full, ref) < 1e-4, (step, name, rel(full, ref))
+        if r == 0:
+            assert rel(grads[4], refs[4]) < 1e-4
+        assert layer._workspace.nbytes > 0
+
+
 def test_functional_form(comm, rng):
     P, r = comm.Get_size(), comm.Get_rank()
     q, k, v, g, *_ = make_inputs(rng, 1, 24 * P, 2, 4, 4, np.float64, strong=False)

@@ -25,6 +25,7 @@ from ._runner import Poll
 from .device_split import DeviceBackwardSplit, DeviceForwardSplit
 from .split import BackwardSplit, ForwardSplit
 from .varlen_split import PackedBackwardSplit, PackedForwardSplit
+from .workspace import SplitWorkspace
 
 __all__ = ["SplitForward", "SplitBackward", "split_forward", "split_backward"]
 
@@ -81,12 +82,15 @@ class SplitBackward(Protocol):
 
 
 def split_forward(q: Any, k: Any, v: Any, g: Any, scale: float | None = None, chunk_size: int = 64, *,
-                  check_values: bool = True, cu_seqlens: Any = None, initial_state: Any = None) -> SplitForward:
+                  check_values: bool = True, cu_seqlens: Any = None, initial_state: Any = None,
+                  workspace: SplitWorkspace | None = None) -> SplitForward:
     """The forward split for these arrays: :class:`hpczeco.gla.split.ForwardSplit` for numpy (validated as
     :func:`hpczeco.gla.chunk_gla`; ``check_values=False`` skips the value scans), the device adapter for CuPy
     (shapes and dtypes checked by :mod:`hpczeco.gpu.gla`; the value scans are the caller's). With ``cu_seqlens
     [N + 1]``: :class:`hpczeco.gla.varlen_split.PackedForwardSplit` (``initial_state [N, H, K, V]`` or None, the
-    documents' own initial states; ``S_in`` adds to row 0). ``initial_state`` needs ``cu_seqlens``. Local."""
+    documents' own initial states; ``S_in`` adds to row 0). ``initial_state`` needs ``cu_seqlens``. ``workspace``
+    (:class:`hpczeco.gla.workspace.SplitWorkspace`): where the numpy split keeps its arrays between calls (the
+    other forms ignore it). Local."""
     if cu_seqlens is not None:
         return PackedForwardSplit(q, k, v, g, cu_seqlens, scale=scale, initial_state=initial_state,
                                   chunk_size=chunk_size, check_values=check_values)
@@ -94,16 +98,17 @@ def split_forward(q: Any, k: Any, v: Any, g: Any, scale: float | None = None, ch
         raise ValueError("split_forward takes initial_state only with cu_seqlens (else it is finish()'s S_in)")
     if is_device_array(q):
         return DeviceForwardSplit(q, k, v, g, scale=scale, chunk_size=chunk_size)
-    return ForwardSplit(q, k, v, g, scale=scale, chunk_size=chunk_size, check_values=check_values)
+    return ForwardSplit(q, k, v, g, scale=scale, chunk_size=chunk_size, check_values=check_values, workspace=workspace)
 
 
 def split_backward(q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None = None, initial_state: Any = None,
                    chunk_size: int = 64, *, states: Any = None, check_values: bool = True, cu_seqlens: Any = None,
-                   dht: Any = None) -> SplitBackward:
+                   dht: Any = None, workspace: SplitWorkspace | None = None) -> SplitBackward:
     """The backward split for these arrays (``initial_state [B, H, K, V]`` or None; ``states`` from
     :attr:`SplitForward.states` or None), chosen and checked as :func:`split_forward`. With ``cu_seqlens``:
     :class:`hpczeco.gla.varlen_split.PackedBackwardSplit` (``initial_state``, ``dht`` ``[N, H, K, V]`` or None;
-    the ``dht`` handed to ``finish`` adds to row ``N - 1``; ``states`` is not used). Local."""
+    the ``dht`` handed to ``finish`` adds to row ``N - 1``; ``states`` is not used). ``workspace`` as
+    :func:`split_forward`. Local."""
     if cu_seqlens is not None:
         return PackedBackwardSplit(q, k, v, g, do, cu_seqlens, scale=scale, initial_state=initial_state, dht=dht,
                                    chunk_size=chunk_size, check_values=check_values)
@@ -113,4 +118,4 @@ def split_backward(q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None 
         return DeviceBackwardSplit(q, k, v, g, do, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
                                    states=states)
     return BackwardSplit(q, k, v, g, do, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
-                         states=states, check_values=check_values)
+                         states=states, check_values=check_values, workspace=workspace)

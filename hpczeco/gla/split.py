@@ -60,6 +60,7 @@ from ._geometry import Geom, num_chunks
 from ._runner import Poll, Tick, run_units, unit_blocks
 from ._steps import OperandBuffers, a_matrix, exponents, intra_grads, matmul_rows, rows
 from .validate import check_finite_values, check_gla_call, state_dtype_ok
+from .workspace import SplitWorkspace
 
 __all__ = ["ForwardSplit", "BackwardSplit"]
 
@@ -85,7 +86,17 @@ def _check_state(name: str, x: Any, B: int, H: int, K: int, V: int, in_dtype: np
 
 
 class _Split:
-    """What both split classes share: the checked call's sizes and dtypes, and the once-only ``finish``."""
+    """What both split classes share: the checked call's sizes and dtypes, the once-only ``finish``, and
+    the arrays kept between phases (from the workspace if one was given)."""
+
+    _workspace: SplitWorkspace | None = None
+
+    def _kept(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """An uninitialised compute-dtype array kept between the phases: the workspace's ``name`` (reused
+        across calls) or a fresh one."""
+        if self._workspace is None:
+            return np.empty(shape, self.dtype)
+        return self._workspace.take(name, shape, self.dtype)
 
     def _setup(self, q: Any, call: tuple, check_values: bool) -> None:
         B, T, H, K, V, s, chunk_size, cdt = call
@@ -152,8 +163,10 @@ class ForwardSplit(_Split):
     ``states [B, H, N + 1, K, V]`` holds the state entering every chunk and the final state (what
     :class:`BackwardSplit` can take instead of recomputing them). ``q, k, g: [B, T, H, K]``, ``v: [B, T, H,
     V]``; validation and dtypes as :func:`hpczeco.gla.chunk_gla` (``check_values=False`` skips the NaN/Inf
-    and ``g <= 0`` scans for inputs validated by the caller). Local: no communication. Implements
-    :class:`hpczeco.gla.protocol.SplitForward`.
+    and ``g <= 0`` scans for inputs validated by the caller). ``workspace``
+    (:class:`hpczeco.gla.workspace.SplitWorkspace`): where the chunk states and the q-side operands live
+    (reused across calls; ``states`` is then the workspace's array, valid until the next split with it).
+    Local: no communication. Implements :class:`hpczeco.gla.protocol.SplitForward`.
     """
 
     S_local: np.ndarray
@@ -169,10 +182,12 @@ class ForwardSplit(_Split):
         chunk_size: int = 64,
         *,
         check_values: bool = True,
+        workspace: SplitWorkspace | None = None,
     ):
         _check_numpy(q=q, k=k, v=v, g=g)
         call = check_gla_call(q, k, v, g, scale, None, chunk_size, check_values=check_values)
         self._setup(q, call, check_values)
+        self._workspace = workspace
         B, T, H, K, V, _, chunk_size, cdt = call
         self._intra_done = False
         self._states_out: np.ndarray | None = None
@@ -184,7 +199,7 @@ class ForwardSplit(_Split):
         geo = self._geo = Geom(B, T, H, K, V, chunk_size)
         self._q, self._k, self._v, self._g = (np.ascontiguousarray(x, dtype=cdt) for x in (q, k, v, g))
         N = geo.N
-        self._Sst = np.empty((B, H, N + 1, K, V), cdt)  # state entering every chunk (and the end), zero start
+        self._Sst = self._kept("fwd.states", (B, H, N + 1, K, V))  # state entering every chunk (and the end)
         tot = np.empty((B, H, N, K), np.float64)
         run_units(B, H, lambda units, tick: self._states(units, tot))
         cum = np.cumsum(tot, axis=2)  # gate summed up to the end of each chunk, float64
@@ -216,7 +231,7 @@ class ForwardSplit(_Split):
         if geo is not None:
             B, T, H, K, V = self.shape
             self._o = np.empty((B, T, H, V), self.dtype)
-            self._Qs = np.empty((B, H, geo.N, geo.Cp, K), self.dtype)
+            self._Qs = self._kept("fwd.Qs", (B, H, geo.N, geo.Cp, K))
             run_units(B, H, self._intra_units, poll)
         elif poll is not None:
             poll()
@@ -302,7 +317,9 @@ class BackwardSplit(_Split):
     forward's chunk states ``[B, H, N + 1, K, V]`` (:attr:`ForwardSplit.states` with the same inputs, chunk
     size and ``S_in = initial_state``); :meth:`local` then uses them instead of recomputing them (its first
     slot must equal ``initial_state``, zeros if None). ``check_values=False`` skips the NaN/Inf and
-    ``g <= 0`` scans. Local: no communication. Implements :class:`hpczeco.gla.protocol.SplitBackward`.
+    ``g <= 0`` scans. ``workspace`` as :class:`ForwardSplit` (the state gradients, ``exp(b_C - b)`` and
+    recomputed states live there; given ``states`` are only read). Local: no communication. Implements
+    :class:`hpczeco.gla.protocol.SplitBackward`.
     """
 
     U: np.ndarray
@@ -321,10 +338,12 @@ class BackwardSplit(_Split):
         *,
         states: Any = None,
         check_values: bool = True,
+        workspace: SplitWorkspace | None = None,
     ):
         _check_numpy(q=q, k=k, v=v, g=g, do=do, initial_state=initial_state, states=states)
         call = check_gla_call(q, k, v, g, scale, initial_state, chunk_size, do=do, check_values=check_values)
         self._setup(q, call, check_values)
+        self._workspace = workspace
         B, T, H, K, V, _, chunk_size, cdt = call
         self._dh0_dtype = cdt if initial_state is None else initial_state.dtype
         self._h0 = None if initial_state is None else np.asarray(initial_state, dtype=cdt)
@@ -350,7 +369,7 @@ class BackwardSplit(_Split):
         geo = self._geo = Geom(B, T, H, K, V, chunk_size)
         self._q, self._k, self._v, self._g, self._do = (np.ascontiguousarray(x, dtype=cdt) for x in (q, k, v, g, do))
         N = geo.N
-        self._dHl = np.empty((B, H, N, K, V), cdt)  # gradient into every chunk's end state when dht = 0
+        self._dHl = self._kept("bwd.dHl", (B, H, N, K, V))  # gradient into every chunk's end state when dht = 0
         self._ac = np.empty((B, H, N, K), cdt)  # exp(gate summed over chunk n)
         self.U = np.empty((B, H, K, V), cdt)
         tot = np.empty((B, H, N, K), np.float64)
@@ -389,8 +408,8 @@ class BackwardSplit(_Split):
             B, T, H, K, V = self.shape
             cdt = self.dtype
             given = self._given_states is not None
-            self._Sst = self._given_states if given else np.empty((B, H, geo.N + 1, K, V), cdt)
-            self._E = np.empty((B, H, geo.N, geo.Cp, K), cdt)
+            self._Sst = self._given_states if given else self._kept("bwd.states", (B, H, geo.N + 1, K, V))
+            self._E = self._kept("bwd.E", (B, H, geo.N, geo.Cp, K))
             self._dq, self._dk, self._dg = (np.empty((B, T, H, K), cdt) for _ in range(3))
             self._dv = np.empty((B, T, H, V), cdt)
             run_units(B, H, self._local_units, poll)
