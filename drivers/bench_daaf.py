@@ -472,14 +472,13 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench daaf") -> int
               f"{_spread(dense):>21} {_spread(daaf):>21} {speed:>22}  {r['verdict']}")
     print("\nquality of DAAF against exact attention (same random-weight model)")
     print(f"{'tokens':>7} {'L0 error':>9} {'L0 recall':>9} {'hidden error':>12} {'same token':>10} "
-          f"{'needles: key regions':>20} {'background':>10}")
+          f"{'needles in key regions':>22} {'needles in background':>21}")
     for r in L:
         nd = r["needles"]
         bg = nd["background_daaf_rate"]
         print(f"{r['T']:>7} {r['layers'][0]['rel_error']:>9.3f} {r['layers'][0]['mass_recall']:>9.3f} "
               f"{r['hidden_rel_error']:>12.3f} {'yes' if r['first_token_agrees'] else 'no':>10} "
-              f"{nd['key_region_daaf_rate']:>20.0%} {'-' if bg is None else f'{bg:.0%}':>10}")
-    print(LEGEND)
+              f"{nd['key_region_daaf_rate']:>22.0%} {'-' if bg is None else f'{bg:.0%}':>21}")
     if result.get("serve"):
         print(f"\n{args.requests} concurrent requests, {args.workers} workers (simulated, measured CPU-second costs):")
         print(f"{'path/policy':>15} {'TTFT p50 s':>10} {'TTFT p99 s':>10} {'deadlines met':>13} {'workers busy':>12}")
@@ -487,6 +486,8 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench daaf") -> int
             print(f"{name:>15} {m['ttft_p50']:>10.2f} {m['ttft_p99']:>10.2f} {m['deadlines_met']:>13.0%} "
                   f"{m['busy_fraction']:>12.1%}")
         print("  (priority: by density / time to deadline; fcfs: first come, first served)")
+    print()
+    print(LEGEND)
     out.mkdir(parents=True, exist_ok=True)
     (out / "daaf.json").write_text(json.dumps(result, indent=1, default=float))
     plot(result, out / "daaf.png")

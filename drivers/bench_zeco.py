@@ -188,10 +188,11 @@ def _plot(out: Path) -> list[int]:
         for name, pts in curves.items():
             color = f"C{variants.index(name) % 10}"
             label = f"{name}, {tokens} tok/rank" if len(groups) > 1 else name
-            ax.plot([p for p, _, _ in pts], [x for _, x, _ in pts], styles[gi % len(styles)], color=color,
-                    label=label)
+            ax.plot([p for p, _, _ in pts], [x for _, x, _ in pts], styles[gi % len(styles)], marker="os^D"[gi % 4],
+                    color=color, label=label)
             for p, x, over in pts:
-                ax.plot([p], [x], "o", color=color, mfc="none" if over else color)
+                if over:
+                    ax.plot([p], [x], "os^D"[gi % 4], color=color, mfc="white")
     ax.axhline(1.10, color="grey", ls=":", lw=1, label="1.10x ideal")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("ranks P")

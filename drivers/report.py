@@ -245,12 +245,16 @@ def plot_sizes(runs: list[dict[str, Any]], png: Path) -> None:
 def model_reference(runs: list[dict[str, Any]], max_p: int) -> tuple[dict[str, Any], int, str | None]:
     """``(run, model_max_p, caveat)``: the run whose calibration draws the model curves over P, how far they
     go, and why they stop short. The largest run that was not oversubscribed is the reference and the curves
-    go to ``max_p``; when every run was oversubscribed its calibration measured ranks waiting for a core, not
+    go to ``max_p`` (a run calibrated with ``--no-calibrate --link`` uses its preset, oversubscribed or not); when
+    every run was oversubscribed its calibration measured ranks waiting for a core, not
     the link, so the curves stop at the largest measured P (no extrapolation) and ``caveat`` says so."""
-    fair = [run for run in runs if not run.get("oversubscribed")]
+    def measured_sharing(run: dict[str, Any]) -> bool:  # a calibration (not a --link preset) of an oversubscribed run
+        return bool(run.get("oversubscribed")) and run.get("calibrated", True)
+
+    fair = [run for run in runs if not measured_sharing(run)]
     if fair:
         ref = fair[-1]
-        skipped = [run["P"] for run in runs if run.get("oversubscribed")]
+        skipped = [run["P"] for run in runs if measured_sharing(run)]
         caveat = (f"the calibrations of the oversubscribed run(s) P = {', '.join(map(str, skipped))} are not used "
                   f"for the model curves (that of P = {ref['P']} is)") if skipped else None
         return ref, max_p, caveat
