@@ -35,29 +35,64 @@ from pathlib import Path
 import numpy as np
 
 from .benchkit import Stopwatch, cpu_model
+from .console import Progress
+
+#: what the columns of the printed tables mean (printed under them)
+LEGEND = """\
+legend:
+  policy        how the plan chose global tokens (threshold: entropy above --threshold; fallback-*: entropy
+                could not separate the text)
+  global        share of tokens that get global attention (key regions); work saved: attention pairs skipped
+  TTFT          time to first token in seconds (tokenize + plan + prefill + first-token logits), wall clock,
+                median [min-max] over --repeats runs; speedup: dense / DAAF of the medians (wall, this
+                process's CPU time, attention alone)
+  verdict       "DAAF faster" / "dense faster" only when the two ranges do not overlap; otherwise the runs
+                disagree and the difference is within the machine's noise (raise --repeats)
+  L0 error      relative error of DAAF vs exact attention on layer 0, sampled query rows (--rows)
+  L0 recall     exact attention mass on the keys DAAF keeps (1 = nothing lost)
+  hidden error  relative error of the final hidden states (DAAF model vs dense model)
+  same token    whether both models give the same first token (random weights: agreement, not quality)
+  needles       planted key/value pairs retrieved from the last position: inside key regions / in the
+                background (DAAF sees the background only through the local window)"""
+
+
+def verdict(dense_s: list[float], daaf_s: list[float]) -> str:
+    """Which path is faster, said only when every timed run agrees (the min-max ranges do not overlap)."""
+    one = " (1 run each: no spread)" if min(len(dense_s), len(daaf_s)) < 2 else ""
+    if max(daaf_s) < min(dense_s):
+        return "DAAF faster" + one
+    if max(dense_s) < min(daaf_s):
+        return "dense faster" + one
+    return "no clear winner (ranges overlap)"
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{float(np.median(xs)):.3f} [{min(xs):.3f}-{max(xs):.3f}]"
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from .helpfmt import HelpFormatter
+
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--lengths", default="8192,32768", help="comma-separated token counts (e.g. 8192,32768,131072)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per length and path (median reported)")
     ap.add_argument("--source-share", type=float, default=0.2, help="share of each segment that is source code")
     ap.add_argument("--segment", type=int, default=4096, help="tokens per source+logs segment")
     ap.add_argument("--threshold", type=float, default=0.65,
                     help="entropy threshold (word-level hashed tokens: stdlib windows score ~0.62-0.80, logs ~0.5)")
-    ap.add_argument("--window", type=int, default=512)
-    ap.add_argument("--local-window", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=32)
+    ap.add_argument("--window", type=int, default=512, help="entropy scan window (tokens)")
+    ap.add_argument("--local-window", type=int, default=128, help="local attention window W (tokens)")
+    ap.add_argument("--layers", type=int, default=2, help="layers of the random-weight model")
+    ap.add_argument("--d-model", type=int, default=128, help="model width")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads")
+    ap.add_argument("--head-dim", type=int, default=32, help="dimension per head")
     ap.add_argument("--rows", type=int, default=64, help="sampled query rows for error/recall")
-    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=32, help="concurrent requests of the serving part")
     ap.add_argument("--workers", type=int, default=4, help="workers (ranks/GPUs) of the scheduling simulation")
-    ap.add_argument("--request-lengths", default="1024,2048,4096,8192")
+    ap.add_argument("--request-lengths", default="1024,2048,4096,8192",
+                    help="token counts of the requests (cycled)")
     ap.add_argument("--skip-serve", action="store_true", help="skip the scheduling part")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the texts, the model and the sampled rows")
     ap.add_argument("--out", default="runs/daaf", help="output folder for daaf.json and daaf.png")
     return ap
 
@@ -156,6 +191,7 @@ def bench_length(T: int, args, model, log) -> dict:
     med_attn = {k: float(np.median([r["attention_wall"] for r in v])) for k, v in runs.items()}
 
     # quality: per layer on the DAAF model's own q/k/v, sampled rows
+    log(f"  T={T} quality, needles: sampled rows, layer 0 background rows, planted needles ...")
     rows = sample_rows(len(tok), args.rows, seed=args.seed)
     qual = model.prefill(tok, "daaf", p, keep_qkv=True)
     layers = []
@@ -182,6 +218,9 @@ def bench_length(T: int, args, model, log) -> dict:
         "ttft_daaf_s": med["daaf"],
         "ttft_dense_s": med["dense"],
         "ttft_speedup": med["dense"] / med["daaf"],
+        "ttft_daaf_range_s": [min(r["wall"] for r in runs["daaf"]), max(r["wall"] for r in runs["daaf"])],
+        "ttft_dense_range_s": [min(r["wall"] for r in runs["dense"]), max(r["wall"] for r in runs["dense"])],
+        "verdict": verdict([r["wall"] for r in runs["dense"]], [r["wall"] for r in runs["daaf"]]),
         "ttft_cpu_daaf_s": med_cpu["daaf"],
         "ttft_cpu_dense_s": med_cpu["dense"],
         "ttft_cpu_speedup": med_cpu["dense"] / med_cpu["daaf"],
@@ -201,12 +240,13 @@ def bench_length(T: int, args, model, log) -> dict:
     }
 
 
-def make_requests(args, rng):
+def make_requests(args, rng, say=lambda s: None):
     from hpczeco.daaf import plan, tokenize
     from hpczeco.daaf.texts import mixed_tokens
 
     lens = _ints(args.request_lengths)
     reqs = []
+    progress = Progress("preparing requests (texts and plans)", args.requests, say)
     for i in range(args.requests):
         T = lens[i % len(lens)]
         share = float(rng.uniform(0.0, 0.5))
@@ -216,6 +256,7 @@ def make_requests(args, rng):
                  policy="budget")
         reqs.append({"rid": i, "T": len(tok), "share": share, "text": text, "density": p.density,
                      "policy": p.policy, "work_saved": p.work_saved})
+        progress.step()
     return reqs
 
 
@@ -223,7 +264,8 @@ def serve_sim(args, model, log) -> dict:
     from hpczeco.daaf import Request, metrics, plan, simulate, tokenize
 
     rng = np.random.default_rng(args.seed + 99)
-    reqs = make_requests(args, rng)
+    reqs = make_requests(args, rng, log)
+    progress = Progress("measuring request costs (DAAF and dense prefill of each)", len(reqs), log)
     for r in reqs:  # measured prefill costs (one run each, after the warm-up): CPU seconds of this process,
         for path in ("daaf", "dense"):  # which other jobs on a shared machine inflate less than wall time
             with Stopwatch() as sw:
@@ -233,6 +275,7 @@ def serve_sim(args, model, log) -> dict:
                 model.prefill(tok, path, p)
             r[f"wall_{path}"] = sw.wall
             r[f"cost_{path}"] = sw.cpu
+        progress.step()
     log(f"  measured {len(reqs)} request costs: DAAF total {sum(r['cost_daaf'] for r in reqs):.2f} s, "
         f"dense total {sum(r['cost_dense'] for r in reqs):.2f} s")
     horizon = sum(r["cost_daaf"] for r in reqs) / args.workers
@@ -254,7 +297,7 @@ def serve_real(args, comm, model, log) -> dict:
     from hpczeco.daaf import Request, metrics, plan, serve_mpi, tokenize
 
     rng = np.random.default_rng(args.seed + 99)
-    reqs = make_requests(args, rng) if comm.Get_rank() == 0 else None
+    reqs = make_requests(args, rng, log) if comm.Get_rank() == 0 else None
     reqs = comm.bcast(reqs, root=0)
     # calibrate a cost model on rank 0: seconds per DAAF pair (one mid-size prefill)
     rate = None
@@ -267,7 +310,9 @@ def serve_real(args, comm, model, log) -> dict:
         rate = (time.perf_counter() - t0) / p.pairs
     rate = comm.bcast(rate, root=0)
     est = []
+    progress = Progress("planning the requests", len(reqs), log)
     for r in reqs:
+        progress.step()
         p = plan(tokenize(r["text"]), window=args.window, threshold=args.threshold,
                  local_window=args.local_window, policy="budget")
         est.append(p.pairs * rate)
@@ -283,6 +328,7 @@ def serve_real(args, comm, model, log) -> dict:
     rq = [Request(r["rid"], 0.0, float(slack[i]), r["density"], float(est[i]), r["text"]) for i, r in enumerate(reqs)]
     out = {"workers": workers, "mode": "mpi", "deadline_horizon_s": horizon, "results": {}}
     for pol in ("priority", "fcfs"):
+        log(f"  real MPI serve {pol}: {len(rq)} requests on {workers} worker rank(s) ...")
         res = serve_mpi(rq, comm, run, pol)
         m = metrics(res)
         m["ttft_all"] = [s.ttft for s in res.served]
@@ -314,6 +360,7 @@ def controller_rounds(args, model, log) -> dict:
         return sampled_error(q, k, v, p, rows, o_daaf=o), min(1.0, busy / budget)
 
     c = WeightController(error_threshold=0.5)
+    log(f"  controller at T={len(tok)}: 8 rounds of the weight controller ...")
     log_ = run_rounds(c, tok, 8, measure, window=args.window, local_window=args.local_window)
     log(f"  controller at T={len(tok)}: w = " + " -> ".join(f"{r['w']:.3f}" for r in log_) + f" -> {c.w:.3f}")
     return {"T": int(len(tok)), "error_threshold": 0.5, "time_budget_s": budget, "rounds": log_}
@@ -380,6 +427,7 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench daaf") -> int
     model = PrefillModel(ModelConfig(d_model=args.d_model, n_heads=args.heads, head_dim=args.head_dim,
                                      n_layers=args.layers, seed=args.seed))
     # warm-up (excluded): both paths on a short text
+    log(f"{prog}: warm-up (both paths on a short text, not timed) ...")
     n_warm = min(2048, min(_ints(args.lengths)))
     tok_w, _, _ = mixed_tokens(n_warm, args.source_share, min(args.segment, n_warm), args.seed)
     pw = plan(tok_w, window=args.window, threshold=args.threshold, local_window=args.local_window)
@@ -411,26 +459,35 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench daaf") -> int
         log("serving:")
         result["serve"] = serve_sim(args, model, log)
 
-    # table
-    print()
-    hdr = (f"{'T':>7} {'policy':>10} {'global':>7} {'saved':>6} {'TTFT dense':>10} {'TTFT DAAF':>9} {'speedup':>7} "
-           f"{'CPU x':>6} {'attn x':>6} {'err L0':>7} {'recall L0':>9} {'hid err':>7} {'tok=':>4} {'needle key':>10} "
-           f"{'needle bg':>9}")
-    print(hdr)
-    for r in result["lengths"]:
+    # tables (the legend under them says what each column is)
+    L = result["lengths"]
+    print(f"\ntime to first token, seconds: median [min-max] of {args.repeats} run(s) per path")
+    print(f"{'tokens':>7} {'policy':>14} {'global':>7} {'work saved':>10} {'dense TTFT':>21} {'DAAF TTFT':>21} "
+          f"{'speedup wall/CPU/attn':>22}  verdict")
+    for r in L:
+        dense = [x["wall"] for x in r["runs"]["dense"]]
+        daaf = [x["wall"] for x in r["runs"]["daaf"]]
+        speed = f"{r['ttft_speedup']:.2f}x/{r['ttft_cpu_speedup']:.2f}x/{r['attention_speedup']:.2f}x"
+        print(f"{r['T']:>7} {r['plan']['policy']:>14} {r['global_fraction']:>7.1%} {r['work_saved']:>10.1%} "
+              f"{_spread(dense):>21} {_spread(daaf):>21} {speed:>22}  {r['verdict']}")
+    print("\nquality of DAAF against exact attention (same random-weight model)")
+    print(f"{'tokens':>7} {'L0 error':>9} {'L0 recall':>9} {'hidden error':>12} {'same token':>10} "
+          f"{'needles in key regions':>22} {'needles in background':>21}")
+    for r in L:
         nd = r["needles"]
-        print(f"{r['T']:>7} {r['plan']['policy']:>10} {r['global_fraction']:>7.1%} {r['work_saved']:>6.1%} "
-              f"{r['ttft_dense_s']:>10.3f} {r['ttft_daaf_s']:>9.3f} {r['ttft_speedup']:>6.2f}x "
-              f"{r['ttft_cpu_speedup']:>5.2f}x {r['attention_speedup']:>5.2f}x {r['layers'][0]['rel_error']:>7.3f} "
-              f"{r['layers'][0]['mass_recall']:>9.3f} "
-              f"{r['hidden_rel_error']:>7.3f} {'yes' if r['first_token_agrees'] else 'no':>4} "
-              f"{nd['key_region_daaf_rate']:>10.0%} {nd['background_daaf_rate'] or 0:>9.0%}")
+        bg = nd["background_daaf_rate"]
+        print(f"{r['T']:>7} {r['layers'][0]['rel_error']:>9.3f} {r['layers'][0]['mass_recall']:>9.3f} "
+              f"{r['hidden_rel_error']:>12.3f} {'yes' if r['first_token_agrees'] else 'no':>10} "
+              f"{nd['key_region_daaf_rate']:>22.0%} {'-' if bg is None else f'{bg:.0%}':>21}")
     if result.get("serve"):
         print(f"\n{args.requests} concurrent requests, {args.workers} workers (simulated, measured CPU-second costs):")
-        print(f"{'path/policy':>15} {'TTFT p50':>9} {'TTFT p99':>9} {'met':>6} {'busy':>6}")
+        print(f"{'path/policy':>15} {'TTFT p50 s':>10} {'TTFT p99 s':>10} {'deadlines met':>13} {'workers busy':>12}")
         for name, m in result["serve"]["results"].items():
-            print(f"{name:>15} {m['ttft_p50']:>9.2f} {m['ttft_p99']:>9.2f} {m['deadlines_met']:>6.0%} "
-                  f"{m['busy_fraction']:>6.1%}")
+            print(f"{name:>15} {m['ttft_p50']:>10.2f} {m['ttft_p99']:>10.2f} {m['deadlines_met']:>13.0%} "
+                  f"{m['busy_fraction']:>12.1%}")
+        print("  (priority: by density / time to deadline; fcfs: first come, first served)")
+    print()
+    print(LEGEND)
     out.mkdir(parents=True, exist_ok=True)
     (out / "daaf.json").write_text(json.dumps(result, indent=1, default=float))
     plot(result, out / "daaf.png")

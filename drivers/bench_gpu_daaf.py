@@ -64,7 +64,9 @@ DEFAULT_IMPLS = "auto,tc2,hwg,hwg64,hwg3,hfa2"
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    from .helpfmt import HelpFormatter
+
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("runs/gpu_daaf"), help="output folder")
     ap.add_argument("--seqs", default="8192,32768,131072", help="sequence lengths (all sections)")
     ap.add_argument("--reps", type=int, default=20, help="timed repetitions per kernel or call form (median)")

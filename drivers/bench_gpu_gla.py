@@ -51,7 +51,9 @@ COPY_BYTES = 1 << 30  # the device copy that measures the bandwidth the floors a
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    from .helpfmt import HelpFormatter
+
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--out", default="runs/gpu_gla", help="folder for the JSON/CSV results")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock, printed)")
     p.add_argument("--repeats", type=int, default=20, help="timed repetitions (median)")

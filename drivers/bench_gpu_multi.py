@@ -31,14 +31,17 @@ STEM = "gpu_multi"
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    from .helpfmt import HelpFormatter
+
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--out", default="runs/gpu_multi", help="folder for the JSON/CSV results")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock, printed)")
     p.add_argument("--repeats", type=int, default=20, help="timed repetitions of the transport and scan timings")
     p.add_argument("--T", type=int, default=32768, help="tokens per GPU of the ZeCO step")
     p.add_argument("--zeco-repeats", type=int, default=10, help="timed repetitions of the ZeCO step")
     p.add_argument("--zeco-only", action="store_true", help="only the ZeCO layer step")
-    p.add_argument("--zeco-transport", default="auto", choices=["auto", "cuda-aware", "staged", "nccl"])
+    p.add_argument("--zeco-transport", default="auto", choices=["auto", "cuda-aware", "staged", "nccl"],
+                   help="device transport of the ZeCO step")
     return p
 
 

@@ -20,11 +20,13 @@ from pathlib import Path
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .helpfmt import HelpFormatter
+
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--out", default="runs/main", help="folder for logs, checkpoints, results (default runs/main)")
     ap.add_argument("--steps", type=int, default=6, help="steps of the first training run (default 6)")
     ap.add_argument("--resume-steps", type=int, default=4, help="steps the resumed run adds (default 4)")
-    ap.add_argument("--seq", type=int, default=2048, help="tokens per training sequence over all ranks")
+    ap.add_argument("--seq", type=int, default=2048, help="tokens per training sequence over all ranks (--quick: 512)")
     ap.add_argument("--scan", default="ring", help="scan topology of the training run (default ring)")
     ap.add_argument("--quick", action="store_true", help="smaller everything (for tests)")
     return ap
@@ -40,10 +42,12 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco demo") -> int:
     from mpi4py import MPI
 
     from . import bench_scan, prefill, train
+    from .console import warn_oversubscribed
     from .data import read_corpus
 
     comm = MPI.COMM_WORLD
     rank, P = comm.Get_rank(), comm.Get_size()
+    over = warn_oversubscribed(comm, prog)  # collective; printed once for the whole demo
     out = Path(args.out)
     ckpt, log = out / "ckpt", out / "train.jsonl"
     if rank == 0:
@@ -90,7 +94,9 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco demo") -> int:
         events = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
         losses = [e["loss"] for e in events if e.get("event") == "step"]
         print("\n=== summary")
-        print(f"ranks: {P}; wall time {time.perf_counter() - t_start:.1f} s")
+        print(f"ranks: {P}; wall time {time.perf_counter() - t_start:.1f} s"
+              + (f" (oversubscribed: {over.ranks} ranks on {over.cores} core(s) of {over.host}: the timings and "
+                 "the scan ranking show the sharing of cores)" if over else ""))
         if losses:
             print(f"training: {len(losses)} steps ({args.steps} + {args.resume_steps} resumed), "
                   f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")

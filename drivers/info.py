@@ -16,7 +16,7 @@ import socket
 import sys
 from typing import Any
 
-from hpczeco.drivers.mpienv import launcher_mismatch
+from hpczeco.drivers.mpienv import core_oversubscription, launcher_mismatch
 
 CUDA_AWARE_ENV = "HPCZECO_CUDA_AWARE"
 # MPI settings that decide GPU-buffer support, shown when set
@@ -191,6 +191,7 @@ def collect(comm=None) -> dict[str, Any]:
         h5 = {"h5py": f"not importable ({type(exc).__name__})", "hdf5": "?"}
     lib_version = MPI.Get_library_version().replace("\x00", "").strip()
     mismatch = launcher_mismatch(size)
+    over = core_oversubscription(comm)
     info = {
         "hpczeco": hpczeco.__version__,
         "python": f"{platform.python_version()} ({sys.executable})",
@@ -206,6 +207,7 @@ def collect(comm=None) -> dict[str, Any]:
         },
         "ranks": {"size": size, "hosts": sorted({r["host"] for r in ranks}) if ranks else None, "per_rank": ranks},
         "launcher_mismatch": mismatch,
+        "oversubscription": None if over is None else over.describe(),
         "cuda_aware": {
             "effective": cuda_aware,
             "detected": detected,
@@ -236,6 +238,8 @@ def render(info: dict[str, Any]) -> str:
     ]
     if info.get("launcher_mismatch"):
         lines.append(f"  WARNING       {info['launcher_mismatch']}")
+    if info.get("oversubscription"):
+        lines.append(f"  WARNING       {info['oversubscription']}")
     for pr in r["per_rank"] or []:
         cpus = pr.get("cpus")
         bound = f"cpus {format_cpus(cpus)} ({len(cpus)})" if cpus else "cpus ?"

@@ -33,8 +33,10 @@ ASSUMPTIONS = [
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], epilog=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .helpfmt import HelpFormatter, split_doc
+
+    description, epilog = split_doc(__doc__)
+    ap = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, formatter_class=HelpFormatter)
     ap.add_argument("--link", default="nvlink4",
                     help="link preset (nvlink4, ib-ndr, shm, tcp) or 'alpha,beta[,gamma[,delta[,overhead]]]'")
     ap.add_argument("--alpha", type=float, help="seconds per message (overrides the preset's)")
@@ -44,11 +46,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                     help="two-level machine: ranks per node (0 = one flat link)")
     ap.add_argument("--inter-link", default="ib-ndr", help="link between nodes when --gpus-per-node is set")
     ap.add_argument("--state-bytes", type=float, help="state bytes per rank (else B*H*K*V*itemsize)")
-    ap.add_argument("--B", type=int, default=1)
-    ap.add_argument("--H", type=int, default=16)
-    ap.add_argument("--K", type=int, default=128)
-    ap.add_argument("--V", type=int, default=128)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    ap.add_argument("--B", type=int, default=1, help="batch of the state [B, H, K, V]")
+    ap.add_argument("--H", type=int, default=16, help="heads of the state")
+    ap.add_argument("--K", type=int, default=128, help="key dim of the state")
+    ap.add_argument("--V", type=int, default=128, help="value dim of the state")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"],
+                    help="state element type")
     ap.add_argument("--P", default="2,4,8,16,32,64,128,256,512,1024", help="comma list of rank counts")
     ap.add_argument("--exscan", default="recursive_doubling", choices=["recursive_doubling", "linear"],
                     help="how the MPI implements MPI_Exscan (MPICH: recursive doubling; Open MPI: linear)")

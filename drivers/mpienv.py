@@ -1,6 +1,7 @@
 """The MPI launch environment: settings for oversubscribed runs as root, the ``srun --mpi`` plugin that
 fits the library mpi4py loaded, whether that library is the one ``mpicc`` builds against, and a
-launcher/library mismatch (the launcher started N processes, MPI sees 1).
+launcher/library mismatch (the launcher started N processes, MPI sees 1), and whether the ranks
+oversubscribe the cores of their node (:func:`core_oversubscription`).
 
 Used by the Makefile, ``tests/run_suite.py``, ``hpczeco report`` (its short bench), ``hpczeco info``,
 ``hpczeco train`` and ``jobs/lib.sh``. Command line::
@@ -23,6 +24,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
@@ -34,6 +36,8 @@ __all__ = [
     "srun_mpi_plugin",
     "mpicc_mismatch",
     "launcher_mismatch",
+    "CoreOversubscription",
+    "core_oversubscription",
 ]
 
 #: Settings that let one node start more ranks than it has cores, as root, without ssh. Meant for
@@ -269,6 +273,52 @@ def launcher_mismatch(comm_size: int, environ: Mapping[str, str] | None = None) 
         return (f"launcher/library mismatch: srun started {n} tasks (SLURM_STEP_NUM_TASKS={n}) with no MPI "
                 f"plugin this library understands, so each is a world of size 1: {tail}")
     return None
+
+
+# ------------------------------------------------------------------------------------------- oversubscription
+
+
+@dataclass(frozen=True)
+class CoreOversubscription:
+    """``ranks`` processes of one job on ``host`` may run on only ``cores`` CPUs (``ranks > cores``)."""
+
+    host: str
+    ranks: int
+    cores: int
+    nodes: int  # how many of the job's nodes are oversubscribed
+
+    def describe(self) -> str:
+        more = f" (and {self.nodes - 1} more node(s))" if self.nodes > 1 else ""
+        return (f"{self.ranks} ranks share {self.cores} usable core(s) on {self.host}{more}: the ranks are "
+                "oversubscribed, so they wait for a core and timings measure that scheduling more than the code")
+
+
+def core_oversubscription(comm) -> CoreOversubscription | None:
+    """Whether more ranks of ``comm`` run on some node than that node offers them cores (collective; the
+    same answer on every rank). A node's usable cores are the union of its ranks' CPU affinities
+    (:func:`hpczeco.drivers.info.cpu_affinity`, so ``taskset``, ``srun --cpu-bind`` and cgroup cpusets
+    count), else ``os.cpu_count()``. ``None`` when no node is oversubscribed."""
+    import socket
+
+    from hpczeco.drivers.info import cpu_affinity
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        cpus = cpu_affinity()
+        every = node.allgather(cpus)
+        if all(c is not None for c in every):
+            usable = len(set().union(*every))
+        else:
+            usable = os.cpu_count() or node.Get_size()
+        mine = (socket.gethostname(), node.Get_size(), usable) if node.Get_rank() == 0 else None
+    finally:
+        node.Free()
+    over = [n for n in comm.allgather(mine) if n is not None and n[1] > n[2]]
+    if not over:
+        return None
+    host, ranks, cores = max(over, key=lambda n: n[1] / max(1, n[2]))
+    return CoreOversubscription(host, ranks, cores, len(over))
 
 
 # ------------------------------------------------------------------------------------------- command line

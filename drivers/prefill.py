@@ -45,31 +45,44 @@ def parse_bytes(text: str) -> int:
     return int(value * _UNITS[unit])
 
 
+def logits_checksum(logits) -> str:
+    """A short fingerprint of the last position's logits ``[vocab]``: their float64 sum and L2 norm, rounded
+    to 6 significant digits (equal up to rounding for the same text, weights and attention path)."""
+    import numpy as np
+
+    x = np.asarray(logits, np.float64)
+    return f"sum {x.sum():.6g}, norm {np.linalg.norm(x):.6g}"
+
+
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from .helpfmt import HelpFormatter
+
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("file", help="UTF-8 text file to prefill ('-' for stdin)")
     ap.add_argument("--ranks", choices=["sequence", "heads"], default="sequence",
                     help="how to split the prefill over the MPI ranks (with more than one rank)")
     ap.add_argument("--dense", action="store_true", help="exact causal attention instead of DAAF")
-    ap.add_argument("--tokenizer", choices=["word", "byte"], default="word")
+    ap.add_argument("--tokenizer", choices=["word", "byte"], default="word",
+                    help="word: GPT-2-like word pieces, hashed to ids; byte: the UTF-8 bytes")
     ap.add_argument("--window", type=int, default=512, help="entropy scan window (tokens)")
     ap.add_argument("--stride", type=int, default=None, help="scan stride (default: the window)")
     ap.add_argument("--threshold", type=float, default=0.8, help="normalised entropy threshold of a key window")
-    ap.add_argument("--budget", type=float, default=None, help="fraction of tokens allowed global (percentile rule)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="fraction of tokens allowed global (percentile rule; default: the threshold rule)")
     ap.add_argument("--local-window", type=int, default=128, help="local attention window W")
     ap.add_argument("--fallback", choices=["dense", "budget"], default="dense",
                     help="policy when entropy cannot separate the text")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=2, help="layers of the random-weight model")
+    ap.add_argument("--d-model", type=int, default=128, help="model width")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads")
+    ap.add_argument("--head-dim", type=int, default=32, help="dimension per head")
     ap.add_argument("--seed", type=int, default=0, help="model weight seed")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                     help="refuse texts with more tokens than this (0: no limit)")
     ap.add_argument("--max-memory", type=parse_bytes, default=parse_bytes(DEFAULT_MAX_MEMORY),
-                    help="refuse runs whose estimated memory per rank exceeds this (e.g. 16G; 0: no limit)")
+                    help=f"refuse runs whose estimated memory per rank exceeds this (e.g. 16G; 0: no limit; "
+                         f"default {DEFAULT_MAX_MEMORY})")
     return ap
 
 
@@ -87,18 +100,34 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("--threshold and --budget must be finite numbers")
 
 
+def decode_text(data: bytes, name: str) -> str:
+    """``data`` as UTF-8 text; a ``ValueError`` naming ``name`` and the first offending byte for anything else
+    (invalid UTF-8, or NUL bytes, which text files do not hold: a binary file)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{name} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start:,} is "
+                         f"invalid UTF-8): a binary file? prefill reads text files only") from None
+    nul = text.find("\x00")
+    if nul >= 0:
+        raise ValueError(f"{name} is not text: it holds a NUL byte (at character {nul:,}), as binary files do; "
+                         "prefill reads UTF-8 text files only")
+    return text
+
+
 def _read_text(path: str, limit: int) -> str:
-    """The text of ``path`` ('-': stdin), refusing one larger than ``limit`` bytes (0: no limit) unread."""
+    """The UTF-8 text of ``path`` ('-': stdin), refusing one larger than ``limit`` bytes (0: no limit) unread,
+    and one that is not UTF-8 text (:func:`decode_text`)."""
     if path == "-":
-        text = sys.stdin.read(limit + 1) if limit else sys.stdin.read()
-        if limit and len(text) > limit:
-            raise ValueError(f"stdin holds more than {limit:,} characters, more than --max-memory allows")
-        return text
+        data = sys.stdin.buffer.read(limit + 1) if limit else sys.stdin.buffer.read()
+        if limit and len(data) > limit:
+            raise ValueError(f"stdin holds more than {limit:,} bytes, more than --max-memory allows")
+        return decode_text(data, "stdin")
     size = os.stat(path).st_size
     if limit and size > limit:
         raise ValueError(f"{path} has {size:,} bytes: the text alone exceeds --max-memory {limit:,} bytes")
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read()
+    with open(path, "rb") as f:
+        return decode_text(f.read(), path)
 
 
 def main(argv: list[str] | None = None, prog: str = "hpczeco prefill") -> int:
@@ -182,7 +211,8 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco prefill") -> int:
         "plan_s": t_plan - t_tok,
         "prefill_s": res.seconds,
         "attention_s": res.timings.get("attention"),
-        "first_token": res.first_token,
+        "first_token": res.first_token,  # argmax of the last position's logits: random weights, no meaning
+        "logits_checksum": logits_checksum(res.logits),
         "plan": None if p is None else p.to_dict(),
         "estimate": est.to_dict(),
     }
@@ -196,8 +226,10 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco prefill") -> int:
     print(f"ranks={size} mode={out['mode']} attention={out['attention']}")
     print(f"estimate: {est.summary()}")
     print(f"TTFT {ttft:.3f} s (tokenize {out['tokenize_s']:.3f} s, plan {out['plan_s']:.3f} s, "
-          f"prefill {res.seconds:.3f} s of which attention {res.timings.get('attention', 0):.3f} s); "
-          f"first token id {res.first_token}")
+          f"prefill {res.seconds:.3f} s of which attention {res.timings.get('attention', 0):.3f} s)")
+    print(f"last-position logits checksum {out['logits_checksum']} (the weights are random, seed {args.seed}: "
+          "not a prediction; a fingerprint: the same text, seed and attention path give it on any rank count, "
+          "up to rounding)")
     return 0
 
 

@@ -8,8 +8,11 @@ topology per size, ring/tree crossovers, the ring-vs-baseline ratios at 1 MiB, a
 table with the accuracy targets (states <= 64 KiB within 3x, the ring at >= 1 MiB within 1.5x), the
 model refit to the measurements (``alpha``, ``beta``, ``overhead``) with its residual, and PNG plots:
 time vs state size (one panel per P) and time vs P at a few sizes, where the model curves continue
-past the measured P (to ``--model-max-p``) with the calibration of the largest run (an extrapolation:
-it assumes the calibrated link and per-call costs do not change with P).
+past the measured P (to ``--model-max-p``) with the calibration of the largest run that was not
+oversubscribed (an extrapolation: it assumes the calibrated link and per-call costs do not change with
+P). A calibration measured with more ranks than cores on a node times the sharing of cores, not the
+link: the report never extrapolates from one; with only oversubscribed runs it draws the model over the
+measured P only and says so.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from hpczeco.drivers.bench_scan import fmt_size
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], epilog=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from hpczeco.drivers.helpfmt import HelpFormatter, split_doc
+
+    description, epilog = split_doc(__doc__)
+    ap = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, formatter_class=HelpFormatter)
     ap.add_argument("--in", dest="inp", default="runs/bench_scan", help="folder with scan_P*.json files")
     ap.add_argument("--out", default="runs/report", help="folder for report.md and the PNGs")
     ap.add_argument("--np", default="2,4", help="rank counts of the short bench run when --in has no results")
@@ -165,7 +170,8 @@ def table_md(run: dict[str, Any]) -> list[str]:
     labels = list(dict.fromkeys(r["label"] for r in res))
     sizes = sorted({r["nbytes"] for r in res})
     by = _by(run)
-    lines = ["| state | " + " | ".join(labels) + " | fastest |", "|---|" + "---|" * (len(labels) + 1)]
+    fastest = "fastest (oversubscribed: not a ranking)" if run.get("oversubscribed") else "fastest"
+    lines = ["| state | " + " | ".join(labels) + f" | {fastest} |", "|---|" + "---|" * (len(labels) + 1)]
     for s in sizes:
         cells = []
         for lab in labels:
@@ -236,8 +242,33 @@ def plot_sizes(runs: list[dict[str, Any]], png: Path) -> None:
     plt.close(fig)
 
 
+def model_reference(runs: list[dict[str, Any]], max_p: int) -> tuple[dict[str, Any], int, str | None]:
+    """``(run, model_max_p, caveat)``: the run whose calibration draws the model curves over P, how far they
+    go, and why they stop short. The largest run that was not oversubscribed is the reference and the curves
+    go to ``max_p`` (a run calibrated with ``--no-calibrate --link`` uses its preset, oversubscribed or not); when
+    every run was oversubscribed its calibration measured ranks waiting for a core, not
+    the link, so the curves stop at the largest measured P (no extrapolation) and ``caveat`` says so."""
+    def measured_sharing(run: dict[str, Any]) -> bool:  # a calibration (not a --link preset) of an oversubscribed run
+        return bool(run.get("oversubscribed")) and run.get("calibrated", True)
+
+    fair = [run for run in runs if not measured_sharing(run)]
+    if fair:
+        ref = fair[-1]
+        skipped = [run["P"] for run in runs if measured_sharing(run)]
+        caveat = (f"the calibrations of the oversubscribed run(s) P = {', '.join(map(str, skipped))} are not used "
+                  f"for the model curves (that of P = {ref['P']} is)") if skipped else None
+        return ref, max_p, caveat
+    ref = runs[-1]
+    largest = max(run["P"] for run in runs)
+    return ref, largest, (f"every run was oversubscribed (more ranks than cores on a node), so its calibration "
+                          f"measured ranks waiting for cores, not the link: no extrapolation past P = {largest} "
+                          "(rerun `hpczeco bench scan` with ranks <= cores per node, or with --no-calibrate "
+                          "--link PRESET)")
+
+
 def plot_over_p(runs: list[dict[str, Any]], png: Path, max_p: int) -> list[int]:
-    """Time vs P at a few state sizes: measured points and model lines to ``max_p``."""
+    """Time vs P at a few state sizes: measured points and model lines to ``max_p`` (less when
+    :func:`model_reference` refuses to extrapolate)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -248,11 +279,12 @@ def plot_over_p(runs: list[dict[str, Any]], png: Path, max_p: int) -> list[int]:
     all_sizes = sorted({r["nbytes"] for run in runs for r in run["results"]})
     wanted = [s for s in (16 << 10, 1 << 20, 16 << 20) if s in all_sizes]
     wanted = wanted or all_sizes[:: max(1, len(all_sizes) // 3)][:3]
-    ref = runs[-1]
+    ref, max_p, _ = model_reference(runs, max_p)
     params = cm.LinkParams(**ref["params"])
     alg = ref.get("exscan_algorithm", "recursive_doubling")
     topos = ALGORITHMS
     Pmod = sorted({2 ** i for i in range(1, max(2, max_p).bit_length())} | {run["P"] for run in runs})
+    Pmod = [P for P in Pmod if P <= max(max_p, max(run["P"] for run in runs))]
     fig, axes = plt.subplots(1, len(wanted), figsize=(5.5 * len(wanted), 4), squeeze=False)
     for ax, size in zip(axes.flat, wanted):
         shape = next(r["shape"] for run in runs for r in run["results"] if r["nbytes"] == size)
@@ -271,7 +303,8 @@ def plot_over_p(runs: list[dict[str, Any]], png: Path, max_p: int) -> list[int]:
         ax.set_title(f"state {fmt_size(size)} per rank", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=6, ncol=2)
-    fig.suptitle(f"scan time over P; model with the P={ref['P']} calibration ({params.describe()})", fontsize=9)
+    over = " (OVERSUBSCRIBED: not extrapolated)" if ref.get("oversubscribed") else ""
+    fig.suptitle(f"scan time over P; model with the P={ref['P']} calibration{over} ({params.describe()})", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
@@ -305,13 +338,22 @@ def write_report(runs: list[dict[str, Any]], out: Path, max_p: int) -> Path:
         load = run.get("load_at_start")
         where = run["machine"].get("netns")
         rate = f", rate {where['rate']} per NIC" if where and where.get("rate") else ""
-        head = f"## P = {run['P']}" + (f" (namespace hosts over TCP{rate})" if where else "")
+        head = (f"## P = {run['P']}" + (f" (namespace hosts over TCP{rate})" if where else "")
+                + (" (oversubscribed)" if run.get("oversubscribed") else ""))
         lines += ["", head, ""]
         if load:
             lines += [f"Load average at start / end: {load[0]:.1f} / {run['machine']['load'][0]:.1f} "
                       f"({run['machine'].get('cpus')} CPUs); {run['machine'].get('date')}.", ""]
         lines += table_md(run)
         lines += ["", f"- {crossover(run)}", f"- at 1 MiB: {ratios(run)}"]
+    _, _, caveat = model_reference(runs, max_p)
+    if any(run.get("oversubscribed") for run in runs):
+        lines += ["", "**Oversubscribed runs** (more ranks than usable cores on a node: "
+                  + ", ".join(f"P = {run['P']}" for run in runs if run.get("oversubscribed"))
+                  + "): ranks wait for a core, so their times and their \"fastest\" column rank the sharing of "
+                  "cores, not the algorithms."]
+    if caveat:
+        lines += ["", f"**Model over P:** {caveat}."]
     lines += ["", "## Measured / model", ""] + accuracy_md(runs)
     lines += ["", "## Refit", ""] + refit_md(runs)
     lines += [
@@ -344,6 +386,9 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco report") -> int:
             raise SystemExit(f"{prog}: the short bench wrote no results into {inp}")
     for run in runs:
         remodel(run)
+    _, _, caveat = model_reference(runs, args.model_max_p)
+    if caveat:
+        print(f"{prog}: warning: {caveat}", flush=True)
     md = write_report(runs, Path(args.out), args.model_max_p)
     print(f"wrote {md} with {len(runs)} run(s): P = {', '.join(str(r['P']) for r in runs)}")
     return 0

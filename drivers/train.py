@@ -104,38 +104,40 @@ SCANS = ("ring", "tree", "allgather", "serial", "exscan", "auto")
 
 
 def build_parser(prog: str = "hpczeco train") -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .helpfmt import HelpFormatter
+
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     d = ap.add_argument_group("data")
     d.add_argument("--text", default=None, help="training text file (default: this Python's stdlib *.py sources)")
     d.add_argument("--corpus-bytes", type=int, default=8 << 20, help="read at most this many bytes (default 8 MiB)")
     d.add_argument("--seq", type=int, default=1024, help="tokens per sequence, split over the ranks (default 1024)")
     d.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     m = ap.add_argument_group("model")
-    m.add_argument("--d-model", type=int, default=64)
-    m.add_argument("--layers", type=int, default=2)
-    m.add_argument("--heads", type=int, default=2)
-    m.add_argument("--d-ff", type=int, default=0, help="MLP width (default 4 d_model)")
-    m.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    m.add_argument("--d-model", type=int, default=64, help="model width (embedding and GLA layers)")
+    m.add_argument("--layers", type=int, default=2, help="GLA layers")
+    m.add_argument("--heads", type=int, default=2, help="GLA heads per layer (must divide --d-model)")
+    m.add_argument("--d-ff", type=int, default=0, help="MLP width (default 0: 4 x d_model)")
+    m.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="parameters and activations")
     m.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                    help="cpu (numpy) or gpu (CuPy; one rank per GPU by local rank; the GLA state exchange uses "
                    "HPCZECO_TRANSPORT: cuda-aware | staged | nccl | auto)")
     o = ap.add_argument_group("optimiser")
     o.add_argument("--steps", type=int, default=20, help="train up to this step (default 20)")
-    o.add_argument("--lr", type=float, default=3e-3)
+    o.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     o.add_argument("--warmup", type=int, default=0, help="linear warm-up steps (default 0)")
-    o.add_argument("--beta1", type=float, default=0.9)
-    o.add_argument("--beta2", type=float, default=0.99)
-    o.add_argument("--eps", type=float, default=1e-8)
-    o.add_argument("--weight-decay", type=float, default=0.0)
+    o.add_argument("--beta1", type=float, default=0.9, help="Adam first-moment decay")
+    o.add_argument("--beta2", type=float, default=0.99, help="Adam second-moment decay")
+    o.add_argument("--eps", type=float, default=1e-8, help="Adam epsilon")
+    o.add_argument("--weight-decay", type=float, default=0.0, help="decoupled weight decay (AdamW style)")
     o.add_argument("--clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
-    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--seed", type=int, default=0, help="seed of the initial weights and of the data order")
     p = ap.add_argument_group("parallelism")
     p.add_argument("--mixer", choices=("auto", "zeco", "chunk", "recurrent"), default="auto",
                    help="GLA implementation: zeco (hpczeco.ZeCOGLA, any rank count; 'auto' picks it), "
                    "chunk/recurrent (one rank)")
     p.add_argument("--scan", choices=SCANS, default="ring", help="ZeCO state scan (default ring All-Scan)")
     p.add_argument("--blocks", type=int, default=None, help="ring pipeline blocks (default: cost model)")
-    p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--chunk-size", type=int, default=64, help="GLA chunk length (tokens)")
     p.add_argument("--blas-threads", type=int, default=1,
                    help="BLAS threads per rank (default 1: ranks already fill the cores; 0: leave as is)")
     p.add_argument("--allreduce", choices=("ordered", "mpi"), default="ordered",
@@ -144,10 +146,12 @@ def build_parser(prog: str = "hpczeco train") -> argparse.ArgumentParser:
     c = ap.add_argument_group("output")
     c.add_argument("--log", default=None, help="JSON-lines log file (rank 0)")
     c.add_argument("--ckpt-dir", default=None, help="checkpoint folder (none: no checkpoints)")
-    c.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps (and always at the end)")
+    c.add_argument("--ckpt-every", type=int, default=0,
+                   help="checkpoint every N steps (0: only at the end); with --ckpt-dir there is always one at the end")
     c.add_argument("--keep", type=int, default=3, help="checkpoints to keep (default 3)")
     c.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in --ckpt-dir")
-    c.add_argument("--no-progress", action="store_true", help="no progress bar (batch jobs)")
+    c.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (batch jobs; the bar is shown only when stdout is a terminal)")
     c.add_argument("--print-every", type=int, default=10,
                    help="without a progress bar, print a line every N steps (0: never; default 10)")
     c.add_argument("--quiet", action="store_true", help="print only the summary")
@@ -287,6 +291,14 @@ def set_blas_threads(n: int) -> str:
                 fn(int(n))
                 return f"{os.path.basename(path)}: {n}"
     return "unchanged (no OpenBLAS found; set OMP_NUM_THREADS/OPENBLAS_NUM_THREADS)"
+
+
+def _terminal_width() -> int:
+    """Columns of the terminal on stdout; 0 when stdout is not a terminal (a log file, a pipe) or has no size."""
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns if sys.stdout.isatty() else 0
+    except (AttributeError, OSError, ValueError):
+        return 0
 
 
 def allreduce_sum(comm, x: np.ndarray, how: str = "ordered") -> np.ndarray:
@@ -471,14 +483,22 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any
     if args.log:
         say(f"  log: {os.path.abspath(args.log)}")
     if args.ckpt_dir:
-        say(f"  checkpoints: {os.path.abspath(args.ckpt_dir)} (every {args.ckpt_every or '-'} steps and at the end)")
+        when = f"every {args.ckpt_every} steps and at the end" if args.ckpt_every else "at the end"
+        say(f"  checkpoints: {os.path.abspath(args.ckpt_dir)} ({when})")
+    from .console import compile_notice, warn_oversubscribed
+
+    warn_oversubscribed(comm, ap.prog, say)  # collective
     emit({"event": "start", "step": step0, "ranks": P, "config": config, "argv": list(argv or [])})
+    if args.steps > step0 and args.device == "cpu" and not args.quiet:
+        compile_notice(rank, say)
 
     bar = None
-    if rank == 0 and not args.no_progress and not args.quiet and args.steps > step0:
+    # the bar shares stdout with every other line of rank 0 (so the summary never lands inside it), and only on
+    # a terminal: in a log file or a pipe its carriage-return redraws would pile up as copies of the bar
+    if rank == 0 and not args.no_progress and not args.quiet and args.steps > step0 and _terminal_width() > 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=args.steps, initial=step0, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr)
+        bar = tqdm(total=args.steps, initial=step0, desc="train", unit="step", dynamic_ncols=True, file=sys.stdout)
     b1, b2 = args.beta1, args.beta2
     loss = float("nan")
     t_run = time.perf_counter()
@@ -545,10 +565,10 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any
                   "tokens_seen": sampler.drawn * args.seq, "step_s": dt, "tokens_per_s": rate, "ranks": P})
             rates.append(rate)
             if bar is not None:
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}")
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:,.0f}", refresh=False)
                 bar.update(1)
-            elif args.print_every and (step % args.print_every == 0 or step == args.steps):
-                say(f"  step {step:6d}  loss {loss:.4f}  grad norm {gnorm:.3g}  {rate:,.0f} tokens/s")
+            elif args.print_every and (step % args.print_every == 0 or step in (step0 + 1, args.steps)):
+                say(f"  step {step:6d}/{args.steps}  loss {loss:.4f}  grad norm {gnorm:.3g}  {rate:,.0f} tokens/s")
             if writer is not None and args.ckpt_every and step % args.ckpt_every == 0:
                 result.checkpoint = save(step, loss)
                 last_saved = step
