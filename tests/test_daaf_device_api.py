@@ -87,9 +87,15 @@ def _same_plan(dp, cpu: planner.Plan, ent_rtol: float = 1e-12) -> None:
     # a percentile rule's threshold is a window's score (equal up to rounding)
     assert (hp.threshold is None) == (cpu.threshold is None)
     assert hp.threshold is None or hp.threshold == pytest.approx(cpu.threshold, rel=ent_rtol, abs=1e-15)
-    assert dp.n_global == cpu.n_global == int(np.asarray(dp.global_idx).size)
-    np.testing.assert_array_equal(np.asarray(dp.global_idx), np.flatnonzero(cpu.global_mask))
-    np.testing.assert_array_equal(np.asarray(dp.info["spans"]), np.asarray(cpu.regions, np.int64).reshape(-1, 2))
+    gidx = _host(dp.global_idx)
+    assert dp.n_global == cpu.n_global == int(gidx.size)
+    np.testing.assert_array_equal(gidx, np.flatnonzero(cpu.global_mask))
+    np.testing.assert_array_equal(_host(dp.info["spans"]), np.asarray(cpu.regions, np.int64).reshape(-1, 2))
+
+
+def _host(x) -> np.ndarray:
+    """A device array (CuPy: ``.get()``, which np.asarray refuses) or a host one, as numpy."""
+    return x.get() if hasattr(x, "get") and not isinstance(x, np.ndarray) else np.asarray(x)
 
 
 # --------------------------------------------------------------------------- device planner vs CPU planner
