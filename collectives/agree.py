@@ -24,17 +24,10 @@ from mpi4py import MPI
 
 from . import timed
 from .context import AGREE_TAG, get_context
+from .errors import CollectiveInputError, CollectiveTypeError
 from .watchdog import abort_stalled, poll_until
 
 __all__ = ["CollectiveInputError", "collective_check", "local_error", "agree_fast", "canonical"]
-
-
-class CollectiveInputError(ValueError):
-    """Raised on every rank when the inputs of a collective operation are invalid or disagree."""
-
-
-class CollectiveTypeError(TypeError, CollectiveInputError):
-    """Type flavour of :class:`CollectiveInputError` (wrong dtype / array type on some rank)."""
 
 
 def local_error(fn: Callable[[], Any]) -> BaseException | None:

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .errors import CollectiveInputError
 from .watchdog import TIMEOUT_ENV, abort_stalled, poll_until, resolve_timeout
 
 __all__ = [
@@ -166,8 +167,6 @@ def _wait(comm: MPI.Comm, what: str, timeout: float | None, result: Any, req: MP
 def _agree_timeout(pcomm: MPI.Comm, local: float | None, bad: str | None) -> float | None:
     """Every rank's ``$HPCZECO_COLLECTIVE_TIMEOUT`` (an ``Iallgather``): the common value, or the same
     ``CollectiveInputError`` on every rank when some rank's is invalid or they differ."""
-    from .agree import CollectiveInputError  # noqa: PLC0415 - agree imports this module
-
     P = pcomm.Get_size()
     mine = np.array([2.0 if bad else (0.0 if local is None else 1.0), local or 0.0])
     everyone = mine[None, :].copy()

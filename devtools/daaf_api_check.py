@@ -175,8 +175,8 @@ def time_planners(T: int, reps: int = 20, seed: int = 0) -> list[dict]:
     """The device planner (one read back included) and the former Numba planner at ``T`` tokens."""
     import cupy
     from hpczeco.gpu import daaf as gd
-    from hpczeco.gpu import daaf_plan as dpl
 
+    from hpczeco.daaf import device_planner as dpl
     from hpczeco.daaf import planner
 
     tok = synthetic_tokens(T, np.random.default_rng(seed))

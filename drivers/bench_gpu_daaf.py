@@ -271,7 +271,8 @@ def _both(fn, reps: int, events: str) -> dict:
 def _api_at(rec, T: int, reps: int, H: int, D: int, seed: int) -> None:
     import cupy  # noqa: PLC0415
     import torch  # noqa: PLC0415
-    from hpczeco.gpu import daaf_plan as dpl  # noqa: PLC0415
+
+    from hpczeco.daaf import device_planner as dpl  # noqa: PLC0415
 
     gen = torch.Generator(device="cuda").manual_seed(seed + 2 + T)
     tqkv = [torch.randn(1, T, H, D, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3)]
@@ -404,7 +405,8 @@ def _ttft_at(model: TinyModel, name: str, impl: str, T: int, reps: int, rng: np.
              ) -> tuple[dict, list]:
     import torch  # noqa: PLC0415
     from hpczeco.gpu import daaf as gd  # noqa: PLC0415
-    from hpczeco.gpu import daaf_plan as dpl  # noqa: PLC0415
+
+    from hpczeco.daaf import device_planner as dpl  # noqa: PLC0415
 
     tok_np, regions = synthetic_tokens(T, rng, vocab=model.vocab)
     tok = torch.from_numpy(tok_np).cuda()

@@ -16,7 +16,7 @@ import socket
 import sys
 from typing import Any
 
-from hpczeco.drivers.mpienv import core_oversubscription, launcher_mismatch
+from hpczeco.drivers.mpienv import core_oversubscription, cpu_affinity, launcher_mismatch, mpi_library_path
 
 CUDA_AWARE_ENV = "HPCZECO_CUDA_AWARE"
 # MPI settings that decide GPU-buffer support, shown when set
@@ -31,35 +31,6 @@ def _version(module: str) -> str:
         return str(getattr(mod, "__version__", None) or getattr(getattr(mod, "version", None), "version", "?"))
     except Exception as exc:  # noqa: BLE001 - report, never fail
         return f"not importable ({type(exc).__name__})"
-
-
-def mpi_library_path() -> str | None:
-    """Path of the MPI library mpi4py is using (what ``python -m mpi4py --mpi-library`` prints)."""
-    from mpi4py import MPI
-
-    if os.name != "posix":
-        return None
-
-    class DLInfo(ctypes.Structure):
-        _fields_ = [
-            ("dli_fname", ctypes.c_char_p),
-            ("dli_fbase", ctypes.c_void_p),
-            ("dli_sname", ctypes.c_char_p),
-            ("dli_saddr", ctypes.c_void_p),
-        ]
-
-    try:
-        libc = ctypes.CDLL(None)
-        dladdr = libc.dladdr
-        dladdr.restype = ctypes.c_int
-        dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(DLInfo)]
-        symbol = ctypes.CDLL(MPI.__file__).MPI_Init
-        info = DLInfo()
-        if not dladdr(ctypes.cast(symbol, ctypes.c_void_p), ctypes.byref(info)):
-            return None
-        return os.fsdecode(info.dli_fname)
-    except Exception:  # noqa: BLE001
-        return None
 
 
 def mpix_cuda_support(libpath: str | None) -> dict[str, Any]:
@@ -93,14 +64,6 @@ def env_flag(name: str) -> bool | None:
     if v is None or v.strip() == "":
         return None
     return v.strip().lower() in ("1", "true", "yes", "on")
-
-
-def cpu_affinity() -> list[int] | None:
-    """The CPUs this process may run on (its binding, e.g. from ``srun --cpu-bind``); ``None`` where unknown."""
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return None
 
 
 def format_cpus(cpus: list[int]) -> str:

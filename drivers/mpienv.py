@@ -18,6 +18,7 @@ called before ``MPI_Init``).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import shutil
@@ -103,10 +104,45 @@ def library_version() -> str:
     return " ".join(text.splitlines()[0].split()) if text else "?"
 
 
+def cpu_affinity() -> list[int] | None:
+    """The CPUs this process may run on (its binding, e.g. from ``srun --cpu-bind``); ``None`` where unknown."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def mpi_library_path() -> str | None:
+    """Path of the MPI library mpi4py is using (what ``python -m mpi4py --mpi-library`` prints)."""
+    from mpi4py import MPI
+
+    if os.name != "posix":
+        return None
+
+    class DLInfo(ctypes.Structure):
+        _fields_ = [
+            ("dli_fname", ctypes.c_char_p),
+            ("dli_fbase", ctypes.c_void_p),
+            ("dli_sname", ctypes.c_char_p),
+            ("dli_saddr", ctypes.c_void_p),
+        ]
+
+    try:
+        libc = ctypes.CDLL(None)
+        dladdr = libc.dladdr
+        dladdr.restype = ctypes.c_int
+        dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(DLInfo)]
+        symbol = ctypes.CDLL(MPI.__file__).MPI_Init
+        info = DLInfo()
+        if not dladdr(ctypes.cast(symbol, ctypes.c_void_p), ctypes.byref(info)):
+            return None
+        return os.fsdecode(info.dli_fname)
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def library_path() -> str | None:
     """Path of the MPI library mpi4py loaded (as ``python -m mpi4py --mpi-library`` prints)."""
-    from hpczeco.drivers.info import mpi_library_path
-
     library_version()  # loads mpi4py.MPI without initialising MPI
     return mpi_library_path()
 
@@ -296,11 +332,10 @@ class CoreOversubscription:
 def core_oversubscription(comm) -> CoreOversubscription | None:
     """Whether more ranks of ``comm`` run on some node than that node offers them cores (collective; the
     same answer on every rank). A node's usable cores are the union of its ranks' CPU affinities
-    (:func:`hpczeco.drivers.info.cpu_affinity`, so ``taskset``, ``srun --cpu-bind`` and cgroup cpusets
+    (:func:`cpu_affinity`, so ``taskset``, ``srun --cpu-bind`` and cgroup cpusets
     count), else ``os.cpu_count()``. ``None`` when no node is oversubscribed."""
     import socket
 
-    from hpczeco.drivers.info import cpu_affinity
     from mpi4py import MPI
 
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)

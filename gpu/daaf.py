@@ -48,8 +48,9 @@ from typing import Any
 import numpy as np
 
 from ..base.backend import get_array_module
+from . import daaf_hopper, daaf_plan
 from .args import check_int
-from .runtime import HERE, KernelSet, RuntimeSlot
+from .runtime import HERE, KernelSet, Prepared, RuntimeSlot
 from .runtime import kernel_source as _source
 
 __all__ = [
@@ -104,16 +105,9 @@ def tc_smem_bytes(D: int, mtiles: int = 1) -> int:
     return 4 * TC_BLOCK_K * (D + 8) * 2 + (0 if mtiles == 1 else TC_BLOCK_Q * mtiles * (D + 8) * 2)
 
 
-def _hopper():
-    """:mod:`hpczeco.gpu.daaf_hopper` (imported on first use: it imports this module)."""
-    from . import daaf_hopper  # noqa: PLC0415
-
-    return daaf_hopper
-
-
 def impl_names() -> tuple[str, ...]:
     """Every ``impl`` :func:`prepare` accepts: :data:`IMPLS` and the Hopper kernels (``daaf_hopper.IMPLS``)."""
-    return IMPLS + tuple(_hopper().IMPLS)
+    return IMPLS + tuple(daaf_hopper.IMPLS)
 
 
 def _norm_cc(cc: Any) -> str:
@@ -124,7 +118,7 @@ def _norm_cc(cc: Any) -> str:
 
 
 def _check_hopper(impl: str, elem: str, D: int, Dv: int, cc: Any) -> None:
-    var = _hopper().VARIANTS[impl]
+    var = daaf_hopper.VARIANTS[impl]
     if elem not in var.elems or D != Dv or D not in var.dims:
         raise ValueError(f"impl={impl!r} needs {'/'.join(var.elems)} inputs with D == Dv in {var.dims}; got {elem}, "
                          f"D={D}, Dv={Dv} (use impl='auto')")
@@ -135,7 +129,7 @@ def _check_hopper(impl: str, elem: str, D: int, Dv: int, cc: Any) -> None:
 
 
 def _hopper_for(order: tuple[str, ...], elem: str, D: int) -> str | None:
-    variants = _hopper().VARIANTS
+    variants = daaf_hopper.VARIANTS
     for name in order:
         var = variants.get(name)
         if var is not None and elem in var.elems and D in var.dims:
@@ -151,14 +145,13 @@ def auto_choice(elem: str, D: int, Dv: int, plan: Any = None, cc: Any = None) ->
         return "simple", None
     if cc is None or _norm_cc(cc) != HOPPER_CC:
         return AUTO_TC, None
-    dh = _hopper()
-    choose = getattr(dh, "choose_impl", None)
+    choose = getattr(daaf_hopper, "choose_impl", None)
     if choose is not None and plan is not None:
         got = choose(plan, D=D, cc=cc, elem=elem)
         if got is not None:
             name, sched = got if isinstance(got, tuple) else (got, None)
             resolve_impl(name, elem, D, Dv, cc=cc)  # a choice that does not exist here raises
-            if name not in dh.VARIANTS:
+            if name not in daaf_hopper.VARIANTS:
                 return name, None
             return name, AUTO_SCHED if sched is None else int(sched)
     if plan is not None and plan.n_global == 0:
@@ -175,13 +168,12 @@ _HOPPER_USABLE: dict[tuple[int, int, str], bool] = {}
 def _hopper_usable(kernel: str) -> bool:
     """Whether the Hopper kernel ``kernel`` is there (its cubin builds and loads; checked once per device, a
     failure warned about once): ``"auto"`` falls back to :data:`AUTO_WINDOW` otherwise."""
-    dh = _hopper()
-    rt = dh._runtime()
+    rt = daaf_hopper._runtime()
     key = (id(rt), _device_id(rt), kernel)
     ok = _HOPPER_USABLE.get(key)
     if ok is None:
-        group = dh.GROUPS.get(kernel)
-        ok = True if group is None else bool(rt.available(dh.KERNEL_SOURCE.name, str(group)))
+        group = daaf_hopper.GROUPS.get(kernel)
+        ok = True if group is None else bool(rt.available(daaf_hopper.KERNEL_SOURCE.name, str(group)))
         _HOPPER_USABLE[key] = ok
         if not ok:
             warnings.warn(f"hpczeco.gpu.daaf: the Hopper kernel {kernel} does not build here "
@@ -198,7 +190,7 @@ def resolve_impl(impl: str, elem: str, D: int, Dv: int, plan: Any = None, cc: An
     if impl == "auto":
         return auto_choice(elem, D, Dv, plan, cc)[0]
     if impl not in IMPLS:
-        if impl in _hopper().VARIANTS:
+        if impl in daaf_hopper.VARIANTS:
             _check_hopper(impl, elem, D, Dv, cc)
             return impl
         raise ValueError(f"impl must be one of {impl_names()}, got {impl!r}")
@@ -308,7 +300,7 @@ class DevicePlan:
     Device: ``global_idx`` int32 ``[G]`` (sorted), ``gmask`` uint8 ``[T]`` (1 at key-region tokens).
     Host: ``T``, ``local_window``, ``n_global`` (``G``: a launch parameter, never read from the device per
     call), ``host_idx`` (numpy int32 ``[G]`` when the plan came from host arrays, else None) and ``info``
-    (what the planner knows: policy, reason, spans, ...; see :func:`hpczeco.gpu.daaf_plan.plan`).
+    (what the planner knows: policy, reason, spans, ...; see :func:`hpczeco.daaf.device_planner.plan`).
     """
 
     def __init__(self, global_idx, gmask, T: int, local_window: int, n_global: int | None = None,
@@ -344,6 +336,8 @@ class DevicePlan:
 #: device plans of host index arrays, by content: (xp, device, T, W, G, first, last) -> [(host_idx, plan)]
 _HOST_PLANS: OrderedDict[tuple, list] = OrderedDict()
 HOST_PLAN_CACHE = 32  # entries kept (least recently used dropped)
+#: the attributes of a hpczeco.daaf.Plan that plan_on_device reads
+_PLAN_FIELDS = ("T", "global_mask", "local_window", "policy", "reason", "threshold", "regions")
 #: device plans of hpczeco.daaf.Plan objects (weakly keyed: dropped with the Plan): Plan -> {(xp, device): plan}
 _PLAN_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -415,15 +409,10 @@ _EXACT = "is_global_query_mask must be True exactly at global_idx"
 def _check_on_device(gi, G: int, T: int, gm_in, gm_out, validate: bool) -> None:
     """One launch of ``daaf_plan_index``: the mask scatter into ``gm_out`` and/or the checks (read back, one
     synchronisation, when ``validate``)."""
-    from . import daaf_plan  # noqa: PLC0415 - imports this module
-
-    rt = daaf_plan._runtime()
-    flags = rt.xp.empty(4, dtype=np.int32)
-    rt.launch("daaf_plan_index", (1,), (daaf_plan.INDEX_THREADS,),
-              (gi if G else None, np.int32(G), np.int32(T), gm_in, gm_out, flags))
+    flags = daaf_plan.index(gi, G, T, gm_in, gm_out)
     if not validate:
         return
-    f = daaf_plan._to_host(flags)
+    f = daaf_plan.to_host(flags)
     if f[0] & 1:
         _raise_range(T, int(f[2]), int(f[3]))
     if f[0] & 2:
@@ -546,10 +535,10 @@ def device_plan(global_idx: Any, local_window: int, T: int, is_global_query_mask
 def plan_on_device(plan: Any) -> DevicePlan:
     """The device arrays of a :class:`hpczeco.daaf.Plan`, built once per plan and device (kept while the
     plan lives). A Plan is valid by construction: nothing is checked or read back; the first call uploads
-    (one synchronisation), later calls cost a dictionary lookup."""
-    from ..daaf.planner import Plan  # noqa: PLC0415
-
-    if not isinstance(plan, Plan):
+    (one synchronisation), later calls cost a dictionary lookup. Any object with a Plan's ``T``,
+    ``global_mask``, ``local_window``, ``policy``, ``reason``, ``threshold`` and ``regions`` is taken for one
+    (this layer does not import :mod:`hpczeco.daaf`)."""
+    if not all(hasattr(plan, name) for name in _PLAN_FIELDS):
         raise TypeError(f"plan must be a hpczeco.daaf.Plan or a DevicePlan, got {type(plan).__name__}")
     rt = _runtime()
     key = (id(rt.xp), _device_id(rt))
@@ -586,17 +575,6 @@ def _elem_of(x: Any, storage: str | None) -> str:
                     " (float64: use the CPU path hpczeco.daaf.attention)")
 
 
-class Prepared:
-    """One ready launch: ``p()`` runs the kernel on the current stream and returns the output array."""
-
-    def __init__(self, launch, out, impl: str, name: str, sched: int | None = None):
-        self.launch, self.out, self.impl, self.name, self.sched = launch, out, impl, name, sched
-
-    def __call__(self):
-        self.launch()
-        return self.out
-
-
 def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = None,
             is_global_query_mask: Any = None, *, impl: str = "auto", storage: str | None = None,
             validate: bool = True, out=None, reverse: bool = True, plan: Any = None,
@@ -604,7 +582,7 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
     """Check everything once and return a :class:`Prepared` launch (for repeated calls and timing).
 
     ``reverse`` schedules the last query tiles (the longest rows) first. ``plan``: a :class:`DevicePlan`
-    (e.g. from :func:`device_plan` or :func:`hpczeco.gpu.daaf_plan.plan`) or a :class:`hpczeco.daaf.Plan`
+    (e.g. from :func:`device_plan` or :func:`hpczeco.daaf.device_planner.plan`) or a :class:`hpczeco.daaf.Plan`
     (its device arrays cached, :func:`plan_on_device`); then ``global_idx``, ``local_window`` and
     ``is_global_query_mask`` are ignored. ``sched``: the Hopper kernels' schedule bits (0..3; default
     :data:`AUTO_SCHED`, or 2 when ``reverse`` is False); ignored by the other kernels. The result's ``impl``
@@ -632,7 +610,7 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
     if T >= 2**31 - TC_BLOCK_Q or H > 65535 or B > 65535:
         raise ValueError(f"shape out of range for the kernels: B={B} (<= 65535), T={T}, H={H} (<= 65535)")
     elem = _elem_of(q, storage)
-    hopper = impl not in IMPLS and impl in _hopper().VARIANTS
+    hopper = impl not in IMPLS and impl in daaf_hopper.VARIANTS
     cc = compute_capability(rt) if (hopper or impl == "auto") else None
     if impl != "auto":
         kind = resolve_impl(impl, elem, D, Dv, cc=cc if cc is not None else "unknown")
@@ -654,7 +632,7 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
     auto_sched = None
     if impl == "auto":
         kind, auto_sched = auto_choice(elem, D, Dv, plan, cc)
-        if kind not in IMPLS and not _hopper_usable(_hopper().kernel_name(kind, elem, D)):
+        if kind not in IMPLS and not _hopper_usable(daaf_hopper.kernel_name(kind, elem, D)):
             kind, auto_sched = AUTO_WINDOW, None
 
     def prep(x):
@@ -673,7 +651,7 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
     if kind not in IMPLS:  # a Hopper kernel (daaf_hopper.py launches it)
         hs = sched if sched is not None else auto_sched if auto_sched is not None else (
             AUTO_SCHED if reverse else AUTO_SCHED & ~1)
-        p = _hopper().prepare(q, k, v, plan, scale, impl=kind, storage=storage, out=out, sched=hs)
+        p = daaf_hopper.prepare(q, k, v, plan, scale, impl=kind, storage=storage, out=out, sched=hs)
         p.sched = hs
         return p
     if kind == "simple":

@@ -49,8 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from .daaf import Prepared
-from .runtime import HERE, KernelSet, RuntimeSlot, compile_cubin
+from .runtime import HERE, KernelSet, Prepared, RuntimeSlot, compile_cubin
 from .runtime import cached_cubin as runtime_cached_cubin
 from .runtime import kernel_source as _source
 

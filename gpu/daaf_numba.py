@@ -12,7 +12,8 @@
   int32 ``[T + 1]`` (block counts, a scan of the counts, a block-local scan and scatter).
 - :func:`threshold_plan`: tokens -> the threshold rule's arrays, all on the device.
 
-The planner the attention API uses is :mod:`hpczeco.gpu.daaf_plan` (two CuPy RawKernels, one host read); these
+The planner the attention API uses is :mod:`hpczeco.daaf.device_planner` (the two CuPy RawKernels of
+:mod:`hpczeco.gpu.daaf_plan`, one host read); these
 kernels (several launches and host reads per plan) stay as its former version, for comparison.
 
 Arrays: CuPy arrays (launched on CuPy's current stream), or numpy arrays (copied by Numba; this is

@@ -1,43 +1,34 @@
-"""DAAF planning on the device: the CPU planner's :func:`hpczeco.daaf.plan` with CuPy RawKernels (``daaf_plan.cu``).
+"""The kernels of ``daaf_plan.cu`` (CuPy RawKernels): the window entropy scan, the window selection and
+key-region index, and the index checks of device plans; each launch takes its parameters explicitly.
 
-:func:`plan` runs two kernels on CuPy's current stream -- the entropy scan (one block per window, the window's
-ids sorted in shared memory: no vocabulary-sized histogram, any int64 ids) and one single-block kernel for the
-threshold, the dense fallback, the key-region mask, its compaction to a sorted ``global_idx``, the key regions
-as spans and (optionally) ``n_global_before`` -- and reads one small array back at the end (the host metadata:
-key-token and region counts, the policy the rule took, the id range for the input errors). It returns a
-:class:`hpczeco.gpu.daaf.DevicePlan` that :func:`hpczeco.gpu.daaf.prepare` / ``attention`` /
-``attention_torch`` take as ``plan=`` (no further host round trip per layer or call).
+* :func:`entropy_scan`: one block per window, the window's ids sorted in shared memory (no vocabulary-sized
+  histogram, any int64 ids): normalised plug-in or Miller-Madow entropy (float64) and the window's id range.
+* :func:`select`: one single-block kernel for the threshold, the dense fallback, the key-region mask, its
+  compaction to a sorted ``global_idx``, the key regions as spans and (optionally) ``n_global_before``; it
+  reads one small array back (:class:`SelectInfo`: key-token and region counts, the policy the rule took, the
+  id range, the score range).
+* :func:`index`: one single-block kernel that scatters a device ``global_idx`` into a mask and/or checks it
+  (range, order, agreement with a given mask), used by :func:`hpczeco.gpu.daaf.device_plan`.
 
-Rules: those of :mod:`hpczeco.daaf.planner` (windows, normalised plug-in or Miller-Madow entropy, threshold,
-``policy="dense"`` fallback on the device). The percentile rules (``budget``, ``work_budget``, and the
-``policy="budget"`` fallback when the threshold rule cannot decide) rank the windows on the host from the device
-scores (:func:`hpczeco.daaf.planner.choose_windows`): one more round trip, then the mask and index on the device.
-Scores are float64 and, on both sides, a function of the window's id-count multiset (so windows that differ by
-a permutation of ids score exactly equal on each side, and every rule ranks such ties by position, as the CPU
-planner does); the device's summation order and ``log2`` differ from numpy's (relative differences ~1e-16),
-so a window whose score lies within that distance of the threshold (or of another window's score, for the
-percentile rules) may be chosen differently than on the CPU. A score exactly equal to the threshold is chosen
-(``>=``) on both (e.g. 1.0 for all-distinct windows, 0.0 for constant ones). Windows up to :data:`MAX_WINDOW`.
-
-The kernels load and launch through :mod:`hpczeco.gpu.runtime` (the CPU emulation runs these wrappers on numpy
-arrays). Nothing here talks MPI.
+The rules these kernels apply (windows, thresholds, the fallbacks, the reasons a plan gives) are those of the
+CPU planner; the device planner that puts them together is :mod:`hpczeco.daaf.device_planner`. Windows up to
+:data:`MAX_WINDOW` tokens. The kernels load and launch through :mod:`hpczeco.gpu.runtime` (the CPU emulation
+runs these wrappers on numpy arrays). Nothing here talks MPI.
 """
 
 from __future__ import annotations
 
-import math
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..daaf import planner as _planner
-from .daaf import DevicePlan
 from .runtime import HERE, KernelSet, RuntimeSlot
 from .runtime import kernel_source as _source
 
-__all__ = ["MAX_WINDOW", "POLICY_CODES", "host_plan", "kernel_names", "kernel_source", "plan", "plan_torch",
-           "window_entropy"]
+__all__ = ["INDEX_THREADS", "INFO_LEN", "KERNEL_SOURCE", "KERNELS", "MAX_THREADS", "MAX_WINDOW", "POLICY_CODES",
+           "SELECT_MODES", "SELECT_THREADS", "SelectBuffers", "SelectInfo", "check_threads", "entropy_scan", "index",
+           "kernel_names", "kernel_source", "runtime", "select", "to_host"]
 
 KERNEL_SOURCE = HERE / "daaf_plan.cu"
 MAX_WINDOW = 16384  # P2 * 8 bytes of ids + (window + 1) * 4 of run-length counts in shared memory (opt-in > 48 KB)
@@ -48,7 +39,9 @@ ITEMS = 8  # DPLAN_ITEMS
 INFO_LEN = 8
 #: info[3] of daaf_plan_select
 POLICY_CODES = {0: "threshold", 1: "dense", 2: "fallback-dense", 3: "given", 4: "host"}
-_MODE = {"threshold+dense": 0, "dense": 1, "given": 2, "threshold+host": 3}
+#: the ``mode`` argument of daaf_plan_select: threshold rule with the dense fallback; every token global; the
+#: windows in ``chosen`` as given; threshold rule, reporting "host" when it cannot decide
+SELECT_MODES = {"threshold+dense": 0, "dense": 1, "given": 2, "threshold+host": 3}
 
 
 def kernel_names() -> list[str]:
@@ -65,7 +58,8 @@ KERNELS = KernelSet(label="hpczeco.gpu.daaf_plan", files=(KERNEL_SOURCE.name,), 
 _SLOT = RuntimeSlot(KERNELS)
 
 
-def _runtime():
+def runtime():
+    """The runtime these kernels launch on (CuPy's, unless a test set another)."""
     try:
         return _SLOT.get()
     except ImportError as exc:  # pragma: no cover - depends on the machine
@@ -85,231 +79,98 @@ def _double(b: int) -> float:
     return struct.unpack("<d", struct.pack("<q", int(b)))[0]
 
 
-def _to_host(x: Any) -> np.ndarray:
-    """Device -> host copy (the one synchronisation of a plan); numpy arrays (the emulation) as they are."""
+def to_host(x: Any) -> np.ndarray:
+    """Device -> host copy (a synchronisation); numpy arrays (the emulation) as they are."""
     return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
-def _pow2_threads(n: int | None, default: int, name: str) -> int:
+def check_threads(n: int | None, default: int, name: str) -> int:
+    """A block size: ``n`` (``default`` when None), a power of two in [32, :data:`MAX_THREADS`]."""
     n = default if n is None else n
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not (32 <= n <= MAX_THREADS) or n & (n - 1):
         raise ValueError(f"{name} must be a power of two in [32, {MAX_THREADS}], got {n}")
     return int(n)
 
 
-def _device_tokens(tokens: Any):
-    """``tokens`` ``[T]`` as a contiguous int32/int64 device array (numpy input is uploaded)."""
-    rt = _runtime()
-    xp = rt.xp
-    if isinstance(tokens, (str, bytes)):
-        raise TypeError(f"tokens must be a sequence of int token ids, got {type(tokens).__name__} "
-                        "(tokenize text first with hpczeco.daaf.tokenize)")
-    if rt.is_native(tokens):
-        tok = tokens
-    elif type(tokens).__module__.startswith("torch") and getattr(tokens, "is_cuda", False):
-        tok = xp.from_dlpack(tokens.contiguous())
-    else:
-        arr = np.asarray(tokens)
-        if arr.dtype == object:
-            raise TypeError("tokens must hold int token ids")
-        tok = arr
-    if tok.dtype.kind not in "iu":
-        raise TypeError(f"tokens must hold int token ids, got dtype {tok.dtype}")
-    if tok.ndim != 1:
-        raise ValueError(f"tokens must be 1-D [T], got shape {tuple(tok.shape)}")
-    if tok.size == 0:
-        raise ValueError("tokens is empty: nothing to plan")
-    if tok.size >= 2**31 - MAX_THREADS * ITEMS:
-        raise ValueError(f"tokens has {tok.size} entries: too many for the int32 indices of the plan")
-    dt = np.int32 if tok.dtype == np.int32 else np.int64
-    if isinstance(tok, np.ndarray) and not rt.is_native(tok):
-        return xp.asarray(np.ascontiguousarray(tok, dtype=dt))
-    return xp.ascontiguousarray(tok, dtype=dt)
-
-
-class _Scan:
-    """Launch geometry and outputs of the entropy scan of one token stream."""
-
-    def __init__(self, tok, window: int, stride: int, vocab_size: int | None, bias: str, threads: int | None):
-        rt = _runtime()
-        xp = rt.xp
-        T = int(tok.size)
-        self.T, self.window, self.stride = T, window, stride
-        self.nreg = (T - window) // stride + 1
-        self.starts = _planner.window_starts(T, window, stride)
-        self.nw = len(self.starts)
-        P2 = 1 << max(0, (window - 1).bit_length())
-        nt = _pow2_threads(threads, min(MAX_THREADS, max(32, P2 // 2)), "threads")
-        cap = window if vocab_size is None else min(window, vocab_size)
-        log2cap = math.log2(cap) if cap > 1 else 0.0
-        self.ent = xp.empty(self.nw, dtype=np.float64)
-        self.wmin = xp.empty(self.nw, dtype=np.int64)
-        self.wmax = xp.empty(self.nw, dtype=np.int64)
-        name = "daaf_plan_entropy_i32" if tok.dtype == np.int32 else "daaf_plan_entropy_i64"
-        rt.launch(name, (self.nw,), (nt,),
-                  (tok, np.int32(T), np.int32(window), np.int32(stride), np.int32(self.nreg), np.int32(self.nw),
-                   np.int32(P2), _bits(log2cap), np.int32(1 if bias == "miller-madow" else 0), self.ent, self.wmin,
-                   self.wmax), P2 * 8 + (window + 1) * 4)
-
-
-def _check_ids(lo: int, hi: int, vocab_size: int | None) -> None:
-    if lo < 0:
-        raise ValueError(f"tokens must be non-negative ids, got min {lo}")
-    if vocab_size is not None and hi >= vocab_size:
-        raise ValueError(f"tokens holds id {hi} >= vocab_size ({vocab_size})")
-
-
-def _check_scan_args(window: Any, vocab_size: Any, bias_correction: str) -> tuple[int, int | None]:
-    window = _planner._check_int("window", window, 1)
-    if window > MAX_WINDOW:
-        raise ValueError(f"the device planner supports window <= {MAX_WINDOW}, got {window} (use hpczeco.daaf.plan)")
-    if bias_correction not in ("none", "miller-madow"):
-        raise ValueError(f"bias_correction must be one of ('none', 'miller-madow'), got {bias_correction!r}")
-    if vocab_size is not None:
-        vocab_size = _planner._check_int("vocab_size", vocab_size, 1)
-    return window, vocab_size
-
-
-def window_entropy(tokens: Any, window: int = 512, stride: int | None = None, vocab_size: int | None = None,
-                   bias_correction: str = "none", *, validate: bool = True, threads: int | None = None):
-    """Normalised window entropies ``[n_windows]`` (float64 device array) of ``tokens`` ``[T]``: the CPU
-    planner's :func:`hpczeco.daaf.window_entropy` on the device. ``validate`` reads the id range back (one
-    synchronisation) for the CPU planner's errors (negative ids, ids ``>= vocab_size``)."""
-    window, vocab_size = _check_scan_args(window, vocab_size, bias_correction)
-    tok = _device_tokens(tokens)
-    T = int(tok.size)
-    stride = window if stride is None else _planner._check_int("stride", stride, 1)
-    if window > T:
-        raise ValueError(f"window ({window}) is larger than the text ({T} tokens)")
-    scan = _Scan(tok, window, stride, vocab_size, bias_correction, threads)
-    if validate:
-        xp = _runtime().xp
-        lo_hi = _to_host(xp.stack([scan.wmin.min(), scan.wmax.max()]))
-        _check_ids(int(lo_hi[0]), int(lo_hi[1]), vocab_size)
-    return scan.ent
-
-
-def plan(
-    tokens: Any,
-    window: int = 512,
-    threshold: float = 0.8,
-    local_window: int = 128,
-    budget: float | None = None,
-    policy: str = "dense",
-    *,
-    stride: int | None = None,
-    vocab_size: int | None = None,
-    work_budget: float | None = None,
-    fallback_budget: float = 0.25,
-    uniform_eps: float = 0.02,
-    bias_correction: str = "none",
-    n_global_before: bool = False,
-    threads: int | None = None,
-    select_threads: int | None = None,
-) -> DevicePlan:
-    """Plan DAAF attention for ``tokens`` ``[T]`` (CuPy, torch CUDA or host ints) on the device.
-
-    Arguments and rules as :func:`hpczeco.daaf.plan`. Returns a :class:`~hpczeco.gpu.daaf.DevicePlan`:
-    ``global_idx`` int32 ``[G]``, ``gmask`` uint8 ``[T]``, host ``n_global``; ``info`` holds ``policy``,
-    ``reason``, ``threshold``, ``window``, ``stride``, ``window_starts`` (host int64 ``[n]``), ``weights``
-    (device float64 ``[n]``), ``selected`` (device uint8 ``[n]``), ``spans`` (device int32 ``[R, 2]``),
-    ``n_regions``, ``n_selected`` and ``n_global_before`` (device int32 ``[T + 1]`` when asked, else None).
-    One host synchronisation (two for the percentile rules). ``threads`` / ``select_threads``: block sizes
-    of the two kernels (powers of two in [32, 1024]; the tests use small ones).
-    """
-    window, vocab_size = _check_scan_args(window, vocab_size, bias_correction)
-    W = _planner._check_int("local_window", local_window, 0)
-    threshold = _planner._check_fraction("threshold", threshold)
-    if budget is not None:
-        budget = _planner._check_fraction("budget", budget)
-    if work_budget is not None:
-        work_budget = _planner._check_fraction("work_budget", work_budget)
-    fallback_budget = _planner._check_fraction("fallback_budget", fallback_budget)
-    uniform_eps = _planner._check_fraction("uniform_eps", uniform_eps)
-    if policy not in _planner.FALLBACK_POLICIES:
-        raise ValueError(f"policy must be one of {_planner.FALLBACK_POLICIES}, got {policy!r}")
-    if stride is not None:
-        _planner._check_int("stride", stride, 1)
-    nts = _pow2_threads(select_threads, SELECT_THREADS, "select_threads")
-    tok = _device_tokens(tokens)
-    rt = _runtime()
+def entropy_scan(tok: Any, window: int, stride: int, n_regular: int, n_windows: int, log2cap: float,
+                 miller_madow: bool, threads: int | None = None) -> tuple[Any, Any, Any]:
+    """Launch ``daaf_plan_entropy_*`` on ``tok`` (contiguous int32/int64 device array ``[T]``): the windows
+    ``[i * stride, i * stride + window)`` for ``i < n_regular``, and when ``n_windows == n_regular + 1`` the tail
+    window ``[T - window, T)``; scores normalised by ``log2cap`` (log2 of the largest possible id count).
+    Returns device arrays ``(ent float64 [n_windows], wmin int64 [n_windows], wmax int64 [n_windows])``
+    (entropies and each window's smallest / largest id). ``threads``: block size (default from the window)."""
+    rt = runtime()
     xp = rt.xp
     T = int(tok.size)
-    short = T < window
-    stride_eff = T if short else (window if stride is None else stride)
-    scan = _Scan(tok, T if short else window, stride_eff, vocab_size, bias_correction, threads)
-    host_rule = budget is not None or work_budget is not None
-    if short:
-        mode = _MODE["dense"]
-    elif host_rule:
-        mode = None
-    else:
-        mode = _MODE["threshold+dense"] if policy == "dense" else _MODE["threshold+host"]
-
-    chosen = xp.empty(scan.nw, dtype=np.uint8)
-    cpre = xp.empty(scan.nw + 1, dtype=np.int32)
-    mask = xp.empty(T, dtype=np.uint8)
-    gidx = xp.empty(T, dtype=np.int32)
-    spans = xp.empty(T + 1, dtype=np.int32)
-    before = xp.empty(T + 1, dtype=np.int32) if n_global_before else None
-    info = xp.empty(INFO_LEN, dtype=np.int64)
-
-    def select(m: int) -> np.ndarray:
-        rt.launch("daaf_plan_select", (1,), (nts,),
-                  (scan.ent, scan.wmin, scan.wmax, np.int32(scan.nw), np.int32(T), np.int32(scan.window),
-                   np.int32(stride_eff), np.int32(scan.nreg), np.int32(m), _bits(threshold), _bits(uniform_eps),
-                   chosen, cpre, mask, gidx, before, spans, info))
-        return _to_host(info)
-
-    # the threshold rule (or the report that it cannot decide) in one pass; percentile rules: host ranking
-    inf = select(_MODE["threshold+host"] if mode is None else mode)
-    _check_ids(int(inf[4]), int(inf[5]), vocab_size)
-    code = POLICY_CODES[int(inf[3])]
-    emin, emax = _double(inf[6]), _double(inf[7])
-    thr_used: float | None = None
-    extra: dict = {}
-    if short:
-        pol, reason = "dense", _planner.short_text_reason(T, window)
-    elif mode is None or code == "host":
-        ch = _planner.choose_windows(_to_host(scan.ent), scan.starts, T, window, W, threshold, budget, policy,
-                                     work_budget=work_budget, fallback_budget=fallback_budget,
-                                     uniform_eps=uniform_eps)
-        chosen[...] = xp.asarray(ch.selected.astype(np.uint8))
-        inf = select(_MODE["given"])
-        pol, reason, thr_used, extra = ch.policy, ch.reason, ch.threshold, ch.extra
-    elif code == "threshold":
-        pol, reason, thr_used = "threshold", _planner.threshold_reason(int(inf[2]), scan.nw, threshold), threshold
-    else:  # fallback-dense
-        why = _planner.undecided_reason(emin, emax, threshold, uniform_eps)
-        pol, reason = "fallback-dense", f"{why}; fallback: dense attention"
-    G, R = int(inf[0]), int(inf[1])
-    return DevicePlan(gidx[:G], mask, T, W, n_global=G, info={
-        "policy": pol, "reason": reason, "threshold": thr_used, "extra": extra, "window": window,
-        "stride": window if stride is None else stride, "window_starts": np.zeros(1, np.int64) if short
-        else scan.starts, "weights": scan.ent, "selected": chosen, "spans": spans[: 2 * R].reshape(R, 2),
-        "n_regions": R, "n_selected": int(inf[2]), "n_global_before": before, "entropy_range": (emin, emax)})
+    P2 = 1 << max(0, (window - 1).bit_length())
+    nt = check_threads(threads, min(MAX_THREADS, max(32, P2 // 2)), "threads")
+    ent = xp.empty(n_windows, dtype=np.float64)
+    wmin = xp.empty(n_windows, dtype=np.int64)
+    wmax = xp.empty(n_windows, dtype=np.int64)
+    name = "daaf_plan_entropy_i32" if tok.dtype == np.int32 else "daaf_plan_entropy_i64"
+    rt.launch(name, (n_windows,), (nt,),
+              (tok, np.int32(T), np.int32(window), np.int32(stride), np.int32(n_regular), np.int32(n_windows),
+               np.int32(P2), _bits(log2cap), np.int32(1 if miller_madow else 0), ent, wmin, wmax),
+              P2 * 8 + (window + 1) * 4)
+    return ent, wmin, wmax
 
 
-def plan_torch(tokens: Any, *args: Any, **kwargs: Any) -> DevicePlan:
-    """:func:`plan` for a CUDA tensor of token ids ``[T]``, on torch's current stream and device (the plan's
-    arrays are then ready for :func:`hpczeco.gpu.daaf.attention_torch` ``(..., plan=...)`` on that stream)."""
-    import torch  # noqa: PLC0415
+class SelectBuffers:
+    """The device outputs of :func:`select` for ``n_windows`` windows over ``T`` tokens: ``chosen`` uint8
+    ``[n_windows]`` (also an input in mode ``"given"``), ``cpre`` int32 ``[n_windows + 1]`` (scratch), ``mask``
+    uint8 ``[T]``, ``gidx`` int32 ``[T]`` (the first ``n_global`` entries used), ``spans`` int32 ``[T + 1]``
+    (the first ``2 * n_regions``: start, end pairs), ``before`` int32 ``[T + 1]`` or None, ``info`` int64
+    ``[INFO_LEN]``."""
 
-    if not (isinstance(tokens, torch.Tensor) and tokens.is_cuda):
-        raise TypeError(f"tokens must be a CUDA tensor, got {type(tokens).__name__}")
-    xp = _runtime().xp
-    dev = tokens.device.index if tokens.device.index is not None else torch.cuda.current_device()
-    with xp.cuda.Device(dev), xp.cuda.ExternalStream(torch.cuda.current_stream(tokens.device).cuda_stream):
-        return plan(xp.from_dlpack(tokens.contiguous()), *args, **kwargs)
+    def __init__(self, n_windows: int, T: int, with_before: bool):
+        xp = runtime().xp
+        self.chosen = xp.empty(n_windows, dtype=np.uint8)
+        self.cpre = xp.empty(n_windows + 1, dtype=np.int32)
+        self.mask = xp.empty(T, dtype=np.uint8)
+        self.gidx = xp.empty(T, dtype=np.int32)
+        self.spans = xp.empty(T + 1, dtype=np.int32)
+        self.before = xp.empty(T + 1, dtype=np.int32) if with_before else None
+        self.info = xp.empty(INFO_LEN, dtype=np.int64)
 
 
-def host_plan(dp: DevicePlan) -> _planner.Plan:
-    """The :class:`hpczeco.daaf.Plan` of a device plan from :func:`plan` (copies to the host: tests, reports)."""
-    info = dp.info
-    if "weights" not in info:
-        raise ValueError("host_plan needs a DevicePlan made by hpczeco.gpu.daaf_plan.plan")
-    mask = _to_host(dp.gmask).astype(bool)
-    return _planner._make(T=dp.T, mask=mask, W=dp.local_window, window=info["window"], stride=info["stride"],
-                          starts=info["window_starts"], weights=_to_host(info["weights"]),
-                          selected=_to_host(info["selected"]).astype(bool), policy=info["policy"],
-                          reason=info["reason"], threshold=info["threshold"], extra=info["extra"])
+class SelectInfo(NamedTuple):
+    """The host metadata :func:`select` reads back: key-token count, key-region spans, chosen windows, the
+    policy the rule took (a value of :data:`POLICY_CODES`), the id range and the entropy range."""
+
+    n_global: int
+    n_regions: int
+    n_selected: int
+    policy: str
+    id_min: int
+    id_max: int
+    entropy_min: float
+    entropy_max: float
+
+
+def select(ent: Any, wmin: Any, wmax: Any, out: SelectBuffers, T: int, window: int, stride: int, n_regular: int,
+           mode: str, threshold: float, uniform_eps: float, threads: int = SELECT_THREADS) -> SelectInfo:
+    """Launch ``daaf_plan_select`` (one block of ``threads``) on the scan's outputs (:func:`entropy_scan`) in
+    ``mode`` (a key of :data:`SELECT_MODES`), write ``out`` and read its ``info`` back (one synchronisation)."""
+    rt = runtime()
+    nw = int(ent.size)
+    rt.launch("daaf_plan_select", (1,), (threads,),
+              (ent, wmin, wmax, np.int32(nw), np.int32(T), np.int32(window), np.int32(stride), np.int32(n_regular),
+               np.int32(SELECT_MODES[mode]), _bits(threshold), _bits(uniform_eps), out.chosen, out.cpre, out.mask,
+               out.gidx, out.before, out.spans, out.info))
+    inf = to_host(out.info)
+    return SelectInfo(int(inf[0]), int(inf[1]), int(inf[2]), POLICY_CODES[int(inf[3])], int(inf[4]), int(inf[5]),
+                      _double(inf[6]), _double(inf[7]))
+
+
+def index(gidx: Any, G: int, T: int, mask_in: Any = None, mask_out: Any = None) -> Any:
+    """Launch ``daaf_plan_index`` (one block of :data:`INDEX_THREADS`) on the device index ``gidx`` int32
+    ``[G]`` over ``T`` tokens: scatter it into ``mask_out`` uint8 ``[T]`` (when given; zeroed by the caller)
+    and check it (and ``mask_in`` uint8 ``[T]``, when given). Returns the device flags int32 ``[4]`` (not read
+    back): bit 0 of ``flags[0]`` an index outside ``[0, T)`` (``flags[2:4]``: the smallest and largest), bit 1
+    not strictly increasing, bit 2 ``mask_in`` not set at an index; ``flags[1]`` the number of set entries of
+    ``mask_in``."""
+    rt = runtime()
+    flags = rt.xp.empty(4, dtype=np.int32)
+    rt.launch("daaf_plan_index", (1,), (INDEX_THREADS,),
+              (gidx if G else None, np.int32(G), np.int32(T), mask_in, mask_out, flags))
+    return flags

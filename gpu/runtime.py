@@ -10,7 +10,8 @@ hash (:func:`compile_cubin`, :func:`cached_cubin`), and loads them.
 
 The wrappers reach their runtime through a :class:`RuntimeSlot`; a test puts another object with the same
 methods there (``xp``, ``is_native``, ``ptr``, ``available``, ``launch``, ``bind``): the CPU emulation
-:class:`hpczeco.gpu.emu.EmuRuntime` runs the very wrappers on numpy arrays. Nothing here talks MPI.
+:class:`hpczeco.gpu.emu.EmuRuntime` runs the very wrappers on numpy arrays. A :class:`Prepared` is one bound
+launch (the DAAF wrappers return it). Nothing here talks MPI.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["HERE", "KernelSet", "CupyRuntime", "RuntimeSlot", "cached_cubin", "compile_cubin", "cubin_cache_dir",
-           "kernel_source"]
+__all__ = ["HERE", "KernelSet", "CupyRuntime", "Prepared", "RuntimeSlot", "cached_cubin", "compile_cubin",
+           "cubin_cache_dir", "kernel_source"]
 
 HERE = Path(__file__).resolve().parent
 _LOCAL_INCLUDE = re.compile(r'\s*#\s*include\s+"([^"]+)"')  # a file of gpu/ (a trailing comment may follow)
@@ -291,3 +292,14 @@ class RuntimeSlot:
         """Use ``rt`` from now on (``None``: a CuPy runtime again on next use); returns the previous one."""
         old, self.current = self.current, rt
         return old
+
+
+class Prepared:
+    """One ready launch: ``p()`` runs the kernel on the current stream and returns the output array."""
+
+    def __init__(self, launch, out, impl: str, name: str, sched: int | None = None):
+        self.launch, self.out, self.impl, self.name, self.sched = launch, out, impl, name, sched
+
+    def __call__(self):
+        self.launch()
+        return self.out

@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 from helpers import rel_max
 from hpczeco.gpu import daaf as gd
-from hpczeco.gpu import daaf_plan as dpl
+from hpczeco.gpu import daaf_plan as dk
 from hpczeco.gpu import emu as gemu
 
 import hpczeco.daaf as daaf
+from hpczeco.daaf import device_planner as dpl
 from hpczeco.daaf import planner
 
 # --------------------------------------------------------------------------- fixtures
@@ -42,17 +43,17 @@ class _CountingEmu(gemu.EmuRuntime):
 def emu_sources():
     if gemu.compiler() is None:
         pytest.skip("g++ not found: the CPU emulation of the kernels needs it")
-    return (gd.kernel_source(), ["daaf_simple_f32"]), (dpl.kernel_source(), dpl.kernel_names())
+    return (gd.kernel_source(), ["daaf_simple_f32"]), (dk.kernel_source(), dk.kernel_names())
 
 
 @pytest.fixture
 def plan_emu(emu_sources, monkeypatch):
     """The device planner on the emulation with numpy arrays as device memory (small blocks)."""
     rt = gemu.EmuRuntime(*emu_sources[1])
-    old = dpl._set_runtime(rt)
-    monkeypatch.setattr(dpl, "INDEX_THREADS", 64)
+    old = dk._set_runtime(rt)
+    monkeypatch.setattr(dk, "INDEX_THREADS", 64)
     yield rt
-    dpl._set_runtime(old)
+    dk._set_runtime(old)
 
 
 @pytest.fixture
@@ -61,12 +62,12 @@ def cp(emu_sources, monkeypatch):
     mod = counting_cupy.make()
     monkeypatch.setitem(sys.modules, "cupy", mod)
     old_a = gd._set_runtime(_CountingEmu(*emu_sources[0], mod))
-    old_p = dpl._set_runtime(_CountingEmu(*emu_sources[1], mod))
-    monkeypatch.setattr(dpl, "INDEX_THREADS", 64)
+    old_p = dk._set_runtime(_CountingEmu(*emu_sources[1], mod))
+    monkeypatch.setattr(dk, "INDEX_THREADS", 64)
     gd._HOST_PLANS.clear()
     yield mod
     gd._set_runtime(old_a)
-    dpl._set_runtime(old_p)
+    dk._set_runtime(old_p)
     gd._HOST_PLANS.clear()
 
 
@@ -449,11 +450,11 @@ def test_planner_kernels_build_for_sm90(tmp_path):
     if nvcc is None:
         pytest.skip("nvcc not found")
     r = subprocess.run([nvcc, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-c", "-Xptxas", "-v",
-                        str(dpl.KERNEL_SOURCE), "-o", str(tmp_path / "plan.o")], capture_output=True, text=True,
+                        str(dk.KERNEL_SOURCE), "-o", str(tmp_path / "plan.o")], capture_output=True, text=True,
                        timeout=170)
     assert r.returncode == 0, r.stderr[-4000:]
     built = set(re.findall(r"Compiling entry function '(\w+)'", r.stderr))
-    assert built == set(dpl.kernel_names())
+    assert built == set(dk.kernel_names())
     assert all(int(n) == 0 for n in re.findall(r"(\d+) bytes spill stores", r.stderr)), r.stderr
 
 

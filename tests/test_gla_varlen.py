@@ -12,8 +12,7 @@ from helpers import emulated_gla_runtime, log_gates, rel
 from hpczeco.base import bf16
 from hpczeco.base.packing import COPY_COST, MERGE_TOKENS, plan_buckets
 
-from hpczeco.gla import chunk_gla, chunk_gla_bwd, recurrent_gla, recurrent_gla_bwd
-from hpczeco.gla import protocol as protocol_mod
+from hpczeco.gla import chunk_gla, chunk_gla_bwd, plain_split, recurrent_gla, recurrent_gla_bwd
 from hpczeco.gla.protocol import split_backward, split_forward
 from hpczeco.gla.varlen import chunk_gla_varlen, chunk_gla_varlen_bwd
 
@@ -274,7 +273,7 @@ def test_gpu_varlen_in_the_emulation(emu, rng, dt):
 def test_packed_split_on_device_pieces_in_the_emulation(emu, rng, monkeypatch):
     """The packed splits with every piece on the device adapters (hpczeco.gla.device_split over the emulated
     kernels): the ZeCO layer's path on CuPy arrays."""
-    monkeypatch.setattr(protocol_mod, "is_device_array", lambda x: True)
+    monkeypatch.setattr(plain_split, "is_device_array", lambda x: True)
     cu = np.array([0, 4, 6, 6, 7, 30])
     q, k, v, g, do, h0, dht = (cast(x, np.float32) for x in packed_inputs(rng, cu, 1, 8, 8))
     S_in, D = (rng.standard_normal((1, 1, 8, 8)).astype(np.float32) for _ in range(2))

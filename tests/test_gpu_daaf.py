@@ -379,9 +379,8 @@ def test_emulated_hopper_impls_through_daaf_py(hopper_emu, rng, impl, elem, D):
 def test_emulated_auto_choice(hopper_emu, emu, rng):
     """impl="auto" on a 9.0 device: the window kernel hwin without key regions, hwg3 for one span, hws for
     several spans or an index whose spans the host does not know; each output equals the reference."""
-    from hpczeco.gpu import daaf_plan as dpl
-
     import hpczeco.daaf as daaf
+    from hpczeco.daaf import device_planner as dpl
 
     T, W, D = 160, 16, 128
     q, k, v = daaf_inputs(rng, 1, T, 1, D)

@@ -6,7 +6,9 @@ attention both ways, every other token local sliding-window attention (:func:`at
 Public API:
 
 - planning: ``tokenize``, ``window_entropy``, ``window_starts``, ``plan``, ``plan_from_mask``,
-  ``Plan``, ``plan_arrays`` (the index-array interface of the CPU/GPU kernels), ``attention_pairs``
+  ``Plan``, ``plan_arrays`` (the index-array interface of the CPU/GPU kernels), ``attention_pairs``;
+  ``device_planner`` (``plan`` / ``plan_torch`` / ``window_entropy`` / ``host_plan`` on the GPU; imported on
+  first use)
 - attention: ``attention`` (CPU blockwise / GPU dispatch), ``exact_attention`` (dense causal),
   ``attention_reference`` / ``exact_attention_reference`` (float64, O(T^2), tests)
 - MPI: ``distributed_attention`` (sequence split with halo exchange, or heads split)
@@ -14,6 +16,8 @@ Public API:
 - serving: ``Request``, ``simulate`` / ``serve_mpi`` (priority = density / time to deadline, or FCFS)
 - model: ``PrefillModel``, ``ModelConfig`` (random-weight decoder, dense or DAAF prefill)
 """
+
+import importlib
 
 from .attention import attention, exact_attention
 from .controller import WeightController, mass_recall, run_rounds, run_trace, sampled_error, utilization
@@ -34,6 +38,7 @@ from .scheduler import Request, ScheduleResult, metrics, serve_mpi, simulate
 from .tokenizer import tokenize
 
 __all__ = [
+    "device_planner",
     "ModelConfig",
     "Plan",
     "PrefillModel",
@@ -66,3 +71,10 @@ __all__ = [
     "window_entropy",
     "window_starts",
 ]
+
+
+def __getattr__(name: str):
+    """``device_planner`` on first use (it imports the GPU layer)."""
+    if name == "device_planner":
+        return importlib.import_module(f"{__name__}.device_planner")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from ..base.backend import is_device_array
 from ._runner import Poll
-from .device_split import DeviceBackwardSplit, DeviceForwardSplit
-from .split import BackwardSplit, ForwardSplit
+from .plain_split import plain_split_backward, plain_split_forward
 from .varlen_split import PackedBackwardSplit, PackedForwardSplit
 from .workspace import SplitWorkspace
 
@@ -96,9 +94,8 @@ def split_forward(q: Any, k: Any, v: Any, g: Any, scale: float | None = None, ch
                                   chunk_size=chunk_size, check_values=check_values)
     if initial_state is not None:
         raise ValueError("split_forward takes initial_state only with cu_seqlens (else it is finish()'s S_in)")
-    if is_device_array(q):
-        return DeviceForwardSplit(q, k, v, g, scale=scale, chunk_size=chunk_size)
-    return ForwardSplit(q, k, v, g, scale=scale, chunk_size=chunk_size, check_values=check_values, workspace=workspace)
+    return plain_split_forward(q, k, v, g, scale=scale, chunk_size=chunk_size, check_values=check_values,
+                               workspace=workspace)
 
 
 def split_backward(q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None = None, initial_state: Any = None,
@@ -114,8 +111,5 @@ def split_backward(q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None 
                                    chunk_size=chunk_size, check_values=check_values)
     if dht is not None:
         raise ValueError("split_backward takes dht only with cu_seqlens (else it is finish()'s argument)")
-    if is_device_array(q):
-        return DeviceBackwardSplit(q, k, v, g, do, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
-                                   states=states)
-    return BackwardSplit(q, k, v, g, do, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
-                         states=states, check_values=check_values, workspace=workspace)
+    return plain_split_backward(q, k, v, g, do, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
+                                states=states, check_values=check_values, workspace=workspace)

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..base.backend import is_device_array
 from ..base.packing import BackwardRunner, ForwardRunner, packed_backward, packed_forward
+from .plain_split import plain_split_backward, plain_split_forward
 from .validate import check_chunk_size, check_cu_seqlens, check_document_states, check_scale, validate_gla_inputs
 
 __all__ = ["chunk_gla_varlen", "chunk_gla_varlen_bwd", "check_varlen_call"]
@@ -42,15 +43,15 @@ __all__ = ["chunk_gla_varlen", "chunk_gla_varlen_bwd", "check_varlen_call"]
 def _split_runners(scale: float | None, chunk_size: int) -> tuple[ForwardRunner, BackwardRunner]:
     """The plain GLA through the split protocol without value scans (numpy: hpczeco.gla.split, CuPy: the device
     kernels' prepare/finish): the host ``check_values=False`` calls and the packed splits' middle documents."""
-    from .protocol import split_backward, split_forward  # noqa: PLC0415
 
     def fwd(q, k, v, g, h0, poll):
-        fs = split_forward(q, k, v, g, scale=scale, chunk_size=chunk_size, check_values=False)
+        fs = plain_split_forward(q, k, v, g, scale=scale, chunk_size=chunk_size, check_values=False)
         fs.overlap(poll)
         return fs.finish(h0)
 
     def bwd(q, k, v, g, do, h0, dht, poll):
-        bs = split_backward(q, k, v, g, do, scale=scale, initial_state=h0, chunk_size=chunk_size, check_values=False)
+        bs = plain_split_backward(q, k, v, g, do, scale=scale, initial_state=h0, chunk_size=chunk_size,
+                                  check_values=False)
         bs.overlap(poll)
         return bs.finish(dht)
 

@@ -31,15 +31,10 @@ import numpy as np
 
 from ..base.backend import get_array_module
 from ._runner import Poll
+from .plain_split import plain_split_backward, plain_split_forward
 from .validate import check_cu_seqlens, check_device_values, check_document_states, validate_gla_inputs
 
 __all__ = ["PackedForwardSplit", "PackedBackwardSplit"]
-
-
-def _plain():
-    from . import protocol  # noqa: PLC0415 - protocol dispatches here: import at call time
-
-    return protocol
 
 
 def _row(x: Any, i: int) -> Any:
@@ -94,9 +89,8 @@ class PackedForwardSplit(_Packed):
         self._setup(q, k, v, g, cu_seqlens, {"initial_state": initial_state}, None, check_values)
         self._args = (q, k, v, g)
         self._scale, self._chunk, self._h0 = scale, chunk_size, initial_state
-        P = _plain()
-        self._fs = P.split_forward(*(_tokens(x, *self._first) for x in self._args), scale=scale,
-                                   chunk_size=chunk_size, check_values=False)
+        self._fs = plain_split_forward(*(_tokens(x, *self._first) for x in self._args), scale=scale,
+                                       chunk_size=chunk_size, check_values=False)
         self._mid_out = self._last_out = None
         self._done = False
         if self.N == 1:
@@ -104,8 +98,8 @@ class PackedForwardSplit(_Packed):
             self.S_local = _add(self._fs.S_local, _scaled(self._fs.a, _row(initial_state, 0)))
             self._ls = None
         else:
-            self._ls = P.split_forward(*(_tokens(x, *self._last) for x in self._args), scale=scale,
-                                       chunk_size=chunk_size, check_values=False)
+            self._ls = plain_split_forward(*(_tokens(x, *self._last) for x in self._args), scale=scale,
+                                           chunk_size=chunk_size, check_values=False)
             self.a = self.xp.zeros_like(self._fs.a)
             self.S_local = _add(self._ls.S_local, _scaled(self._ls.a, _row(initial_state, self.N - 1)))
 
@@ -159,11 +153,10 @@ class PackedBackwardSplit(_Packed):
         self._setup(q, k, v, g, cu_seqlens, {"initial_state": initial_state, "dht": dht}, do, check_values)
         self._args = (q, k, v, g, do)
         self._scale, self._chunk, self._h0, self._dht = scale, chunk_size, initial_state, dht
-        P = _plain()
         N = self.N
-        self._ls = P.split_backward(*(_tokens(x, *self._last) for x in self._args), scale=scale,
-                                    initial_state=_row(initial_state, N - 1), chunk_size=chunk_size,
-                                    check_values=False)
+        self._ls = plain_split_backward(*(_tokens(x, *self._last) for x in self._args), scale=scale,
+                                        initial_state=_row(initial_state, N - 1), chunk_size=chunk_size,
+                                        check_values=False)
         self._mid_out = self._first_out = None
         self._done = False
         if N == 1:
@@ -171,9 +164,9 @@ class PackedBackwardSplit(_Packed):
             self.U = _add(self._ls.U, _scaled(self._ls.a, _row(dht, 0)))
             self._fs = None
         else:
-            self._fs = P.split_backward(*(_tokens(x, *self._first) for x in self._args), scale=scale,
-                                        initial_state=_row(initial_state, 0), chunk_size=chunk_size,
-                                        check_values=False)
+            self._fs = plain_split_backward(*(_tokens(x, *self._first) for x in self._args), scale=scale,
+                                            initial_state=_row(initial_state, 0), chunk_size=chunk_size,
+                                            check_values=False)
             self.a = self.xp.zeros_like(self._fs.a)
             self.U = _add(self._fs.U, _scaled(self._fs.a, _row(dht, 0)))
 

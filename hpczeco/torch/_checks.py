@@ -1,22 +1,17 @@
-"""Checks of the torch arguments (local), and the cheap collective agreement of :func:`hpczeco.torch.zeco_gla`.
+"""Checks of the torch arguments (local).
 
-The local checks raise only ``TypeError``/``ValueError`` naming the argument, so that
-:func:`agree` can turn an error on one rank into the same error on every rank before any message of
-the operation is sent (``hpczeco.collectives.collective_check`` semantics).
+The checks raise only ``TypeError``/``ValueError`` naming the argument, so that
+:func:`hpczeco.collectives.agree_fast` (called by :func:`hpczeco.torch.zeco_gla`) can turn an error on one rank
+into the same error on every rank before any message of the operation is sent.
 """
 
 from __future__ import annotations
 
-import hashlib
-from typing import Any
-
-import numpy as np
 import torch
 
-from ..collectives import collective_check
 from ._arrays import CUDA_DTYPES, HOST_DTYPES
 
-__all__ = ["check_tensors", "agree"]
+__all__ = ["check_tensors"]
 
 
 def check_tensors(**tensors: torch.Tensor | None) -> tuple[torch.device, torch.dtype]:
@@ -52,27 +47,3 @@ def check_tensors(**tensors: torch.Tensor | None) -> tuple[torch.device, torch.d
     if h0 is not None and h0.dtype not in (q.dtype, torch.float32):
         raise TypeError(f"initial_state has dtype {h0.dtype}, expected float32 or {q.dtype} (the dtype of q)")
     return dev, q.dtype
-
-
-def _digest(values: dict[str, Any]) -> int:
-    text = repr(sorted(values.items())).encode()
-    return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "little")
-
-
-def agree(comm: Any, op: str, error: BaseException | None, values: dict[str, Any]) -> None:
-    """Raise the same error on every rank of ``comm`` if any rank has ``error`` or the ranks disagree on ``values``.
-
-    All good: one ``Allreduce`` of three integers (an error flag and a digest of ``values``); otherwise
-    :func:`hpczeco.collectives.collective_check` finds and names the offending rank. Collective.
-    """
-    if comm.Get_size() == 1:
-        collective_check(None, op, error, values)
-        return
-    from mpi4py import MPI  # noqa: PLC0415
-
-    h = _digest(values)
-    buf = np.array([0 if error is None else 1, h, -h], dtype=np.int64)
-    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
-    if buf[0] != 0 or buf[1] != -buf[2]:
-        collective_check(comm, op, error, values)
-        raise AssertionError(f"{op}: the digests differ but collective_check found no difference")  # pragma: no cover

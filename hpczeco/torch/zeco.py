@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..collectives import CollectiveInputError, local_error
+from ..collectives import CollectiveInputError, agree_fast, local_error
 from ._arrays import compute_dtype, cuda_stream, cupy_module, device_index, from_device, from_host, to_device, to_host
-from ._checks import agree, check_tensors
+from ._checks import check_tensors
 
 __all__ = ["zeco_gla", "ZeCOGLAttention", "ZeCOGLAFunction"]
 
@@ -160,7 +160,7 @@ def zeco_gla(
         call.append(c)
 
     err = local_error(check)
-    agree(comm, "hpczeco.torch.zeco_gla", err, {
+    agree_fast(comm, "hpczeco.torch.zeco_gla", err, {
         "device type": getattr(getattr(q, "device", None), "type", None),
         "dtype": str(getattr(q, "dtype", None)),
         "records autograd (a tensor requires grad)": records,
