@@ -11,7 +11,7 @@ two ways:
 * ``synced``: the device synchronised before each call (the host's overhead before the launch shows too);
 
 plus ``host_ms``: wall time per call of the back-to-back loop. Ratios are against ``prepared`` (the same
-launch from ``prepare(...)``). Then the device planner (:func:`hpczeco.gpu.daaf_plan.plan`, one host read
+launch from ``prepare(...)``). Then the device planner (:func:`hpczeco.daaf.device_planner.plan`, one host read
 included) against the former Numba planner (``daaf_numba.threshold_plan`` + ``device_plan``) at each T, both
 checked against the CPU planner. B=1, H=16, D=128, bf16 (raw bits for the CuPy forms; float16 for
 ``hpczeco.daaf.attention``, which needs a floating CuPy dtype). Writes ``daaf_api_check.json`` to ``--out``,
@@ -193,7 +193,7 @@ def time_planners(T: int, reps: int = 20, seed: int = 0) -> list[dict]:
         tp = dn.threshold_plan(tok_d, 512, 0.8, W, vocab_size=2**17)
         return gd.device_plan(tp["global_idx"], W, T, tp["global_mask"], validate=False)
 
-    for name, fn in (("daaf_plan.plan (CuPy kernels)", new), ("daaf_numba.threshold_plan + device_plan", old)):
+    for name, fn in (("device_planner.plan (CuPy kernels)", new), ("daaf_numba.threshold_plan + device_plan", old)):
         try:
             t = time_calls(fn, reps)
             dp = fn()

@@ -11,7 +11,7 @@
    :class:`hpczeco.daaf.Plan`, with a :class:`~hpczeco.gpu.daaf.DevicePlan`; ``hpczeco.daaf.attention``
    on CuPy float16 arrays) against the prepared launch of the same kernel: "stream" (calls queued back to
    back: GPU time) and "synced" (the device synchronised before each call: host overhead shows), and the
-   device planner (:func:`hpczeco.gpu.daaf_plan.plan_torch`, its one host read included).
+   device planner (:func:`hpczeco.daaf.device_planner.plan_torch`, its one host read included).
 3. **ttft**: time to first token of random-weight decoders (``--models``): ``small`` (``--layers`` layers,
    d_model = heads x dim, GELU MLP of ``--mlp-ratio``) and ``7b`` (the attention share of a common 7-8B
    decoder: d_model 4096, 32 heads of 128, SwiGLU MLP ``--big-ffn``; ``--big-layers`` layers, since the
@@ -284,7 +284,7 @@ def _api_at(rec, T: int, reps: int, H: int, D: int, seed: int) -> None:
         tok = torch.from_numpy(tok_np).cuda()
         dpp = dpl.plan_torch(tok, PLAN_WINDOW, PLAN_THRESHOLD, W)
         t = _both(lambda: dpl.plan_torch(tok, PLAN_WINDOW, PLAN_THRESHOLD, W), reps, "torch")
-        rec.record({"T": T, "plan": "planner", "form": f"daaf_plan.plan_torch(tokens, {PLAN_WINDOW}, "
+        rec.record({"T": T, "plan": "planner", "form": f"device_planner.plan_torch(tokens, {PLAN_WINDOW}, "
                     f"{PLAN_THRESHOLD}, {W})", **t, "n_global": dpp.n_global, "n_regions": dpp.n_regions,
                     "target_ms_32k": 0.3 if T == 32768 else None}, table="api")
     except Exception as exc:  # noqa: BLE001
