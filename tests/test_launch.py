@@ -38,7 +38,9 @@ def _family() -> str:
 
 def test_launch_env_starts_more_ranks_than_cores():
     n = (os.cpu_count() or 1) + 1
-    code = "from mpi4py import MPI; c = MPI.COMM_WORLD; print('world', c.Get_size(), c.allreduce(1))"
+    # one write(2) per rank: the ranks share mpiexec's stdout, and print's several writes can interleave
+    code = ("import os; from mpi4py import MPI; c = MPI.COMM_WORLD; "
+            "os.write(1, f'world {c.Get_size()} {c.allreduce(1)}\\n'.encode())")
     env = dict(mpienv.launch_env(), MPIEXEC_TIMEOUT="100")
     out = subprocess.run([_mpiexec(), "-n", str(n), PY, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)

@@ -345,10 +345,11 @@ def test_timeout_set_on_one_rank_is_a_configuration_mismatch():
 
 
 def test_prefill_refuses_a_text_above_the_token_limit(tmp_path):
-    """2 MB of random bytes, byte tokens, default limits, 2 ranks: refused at once with the estimate (it used to
-    plan 2M tokens, nearly all global: hours), exit status 2."""
-    f = tmp_path / "random.bin"
-    f.write_bytes(np.random.default_rng(0).integers(0, 256, 2 << 20, dtype=np.uint8).tobytes())
+    """2 MB of random printable characters, byte tokens, default limits, 2 ranks: refused at once with the
+    estimate (it used to plan 2M tokens, nearly all global: hours), exit status 2. (Random bytes that are not
+    UTF-8 are refused earlier, as a binary file: tests/test_daaf_drivers.py.)"""
+    f = tmp_path / "random.txt"
+    f.write_bytes(np.random.default_rng(0).integers(32, 127, 2 << 20, dtype=np.uint8).tobytes())
     out, took, _ = _run([PY, "-m", "hpczeco", "prefill", str(f), "--tokenizer", "byte"], 2)
     text = _text(out)
     assert out.returncode == 2, text

@@ -49,7 +49,8 @@ if mode == "mismatch":
         ZeCOGLA(comm).forward(q, k, v, g)
         print(f"rank {rank}: no error (unexpected)", flush=True)
     except ValueError as exc:
-        print(f"rank {rank}: raised {type(exc).__name__}: {exc}", flush=True)
+        # one write(2) of the whole line: the ranks share mpiexec's stdout, and print's several writes interleave
+        os.write(1, f"rank {rank}: raised {type(exc).__name__}: {exc}\n".encode())
     sys.exit(0)
 
 comm.Barrier()
