@@ -102,7 +102,7 @@ gpu-check: $(STAMP)
 	$(MPIRUN_ENV) $(MPIEXEC) -n 2 $(VPY) -m pytest -q -m "mpi and gpu" tests/
 
 # scans, ZeCO and train/resume across 2-4 network namespaces over TCP (root; MPICH and Open MPI), then the
-# scan benchmark there (tests/netns/README or docs/benchmarks/network.md)
+# scan benchmark there (tests/README.md, docs/benchmarks/network.md)
 test-net: $(STAMP)
 	HPCZECO_NETNS_HOSTS="2 3 4" HPCZECO_NETNS_MPI="mpich openmpi" $(VPY) -m pytest -v tests/test_netns.py
 	PYTHON=$(abspath $(VPY)) tests/netns/bench.sh runs/netns

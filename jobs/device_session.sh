@@ -76,7 +76,7 @@ step_par() {
     ( export OMP_NUM_THREADS=1; for P in 8 16; do
         timeout $((T_CPU / 2)) taskset -c 16-31 $MPIRUN -n $P -x PYTHONPATH -x OMP_NUM_THREADS python3 -m hpczeco \
           bench zeco --tokens 16384 --H 4 --K 64 --V 64 --repeats 3 --warmup 1 --topologies ring,tree,allgather,serial \
-          --out $R/zeco 2>&1 | tail -8
+          --out $R/zeco 2>&1 | tail -10
       done > $R/zeco.log 2>&1 ) &
   fi
   ( export CUDA_VISIBLE_DEVICES=0; taskset -cp 0-7 $BASHPID > /dev/null
