@@ -77,7 +77,10 @@ def slurm():
         yield _job_env(env), folder
     finally:
         subprocess.run(["bash", str(STOP), str(folder / "cluster")], capture_output=True, timeout=60)
-        shutil.rmtree(folder, ignore_errors=True)
+        if os.environ.get("HPCZECO_TEST_KEEP_SLURM") == "1":  # keep the jobs' outputs to read them
+            print(f"kept {folder}")
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _expected_srun_mpi(env: dict) -> str:
