@@ -121,7 +121,7 @@ def hdf5_mode() -> str:
     """One line describing how checkpoints are written with this h5py."""
     if parallel_hdf5():
         return "parallel (driver='mpio', collective create, rank 0 writes the replicated data)"
-    return "serial: rank 0 builds the file in memory (h5py core driver) and writes it with fsync"
+    return "serial: rank 0 writes the file through os.pwrite (GuardedFile: I/O errors kept from HDF5), then fsync"
 
 
 def _rank_size(comm) -> tuple[int, int]:
