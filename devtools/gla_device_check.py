@@ -46,6 +46,10 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
+# the bench's CuPy helpers: bf16 bits -> float32, and the float64 recurrences on the device
+from hpczeco.drivers.bench_gpu_gla import f32_of  # noqa: E402
+from hpczeco.drivers.bench_gpu_gla import recurrence64 as ref64_gpu  # noqa: E402
+
 TARGET = {"o": 4e-3, "ht": 5e-3, "dq": 5e-3, "dk": 5e-3, "dv": 5e-3, "dg": 5e-3, "dh0": 5e-3}
 BENCH = [(1, 32768, 16, 128, 128), (8, 4096, 16, 128, 128), (1, 32768, 32, 64, 64)]
 SMALL = [  # B, T, H, K, V, strong gates, chunks per segment (None: automatic), fp32 chunk states
@@ -206,12 +210,6 @@ def bits_of(cp, x32):
     return ((u + cp.uint32(0x7FFF) + ((u >> 16) & cp.uint32(1))) >> 16).astype(cp.uint16)
 
 
-def f32_of(cp, x):
-    if x.dtype == cp.uint16:
-        return (x.astype(cp.uint32) << 16).view(cp.float32)
-    return x.astype(cp.float32)
-
-
 def gpu_inputs(cp, B, T, H, K, V, seed, dtype="bf16", normalizer=1.0, strong=False):
     """q, k, v, g, do in the kernel dtype (uint16 bf16 bits or float16) and fp32 h0, dht, on the device."""
     rs = cp.random.RandomState(seed)
@@ -247,35 +245,6 @@ def cuda_time(cp, fn, reps=20, warmup=3, sets=2) -> float:
         stop.synchronize()
         times.append(cp.cuda.get_elapsed_time(start, stop))
     return float(np.median(times))
-
-
-def ref64_gpu(cp, q, k, v, g, do, scale, h0, dht):
-    """float64 recurrences on the device (hpczeco.gla.naive's formulas): o, S_T, dq, dk, dv, dg, dh0."""
-    q, k, v, g, do = (f32_of(cp, x).astype(cp.float64) for x in (q, k, v, g, do))
-    B, T, H, K = q.shape
-    V = v.shape[3]
-    q, k, v, g, do = (x.transpose(1, 0, 2, 3).reshape(T, B * H, -1) for x in (q, k, v, g, do))
-    S = h0.astype(cp.float64).reshape(B * H, K, V).copy()
-    states = cp.empty((T + 1, B * H, K, V), dtype=cp.float64)
-    states[0] = S
-    o = cp.empty((T, B * H, V))
-    for t in range(T):
-        S = cp.exp(g[t])[:, :, None] * S + k[t][:, :, None] * v[t][:, None, :]
-        states[t + 1] = S
-        o[t] = scale * cp.matmul(q[t][:, None, :], S)[:, 0, :]
-    dS = dht.astype(cp.float64).reshape(B * H, K, V).copy()
-    dq, dk, dg = (cp.empty((T, B * H, K)) for _ in range(3))
-    dv = cp.empty((T, B * H, V))
-    for t in range(T - 1, -1, -1):
-        dS += scale * q[t][:, :, None] * do[t][:, None, :]
-        dq[t] = scale * cp.matmul(states[t + 1], do[t][:, :, None])[:, :, 0]
-        dk[t] = cp.matmul(dS, v[t][:, :, None])[:, :, 0]
-        dv[t] = cp.matmul(k[t][:, None, :], dS)[:, 0, :]
-        e = cp.exp(g[t])
-        dg[t] = e * (states[t] * dS).sum(axis=2)
-        dS = e[:, :, None] * dS
-    back = lambda x: x.reshape(T, B, H, -1).transpose(1, 0, 2, 3)  # noqa: E731
-    return (back(o), S.reshape(B, H, K, V), back(dq), back(dk), back(dv), back(dg), dS.reshape(B, H, K, V))
 
 
 # ------------------------------------------------------------------------------------------------ main
