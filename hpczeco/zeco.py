@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from .base.backend import get_array_module
-from .collectives import CollectiveInputError, agree_fast, local_error
+from .collectives import CollectiveInputError, agree_fast, local_error, timed
 from .collectives.names import TOPOLOGIES, check_blocks
 from .gla import chunk_gla, chunk_gla_bwd, validate_gla_inputs
 from .gla.protocol import split_backward, split_forward
@@ -438,7 +438,8 @@ class ZeCOGLA:
         agree = self._forward_agreement(err, shapes, q, cu_seqlens=digest,
                                         **{"initial_state per document": initial_state is not None})
         agree_fast(self.comm, "ZeCOGLA.forward", err, agree)
-        lengths = self.comm.allgather(shapes["T"]) if self.size > 1 else [shapes["T"]]
+        one = [shapes["T"]]
+        lengths = timed.allgather(self.comm, shapes["T"], "ZeCOGLA.forward (slice lengths)") if self.size > 1 else one
         if int(cu[-1]) != sum(lengths):  # the same data on every rank: the same error everywhere
             raise CollectiveInputError(f"ZeCOGLA.forward: cu_seqlens ends at {int(cu[-1])}, but the slices of the "
                                        f"{self.size} ranks hold {sum(lengths)} tokens (lengths {lengths})")

@@ -11,7 +11,7 @@ import pytest
 from helpers import log_gates, rel
 
 import hpczeco.gla._geometry as geometry_mod
-import hpczeco.gla.chunk as chunk_mod
+import hpczeco.gla.fused as fused_mod
 from hpczeco.gla import chunk_gla, chunk_gla_bwd, recurrent_gla, recurrent_gla_bwd, validate_gla_inputs
 
 pytestmark = pytest.mark.filterwarnings("error")  # no overflow/invalid RuntimeWarnings, even for strong decays
@@ -395,7 +395,7 @@ def test_device_dispatch(rng, monkeypatch):
     fake = types.ModuleType("hpczeco.gpu.gla")
     fake.chunk_gla = lambda *a, **kw: calls.append(("fwd", a, kw)) or "fwd-result"
     fake.chunk_gla_bwd = lambda *a, **kw: calls.append(("bwd", a, kw)) or "bwd-result"
-    monkeypatch.setattr(chunk_mod, "_any_device", lambda *arrays: True)
+    monkeypatch.setattr(fused_mod, "_any_device", lambda *arrays: True)
     monkeypatch.setitem(sys.modules, "hpczeco.gpu.gla", fake)
     import hpczeco.gpu as gpu_pkg
 

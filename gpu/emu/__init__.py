@@ -25,7 +25,7 @@ import numpy as np
 
 _HERE = Path(__file__).resolve().parent
 HEADER = _HERE / "cuda_emu.h"
-HEADERS = (HEADER, _HERE / "wgmma_emu.h")  # cuda_emu.h and the header it includes
+HEADERS = (HEADER, _HERE / "emu_core.h", _HERE / "wgmma_emu.h")  # cuda_emu.h and the headers it includes
 
 __all__ = ["EmuCheckError", "EmuRuntime", "build", "compiler", "HEADER", "HEADERS"]
 

@@ -1,6 +1,6 @@
-// CPU model of the warpgroup MMA of sm_90a (wgmma), part of the CUDA emulation: cuda_emu.h includes it
-// after its warps, checks, dynamic shared memory and proxy state. Kernels reach it through their own
-// wrappers under CUDA_EMU (gpu/daaf_hopper_ptx.cuh).
+// CPU model of the warpgroup MMA of sm_90a (wgmma), part of the CUDA emulation: built on the execution
+// model of emu_core.h (warps, checks, dynamic shared memory and proxy state); cuda_emu.h includes both.
+// Kernels reach it through their own wrappers under CUDA_EMU (gpu/daaf_hopper_ptx.cuh).
 //
 // Model of wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16} (PTX ISA, "Asynchronous Warpgroup
 // Level Matrix Multiply-Accumulate"; the canonical layouts as CUTLASS cute/atom/mma_traits_sm90_gmma.hpp
@@ -30,9 +30,7 @@
 //   * wgmma batches still pending at kernel exit; descriptor base offset != 0.
 #pragma once
 
-#ifndef CUDA_EMU
-#error "wgmma_emu.h is part of gpu/emu/cuda_emu.h"
-#endif
+#include "emu_core.h"
 
 struct EmuWgDesc {
   uint32_t start, lbo, sbo;

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ..collectives import timed
 from ..collectives.agree import collective_check, local_error
 from ..collectives.halo import allreduce, gather_lengths
 from .attention import attention, exact_attention
@@ -328,7 +329,7 @@ class PrefillModel:
         lengths = gather_lengths(b - a, comm)
         owner = max(r for r, n in enumerate(lengths) if n > 0)
         logits = self._logits(x[-1]) if comm.Get_rank() == owner else np.empty(self.cfg.vocab_size, np.float32)
-        comm.Bcast(logits, root=owner)
+        timed.Bcast(comm, logits, owner, "PrefillModel.prefill (the last token's logits)")
         return PrefillResult(int(np.argmax(logits)), logits, 0.0, {"attention": t_attn}, x if keep_hidden else None)
 
     def _prefill_heads(self, tok, attn, p: Plan, comm, keep_hidden) -> PrefillResult:

@@ -1,7 +1,7 @@
 """Gated linear attention (GLA) on one rank: float64 reference, chunked forward and backward, phase split.
 
 - :func:`recurrent_gla` / :func:`recurrent_gla_bwd`: token-by-token float64 references (``naive.py``)
-- :func:`chunk_gla` / :func:`chunk_gla_bwd`: chunked, vectorised numpy path (``chunk.py``); CuPy
+- :func:`chunk_gla` / :func:`chunk_gla_bwd`: chunked, vectorised numpy path (``chunk.py``, its body ``fused.py``); CuPy
   inputs go to :mod:`hpczeco.gpu.gla`
 - :mod:`hpczeco.gla.split`: the same forward and backward cut where the incoming state enters
   (``ForwardSplit``, ``BackwardSplit``); :mod:`hpczeco.gla.protocol`: the split protocol the ZeCO layer

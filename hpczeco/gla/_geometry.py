@@ -1,6 +1,6 @@
 """Chunk geometry of the CPU GLA: chunks, sub-chunks, streaming groups and the span limit.
 
-Shared by the fused chunked form (:mod:`hpczeco.gla.chunk`) and the phase-split form
+Shared by the fused chunked form (:mod:`hpczeco.gla.fused`) and the phase-split form
 (:mod:`hpczeco.gla.split`). A sequence of ``T`` tokens is cut into ``N`` chunks of ``C`` tokens; each chunk
 is padded to ``Cp = ns c`` rows, ``ns`` sub-chunks of ``c <= SUB`` tokens. Work streams over groups of
 consecutive chunks of about ``GROUP_TOKENS`` padded tokens (``GROUP_TOKENS_LIGHT`` for the phases that

@@ -1,6 +1,6 @@
 """The one thread runner of the CPU GLA: (batch, head) sequences over worker threads, with optional polling.
 
-Every phase of :mod:`hpczeco.gla.chunk` and :mod:`hpczeco.gla.split` is a function ``fn(units, tick)`` over a
+Every phase of :mod:`hpczeco.gla.fused` and :mod:`hpczeco.gla.split` is a function ``fn(units, tick)`` over a
 list of ``(b, h)`` sequences; :func:`run_units` splits all ``B H`` sequences into contiguous blocks, one per
 worker thread (the numba kernels release the GIL; BLAS is kept single-threaded inside the workers, see
 :mod:`hpczeco.gla._blas`). With a ``poll`` callable (a scan handle's ``test``), ``poll()`` runs in the calling

@@ -1,5 +1,5 @@
 """Steps on one group of chunks of one (batch, head) sequence, shared by the fused chunked GLA
-(:mod:`hpczeco.gla.chunk`) and the phase-split one (:mod:`hpczeco.gla.split`): the exponents, the intra-chunk
+(:mod:`hpczeco.gla.fused`) and the phase-split one (:mod:`hpczeco.gla.split`): the exponents, the intra-chunk
 attention matrix ``A``, the output rows, and the dht-independent backward of a group (the backward's local
 loop, which both forms run).
 

@@ -1,4 +1,4 @@
-"""Phase-split chunked GLA on the CPU: the forward and backward of :mod:`hpczeco.gla.chunk`, cut where the
+"""Phase-split chunked GLA on the CPU: the forward and backward of :mod:`hpczeco.gla.fused`, cut where the
 incoming state (forward) or the incoming state gradient (backward) enters, so that a sequence-parallel
 layer (ZeCO, :mod:`hpczeco.zeco`) overlaps its scan with the work that does not need it.
 
@@ -25,8 +25,8 @@ Backward (:class:`BackwardSplit`), ``dH_n`` the gradient into chunk ``n``'s end 
 
 Every product of chunk_gla / chunk_gla_bwd is done once (the forward's fused ``[A | Qe] [V; S]`` becomes
 ``A V`` in ``intra`` and ``Qe S`` in ``finish``); the constructors use light exponent kernels (one ``exp``
-per token and key instead of the full sub-chunk exponent buffer). Numerical form as chunk.py: every
-exponent is <= 0 (strong decays go through chunk.py's exact pairwise diagonal blocks), and dg uses the
+per token and key instead of the full sub-chunk exponent buffer). Numerical form as fused.py: every
+exponent is <= 0 (strong decays go through fused.py's exact pairwise diagonal blocks), and dg uses the
 same cancellation-free form. Kept between the phases: the chunk states ``[N + 1, K, V]`` and state
 gradients ``[N, K, V]`` per sequence, and ``[T, K]`` per sequence of operands (``scale q exp(b)`` in the
 forward, ``exp(b_C - b)`` in the backward). ``finish`` adds into the intra results in place, so it runs
@@ -39,7 +39,7 @@ rank alone; it propagates instead).
 Both classes implement the split protocol of :mod:`hpczeco.gla.protocol` (``a``, the local state,
 ``overlap(poll)``, ``finish``); ``intra``/``local`` are their ``overlap``. These call ``poll()`` (if given)
 about every millisecond of work, from the calling thread, so ``poll`` may make MPI progress
-(``handle.test()``) without MPI_THREAD_MULTIPLE. Threads, kernels and group steps are those of chunk.py
+(``handle.test()``) without MPI_THREAD_MULTIPLE. Threads, kernels and group steps are those of fused.py
 (:mod:`hpczeco.gla._runner`, :mod:`hpczeco.gla._kernels`, :mod:`hpczeco.gla._steps`). The kernels that
 only stream token rows walk tokens in the outer loop and a block of sequences inside, so the rows of
 ``[B, T, H, D]`` arrays are touched in memory order.

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..base.backend import is_device_array
 from ..base.packing import BackwardRunner, ForwardRunner, packed_backward, packed_forward
+from .fused import fused_gla, fused_gla_bwd
 from .plain_split import plain_split_backward, plain_split_forward
 from .validate import check_chunk_size, check_cu_seqlens, check_document_states, check_scale, validate_gla_inputs
 
@@ -59,14 +60,13 @@ def _split_runners(scale: float | None, chunk_size: int) -> tuple[ForwardRunner,
 
 
 def _checked_host_runners(scale: float | None, chunk_size: int) -> tuple[ForwardRunner, BackwardRunner]:
-    """The fused host kernels (:func:`hpczeco.gla.chunk_gla`), which scan their values per bucket."""
-    from .chunk import chunk_gla, chunk_gla_bwd  # noqa: PLC0415
+    """The fused host kernels (:mod:`hpczeco.gla.fused`), which scan their values per bucket."""
 
     def fwd(q, k, v, g, h0, poll):
-        return chunk_gla(q, k, v, g, scale=scale, initial_state=h0, output_final_state=True, chunk_size=chunk_size)
+        return fused_gla(q, k, v, g, scale=scale, initial_state=h0, output_final_state=True, chunk_size=chunk_size)
 
     def bwd(q, k, v, g, do, h0, dht, poll):
-        return chunk_gla_bwd(q, k, v, g, do, scale=scale, initial_state=h0, dht=dht, chunk_size=chunk_size)
+        return fused_gla_bwd(q, k, v, g, do, scale=scale, initial_state=h0, dht=dht, chunk_size=chunk_size)
 
     return fwd, bwd
 
