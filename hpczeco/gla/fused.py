@@ -91,14 +91,8 @@ def fused_gla(
     output_final_state: bool = False,
     chunk_size: int = 64,
 ) -> tuple[Any, Any]:
-    """Chunked GLA forward: ``(o [B, T, H, V], final_state [B, H, K, V] or None)``.
-
-    ``q, k, g: [B, T, H, K]``, ``v: [B, T, H, V]``, ``g`` the log forget gate (<= 0),
-    ``initial_state: [B, H, K, V]`` or None (zeros), ``scale`` defaults to ``K**-0.5``. float32/float64
-    inputs are computed in their own precision; float16/bfloat16 in float32. ``o`` has the input dtype,
-    the final state the compute dtype (float32 for half inputs). CuPy inputs run on the device
-    (:func:`hpczeco.gpu.gla.chunk_gla`). Local: no communication.
-    """
+    """:func:`hpczeco.gla.chunk_gla` without ``cu_seqlens``: ``(o [B, T, H, V], final_state [B, H, K, V] or None)``
+    (arguments, dtypes and the device dispatch as there)."""
     B, T, H, K, V, s, chunk_size, cdt = check_gla_call(q, k, v, g, scale, initial_state, chunk_size)
     if _any_device(q, k, v, g, initial_state):
         return _gpu_module().chunk_gla(
@@ -170,15 +164,8 @@ def fused_gla_bwd(
     dht: Any = None,
     chunk_size: int = 64,
 ) -> tuple[Any, Any, Any, Any, Any]:
-    """Analytic backward of :func:`fused_gla`: ``(dq, dk, dv, dg, dh0)``.
-
-    Gradients of ``L = sum(o * do) + sum(S_T * dht)`` (``dht: [B, H, K, V]`` or None for zeros) with
-    respect to ``q, k, v, g`` (``[B, T, H, K]``, ``[B, T, H, V]`` for dv, in the input dtype) and the
-    initial state ``dh0 [B, H, K, V]`` — returned as an array even when ``initial_state`` is None (it is
-    then the gradient with respect to a zero initial state), in the dtype of ``initial_state`` if given,
-    else the compute dtype. The chunk states are recomputed (``[N, K, V]`` per head, never per token).
-    CuPy inputs run on the device (:func:`hpczeco.gpu.gla.chunk_gla_bwd`). Local: no communication.
-    """
+    """:func:`hpczeco.gla.chunk_gla_bwd` without ``cu_seqlens``: ``(dq, dk, dv, dg, dh0)`` (arguments, dtypes
+    and the device dispatch as there)."""
     B, T, H, K, V, s, chunk_size, cdt = check_gla_call(q, k, v, g, scale, initial_state, chunk_size, do=do, dht=dht)
     if _any_device(q, k, v, g, do, initial_state, dht):
         return _gpu_module().chunk_gla_bwd(
