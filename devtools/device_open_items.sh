@@ -6,7 +6,9 @@
 #   mpigpu   (issue 13) the 2-rank GPU tests under mpirun -n 2 (one GPU, two ranks)
 #   glue     (issue 18) `python3 -m hpczeco.torch --bench`: the autograd glue's overhead over the raw kernels
 #   shapes   (issue 14) `hpczeco bench gpu-gla --shapes 1,2` and the accuracy grid (`--grid`)
-#   scan12   (issue 19) the 12-rank scan on host cores (the 16 ms stall seen once), ring vs allgather
+#   scan12   (issue 19) the 12-rank scan on host cores (the 16 ms stall seen once), ring vs allgather, with the
+#            cgroup's CPU quota and throttling counters before and after (a 16.0 ms floor could be CFS bandwidth
+#            throttling of the container: nr_throttled / throttled_usec tell)
 # Run from the repository root with the carry [".whl", ".device"] (fla wheels; .device/caches.tgz holds
 # fla's autotune results, so `glue` and `shapes` skip the ~150 s first call):
 #   STEPS="gla torch mpigpu" bash devtools/device_open_items.sh   # one call is at most 600 s, so three calls:
@@ -30,7 +32,9 @@ export STEP_CMD_mpigpu="timeout 150 mpirun --bind-to none -n 2 -x PYTHONPATH pyt
 export STEP_CMD_glue="python3 -m hpczeco.torch --bench --json \$HPCZECO_RESULTS/torch-glue.json" STEP_LIMIT_glue=260
 export STEP_CMD_shapes="python3 -m hpczeco bench gpu-gla --shapes 1,2 --variants walk1 --out \$HPCZECO_RESULTS/gla \
 && python3 -m hpczeco bench gpu-gla --shapes 0 --grid --out \$HPCZECO_RESULTS/grid" STEP_LIMIT_shapes=360
-export STEP_CMD_scan12="for b in core none; do echo \"== --bind-to \$b\"; timeout 100 mpirun --bind-to \$b -n 12 \
--x PYTHONPATH python3 -m hpczeco bench scan --sizes 16K,1M --blocks 16 --out \$HPCZECO_RESULTS/scan12-\$b; done" \
+export CG="/sys/fs/cgroup/cpu.max /sys/fs/cgroup/cpu.stat /sys/fs/cgroup/cpu/cpu.cfs_quota_us \
+/sys/fs/cgroup/cpu/cpu.cfs_period_us /sys/fs/cgroup/cpu/cpu.stat"  # cgroup v2, then v1
+export STEP_CMD_scan12="cg() { echo \"-- cgroup \$1:\"; cat \$CG 2>/dev/null | tr '\\n' ' '; echo; }; cg before; for b in core none; do echo \"== --bind-to \$b\"; timeout 90 mpirun --bind-to \$b -n 12 \
+-x PYTHONPATH python3 -m hpczeco bench scan --sizes 16K,1M --blocks 16 --out \$HPCZECO_RESULTS/scan12-\$b; cg \"after \$b\"; done" \
   STEP_LIMIT_scan12=220
 STEPS=${STEPS:-"gla torch mpigpu"} TAIL=${TAIL:-40} exec bash devtools/device_round.sh
