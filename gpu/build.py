@@ -4,11 +4,19 @@
 template instantiations (``-DGLA_INSTANTIATE``) and prints, per kernel, the registers, spills, stack and
 static shared memory that ``ptxas -v`` reports. :func:`start` / :func:`finish` run the compiles as
 background processes so a test can overlap them with other work.
+
+Compile cache: a successful compile's report (exit status and nvcc/ptxas output; not the object file) is
+kept under ``$HPCZECO_NVCC_CACHE`` (default ``$XDG_CACHE_HOME/hpczeco/nvcc``, i.e. ``~/.cache/hpczeco/nvcc``),
+keyed by the nvcc version, the command's flags (not its paths) and the bytes of the source and of
+every ``.cu``/``.cuh``/``.h`` in this folder; the same compile again reads the report instead of running
+nvcc. ``HPCZECO_NVCC_CACHE=0`` turns it off. Failures are never cached.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -19,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+CACHE_ENV = "HPCZECO_NVCC_CACHE"
 NVCC_CANDIDATES = ("nvcc", "/usr/local/bin/nvcc", "/usr/local/cuda/bin/nvcc")
 
 
@@ -97,16 +106,77 @@ def parse_ptxas(text: str) -> list[KernelInfo]:
     return out
 
 
+def cache_dir() -> Path | None:
+    """Where compile reports are kept (None: ``$HPCZECO_NVCC_CACHE`` is 0/off/no/empty)."""
+    env = os.environ.get(CACHE_ENV)
+    if env is not None:
+        return None if env.strip().lower() in ("", "0", "off", "no") else Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hpczeco" / "nvcc"
+
+
+_VERSIONS: dict[str, str] = {}
+
+
+def _cache_key(cmd: list[str], path: Path) -> str:
+    nvcc = cmd[0]
+    if nvcc not in _VERSIONS:
+        _VERSIONS[nvcc] = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    h = hashlib.sha256(_VERSIONS[nvcc].encode())
+    # the flags: not nvcc's path, "-I<this folder>", the source's path nor "-o OUT" (the bytes are hashed below)
+    h.update(json.dumps([a for a in cmd[1:-3] if not a.startswith("-I")]).encode())
+    for f in [Path(path), *sorted(p for ext in ("*.cu", "*.cuh", "*.h") for p in HERE.glob(ext))]:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:32]
+
+
+class _Cached:
+    """A finished compile read from the cache, in place of its ``Popen``."""
+
+    returncode = 0
+
+    def __init__(self, output: str):
+        self.output = output
+
+    def poll(self) -> int:
+        return 0
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        return self.output, None
+
+    def kill(self) -> None:
+        pass
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+
 def start(path: Path, arch: str = "sm_90", ptx: bool = False, fast: bool = False):
-    """Start nvcc on ``path`` in the background; pass the result to :func:`finish`."""
+    """Start nvcc on ``path`` in the background (or read its cached report); pass the result to :func:`finish`."""
     cmd = command(path, arch, ptx, fast=fast)
+    folder = cache_dir()
+    key = _cache_key(cmd, path) if folder is not None else None
+    hit = folder / f"{key}.json" if key else None
+    if hit is not None and hit.exists():
+        try:
+            return _Cached(json.loads(hit.read_text())["output"]), cmd, path, None
+        except (OSError, ValueError, KeyError):
+            pass  # unreadable: compile again
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return proc, cmd, path
+    return proc, cmd, path, hit
 
 
-def finish(started: tuple[subprocess.Popen, list[str], Path], timeout: float | None = None) -> Result:
-    proc, cmd, path = started
+def finish(started: tuple, timeout: float | None = None) -> Result:
+    proc, cmd, path, hit = started
     out, _ = proc.communicate(timeout=timeout)
+    if hit is not None and proc.returncode == 0:
+        try:
+            hit.parent.mkdir(parents=True, exist_ok=True)
+            tmp = hit.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"cmd": cmd, "output": out}))
+            os.replace(tmp, hit)
+        except OSError:
+            pass  # a read-only home: no cache
     return Result(path, proc.returncode, out, cmd, parse_ptxas(out))
 
 

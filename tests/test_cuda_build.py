@@ -276,3 +276,50 @@ def test_emulated_tensor_core_state_pass_opt_in(emu_rt, rng, monkeypatch):
     for name, a, b in zip(("dq", "dk", "dv", "dg"), got[:4], ref[:4]):
         assert rel(bf16.from_bits(a), b) < 1e-2, name
     assert rel(got[4], ref[4]) < 1e-2
+
+
+def test_nvcc_cache_reads_a_compile_back_and_misses_on_any_change(tmp_path, monkeypatch):
+    """gpu/build.py's compile cache with a stand-in nvcc that counts its runs: the same compile twice runs it
+    once; another flag, another source or another header of gpu/ compiles again; failures are not kept;
+    HPCZECO_NVCC_CACHE=0 turns it off."""
+    runs = tmp_path / "runs"
+    fake = tmp_path / "nvcc"
+    fake.write_text("#!/bin/sh\n"
+                    "[ \"$1\" = --version ] && { echo 'fake nvcc 1.0'; exit 0; }\n"
+                    f"echo x >> {runs}\n"
+                    "for a; do case $a in *bad.cu) echo 'error: bad'; exit 2;; esac; done\n"
+                    "echo \"ptxas info    : Compiling entry function 'k' for 'sm_90'\"\n"
+                    "echo 'ptxas info    : Used 40 registers, 0 bytes smem'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("NVCC", str(fake))
+    monkeypatch.setenv("HPCZECO_NVCC_CACHE", str(tmp_path / "cache"))
+    here = tmp_path / "gpu"
+    here.mkdir()
+    (here / "a.cuh").write_text("// header\n")
+    src = here / "k.cu"
+    src.write_text("__global__ void k() {}\n")
+    monkeypatch.setattr(gbuild, "HERE", here)
+
+    def count() -> int:
+        return len(runs.read_text().splitlines()) if runs.exists() else 0
+
+    first = gbuild.finish(gbuild.start(src, "sm_90"))
+    assert first.ok and [k.registers for k in first.kernels] == [40] and count() == 1
+    again = gbuild.finish(gbuild.start(src, "sm_90"))
+    assert again.ok and again.output == first.output and again.kernels == first.kernels and count() == 1
+    gbuild.finish(gbuild.start(src, "sm_90a"))  # another flag
+    assert count() == 2
+    src.write_text("__global__ void k() { }\n")  # another source
+    gbuild.finish(gbuild.start(src, "sm_90"))
+    assert count() == 3
+    (here / "a.cuh").write_text("// header, changed\n")  # another header of the folder
+    gbuild.finish(gbuild.start(src, "sm_90"))
+    gbuild.finish(gbuild.start(src, "sm_90"))
+    assert count() == 4
+    bad = here / "bad.cu"
+    bad.write_text("oops\n")
+    assert not gbuild.finish(gbuild.start(bad, "sm_90")).ok
+    assert not gbuild.finish(gbuild.start(bad, "sm_90")).ok and count() == 6  # a failure is compiled again
+    monkeypatch.setenv("HPCZECO_NVCC_CACHE", "0")
+    gbuild.finish(gbuild.start(src, "sm_90"))
+    assert count() == 7

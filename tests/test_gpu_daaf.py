@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -24,6 +22,7 @@ import numpy as np
 import pytest
 from helpers import daaf_inputs, rel_max
 from hpczeco.base import bf16
+from hpczeco.gpu import build as gbuild
 from hpczeco.gpu import daaf as gd
 from hpczeco.gpu import emu as gemu
 
@@ -37,13 +36,6 @@ def reference_attention(q, k, v, global_mask, local_window, scale=None):
 GPU_DIR = Path(gd.__file__).resolve().parent
 SRC = GPU_DIR / "daaf_attention.cu"
 TOL = {"f32": 1e-4, "f16": 5e-3, "bf16": 1e-2}
-
-
-def _nvcc() -> str | None:
-    for c in (os.environ.get("NVCC"), shutil.which("nvcc"), "/usr/local/bin/nvcc", "/usr/local/cuda/bin/nvcc"):
-        if c and Path(c).exists():
-            return c
-    return None
 
 
 def _mask(T: int, spans=(), p: float = 0.0, rng=None) -> np.ndarray:
@@ -183,39 +175,24 @@ def test_auto_choice_defers_to_choose_impl(monkeypatch):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def nvcc_build(tmp_path_factory):
+def nvcc_build():
     """Start the sm_90 build at module setup, in the background (the emulation tests run meanwhile)."""
-    nvcc = _nvcc()
-    if nvcc is None:
+    if gbuild.nvcc_path() is None:
         yield None
         return
-    out = tmp_path_factory.mktemp("nvcc") / "daaf.o"
-    proc = subprocess.Popen([nvcc, "-arch=sm_90", "-std=c++17", "-c", "-Xptxas", "-v", str(SRC), "-o", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    yield proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    job = gbuild.start(SRC, "sm_90", fast=True)  # the command tests/test_cuda_build.py runs (cached once)
+    yield job
+    if job[0].poll() is None:
+        job[0].kill()
+        job[0].wait()
 
 
 def test_nvcc_builds_sm90(nvcc_build):
     if nvcc_build is None:
         pytest.skip("nvcc not found (set NVCC=...)")
-    _, err = nvcc_build.communicate(timeout=170)
-    assert nvcc_build.returncode == 0, err[-4000:]
-    report = {}
-    cur = None
-    for line in err.splitlines():
-        m = re.search(r"Compiling entry function '(\w+)'", line)
-        if m:
-            cur = m.group(1)
-            report[cur] = {}
-        m = re.search(r"(\d+) bytes spill stores", line)
-        if m and cur:
-            report[cur]["spill"] = int(m.group(1))
-        m = re.search(r"Used (\d+) registers", line)
-        if m and cur:
-            report[cur]["regs"] = int(m.group(1))
+    res = gbuild.finish(nvcc_build, timeout=170)
+    assert res.ok, res.output[-4000:]
+    report = {k.name: {"regs": k.registers, "spill": k.spill_stores} for k in res.kernels}
     missing = set(gd.kernel_names()) - set(report)
     assert not missing, f"kernels missing from the build: {missing}"
     for name, rep in report.items():
