@@ -16,6 +16,15 @@ from .backend import get_array_module, is_device_array
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
+def check_int(name: str, value: Any, lo: int | None = None) -> int:
+    """``value`` as an int; ``TypeError`` unless an int (bool excluded), ``ValueError`` if below ``lo``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    return int(value)
+
+
 def dtype_name(x: Any) -> str:
     return str(getattr(x, "dtype", type(x).__name__))
 

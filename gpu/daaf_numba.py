@@ -28,6 +28,7 @@ from typing import Any
 import numba
 import numpy as np
 
+from ..base.windows import window_starts
 from .args import check_int
 from .numba_util import SIMULATOR, cuda, dev, is_cupy, stream
 
@@ -185,19 +186,6 @@ def _pow2(n: int, name: str) -> int:
     if not (isinstance(n, (int, np.integer)) and 1 <= n <= MAX_THREADS and n & (n - 1) == 0):
         raise ValueError(f"{name} must be a power of two in [1, {MAX_THREADS}], got {n}")
     return int(n)
-
-
-def window_starts(T: int, window: int, stride: int | None = None) -> np.ndarray:
-    """Start positions ``[n_windows]`` (int64, host) of the scan windows: the CPU planner's rule."""
-    T = check_int("T", T, 1)
-    window = check_int("window", window, 1)
-    stride = window if stride is None else check_int("stride", stride, 1)
-    if window > T:
-        raise ValueError(f"window ({window}) is larger than the text ({T} tokens)")
-    starts = np.arange(0, T - window + 1, stride, dtype=np.int64)
-    if starts[-1] + window < T:
-        starts = np.append(starts, T - window)
-    return starts
 
 
 def _tokens(tokens: Any):

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from ..base.checks import check_int
 from ..gpu import daaf_plan as kernels
 from ..gpu.daaf import DevicePlan
 from . import planner as _planner
@@ -92,13 +93,13 @@ def _check_ids(lo: int, hi: int, vocab_size: int | None) -> None:
 
 
 def _check_scan_args(window: Any, vocab_size: Any, bias_correction: str) -> tuple[int, int | None]:
-    window = _planner._check_int("window", window, 1)
+    window = check_int("window", window, 1)
     if window > MAX_WINDOW:
         raise ValueError(f"the device planner supports window <= {MAX_WINDOW}, got {window} (use hpczeco.daaf.plan)")
     if bias_correction not in ("none", "miller-madow"):
         raise ValueError(f"bias_correction must be one of ('none', 'miller-madow'), got {bias_correction!r}")
     if vocab_size is not None:
-        vocab_size = _planner._check_int("vocab_size", vocab_size, 1)
+        vocab_size = check_int("vocab_size", vocab_size, 1)
     return window, vocab_size
 
 
@@ -110,7 +111,7 @@ def window_entropy(tokens: Any, window: int = 512, stride: int | None = None, vo
     window, vocab_size = _check_scan_args(window, vocab_size, bias_correction)
     tok = _device_tokens(tokens)
     T = int(tok.size)
-    stride = window if stride is None else _planner._check_int("stride", stride, 1)
+    stride = window if stride is None else check_int("stride", stride, 1)
     if window > T:
         raise ValueError(f"window ({window}) is larger than the text ({T} tokens)")
     scan = _Scan(tok, window, stride, vocab_size, bias_correction, threads)
@@ -150,7 +151,7 @@ def plan(
     of the two kernels (powers of two in [32, 1024]; the tests use small ones).
     """
     window, vocab_size = _check_scan_args(window, vocab_size, bias_correction)
-    W = _planner._check_int("local_window", local_window, 0)
+    W = check_int("local_window", local_window, 0)
     threshold = _planner._check_fraction("threshold", threshold)
     if budget is not None:
         budget = _planner._check_fraction("budget", budget)
@@ -161,7 +162,7 @@ def plan(
     if policy not in _planner.FALLBACK_POLICIES:
         raise ValueError(f"policy must be one of {_planner.FALLBACK_POLICIES}, got {policy!r}")
     if stride is not None:
-        _planner._check_int("stride", stride, 1)
+        check_int("stride", stride, 1)
     nts = kernels.check_threads(select_threads, kernels.SELECT_THREADS, "select_threads")
     tok = _device_tokens(tokens)
     xp = kernels.runtime().xp

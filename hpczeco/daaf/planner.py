@@ -48,6 +48,9 @@ from typing import Any
 
 import numpy as np
 
+from ..base.checks import check_int
+from ..base.windows import window_starts
+
 __all__ = [
     "Plan",
     "window_starts",
@@ -68,14 +71,6 @@ _BIAS = ("none", "miller-madow")
 
 
 # --------------------------------------------------------------------------- validation
-
-
-def _check_int(name: str, value: Any, lo: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if lo is not None and value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
-    return int(value)
 
 
 def _check_fraction(name: str, value: Any) -> float:
@@ -109,19 +104,6 @@ def check_tokens(tokens: Any, name: str = "tokens") -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- entropy scan
-
-
-def window_starts(T: int, window: int, stride: int | None = None) -> np.ndarray:
-    """Start positions ``[n_windows]`` of the scan windows (see the module docstring)."""
-    T = _check_int("T", T, 1)
-    window = _check_int("window", window, 1)
-    stride = window if stride is None else _check_int("stride", stride, 1)
-    if window > T:
-        raise ValueError(f"window ({window}) is larger than the text ({T} tokens)")
-    starts = np.arange(0, T - window + 1, stride, dtype=np.int64)
-    if starts[-1] + window < T:
-        starts = np.append(starts, T - window)
-    return starts
 
 
 def _entropy_rows(tok: np.ndarray, starts: np.ndarray, window: int, bias: str) -> np.ndarray:
@@ -171,11 +153,11 @@ def window_entropy(
     ``ValueError`` if ``window`` exceeds the text or a token id is ``>= vocab_size``.
     """
     tok = check_tokens(tokens)
-    window = _check_int("window", window, 1)
+    window = check_int("window", window, 1)
     if bias_correction not in _BIAS:
         raise ValueError(f"bias_correction must be one of {_BIAS}, got {bias_correction!r}")
     if vocab_size is not None:
-        vocab_size = _check_int("vocab_size", vocab_size, 1)
+        vocab_size = check_int("vocab_size", vocab_size, 1)
         if int(tok.max()) >= vocab_size:
             raise ValueError(f"tokens holds id {int(tok.max())} >= vocab_size ({vocab_size})")
     starts = window_starts(len(tok), window, stride)
@@ -356,8 +338,8 @@ def plan(
     """
     tok = check_tokens(tokens)
     T = len(tok)
-    window = _check_int("window", window, 1)
-    W = _check_int("local_window", local_window, 0)
+    window = check_int("window", window, 1)
+    W = check_int("local_window", local_window, 0)
     threshold = _check_fraction("threshold", threshold)
     if budget is not None:
         budget = _check_fraction("budget", budget)
@@ -368,7 +350,7 @@ def plan(
     if policy not in FALLBACK_POLICIES:
         raise ValueError(f"policy must be one of {FALLBACK_POLICIES}, got {policy!r}")
     if stride is not None:
-        _check_int("stride", stride, 1)
+        check_int("stride", stride, 1)
 
     if T < window:  # nothing to rank: one score for the whole text (the density), dense attention
         weights = window_entropy(tok, T, None, vocab_size, bias_correction)
@@ -501,7 +483,7 @@ def plan_from_mask(global_mask: Any, local_window: int = 128, reason: str = "exp
         raise TypeError(f"global_mask must be a bool array, got dtype {g.dtype}")
     if g.ndim != 1 or g.size == 0:
         raise ValueError(f"global_mask must be a non-empty 1-D [T] array, got shape {tuple(g.shape)}")
-    W = _check_int("local_window", local_window, 0)
+    W = check_int("local_window", local_window, 0)
     T = len(g)
     return _make(T=T, mask=g, W=W, window=T, stride=T, starts=np.zeros(1, np.int64), weights=np.zeros(1),
                  selected=np.zeros(1, bool), policy="explicit", reason=reason, threshold=None)
