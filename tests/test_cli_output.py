@@ -41,6 +41,15 @@ def _mpiexec() -> str | None:
     return str(local) if local.exists() else shutil.which("mpiexec")
 
 
+def _on_one_core(exe: str, taskset: str) -> list[str]:
+    """``taskset -c C mpiexec``, so that every rank inherits one core. Open MPI's mpiexec binds each rank
+    to a core of its own by default (2 ranks: cores 0 and 1 whatever the launcher's mask), so it gets
+    ``--bind-to none`` to keep the mask; MPICH's hydra keeps it as it is."""
+    probe = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+    ompi = "open mpi" in (probe.stdout + probe.stderr).lower() or "open-mpi" in (probe.stdout + probe.stderr).lower()
+    return [taskset, "-c", str(min(os.sched_getaffinity(0))), exe, *(["--bind-to", "none"] if ompi else [])]
+
+
 def _env(**extra: str) -> dict[str, str]:
     env = mpienv.launch_env(dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
@@ -206,7 +215,7 @@ def test_oversubscribed_scan_warns_and_report_refuses_to_extrapolate(tmp_path):
     if exe is None or taskset is None:
         pytest.skip("needs mpiexec and taskset")
     out = tmp_path / "scan"
-    cmd = [taskset, "-c", str(min(os.sched_getaffinity(0))), exe, "-n", "2", sys.executable, "-m", "hpczeco", "bench",
+    cmd = [*_on_one_core(exe, taskset), "-n", "2", sys.executable, "-m", "hpczeco", "bench",
            "scan", "--sizes", "4K", "--repeats", "3", "--warmup", "1", "--time-limit", "0.5", "--blocks", "2",
            "--topologies", "ring,serial", "--no-plot", "--out", str(out)]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
@@ -231,7 +240,7 @@ def test_oversubscribed_train_warns_once_and_fair_run_does_not(text_file, tmp_pa
     if exe is None or taskset is None:
         pytest.skip("needs mpiexec and taskset")
     base = [exe, "-n", "2", sys.executable, "-m", "hpczeco", "train", "--text", text_file, *TINY, "--steps", "2"]
-    one_core = subprocess.run([taskset, "-c", str(min(os.sched_getaffinity(0))), *base], env=_env(),
+    one_core = subprocess.run([*_on_one_core(exe, taskset), *base[1:]], env=_env(),
                               capture_output=True, text=True, timeout=300)
     assert one_core.returncode == 0, one_core.stdout + one_core.stderr
     assert one_core.stdout.count("hpczeco train: warning: 2 ranks share 1 usable core(s)") == 1, one_core.stdout
