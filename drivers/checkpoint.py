@@ -396,7 +396,9 @@ class CheckpointWriter:
             "_attrs_sha256": _attrs_digest(kinds, _decoded(kinds, stored)),
         }
         if self.parallel:
-            err_s = self._write_mpio(tmp, host, manifest, stored, root_attrs)
+            err_s = self._space_short(step, host, stored, root_attrs)
+            if err_s is None:
+                err_s = self._write_mpio(tmp, host, manifest, stored, root_attrs)
         else:
             err_s = self._write_serial(tmp, host, manifest, stored, root_attrs) if self.rank == 0 else None
         if err_s is None and self.rank == 0:
@@ -450,6 +452,25 @@ class CheckpointWriter:
                     "free there; the previous checkpoints are kept")
         return f"cannot write checkpoint {tmp.name} in {self.folder}: {type(error).__name__}: {error}"
 
+    def _space_short(self, step: int, host, stored, root_attrs) -> str | None:
+        """Parallel HDF5 only: rank 0 checks the free space against :func:`estimated_bytes` before any rank
+        opens the file, and every rank gets its answer (the same error, or None). An MPI-IO write that fails
+        for want of space can crash HDF5 itself when the file is closed (seen: Debian's libhdf5-openmpi
+        1.10, a segfault in ``H5F__close_cb`` after ``mca_fbtl_posix_pwritev: No space left on device``), so
+        the common case is refused before HDF5 sees it. Space that runs out during the write is not covered."""
+        short = None
+        if self.rank == 0:
+            need, free = estimated_bytes(host, stored, root_attrs), _free_bytes(self.folder)
+            if 0 <= free < need:
+                short = (f"cannot write checkpoint {checkpoint_name(step)} into {self.folder}: no space left on the "
+                         f"device (checked before writing, parallel HDF5): it needs {need:,} bytes, {free:,} bytes "
+                         "are free there; the previous checkpoints are kept")
+        if self.size > 1:
+            from hpczeco.collectives import timed  # noqa: PLC0415
+
+            short = timed.bcast(self.comm, short, 0, "checkpoint save")
+        return short
+
     def _write_mpio(self, tmp: Path, host, manifest, stored, root_attrs) -> str | None:
         """Parallel HDF5: object creation and attributes are collective (same values on every rank);
         the replicated data are written by rank 0 alone (independent I/O). Tested by
@@ -463,7 +484,9 @@ class CheckpointWriter:
                 _fsync_path(tmp)
         except Exception as exc:  # noqa: BLE001
             err = f"rank {self.rank}: cannot write checkpoint {tmp.name} (mpio): {type(exc).__name__}: {exc}"
-        errs = [e for e in self.comm.allgather(err) if e]
+        from hpczeco.collectives import timed  # noqa: PLC0415
+
+        errs = [e for e in timed.allgather(self.comm, err, "checkpoint save (mpio)") if e]
         return errs[0] if errs else None
 
     def _publish(self, tmp: Path, final: Path) -> str | None:
@@ -565,6 +588,16 @@ class GuardedFile:
                 os.fsync(self.fd)
             except OSError as err:
                 self.error = err
+
+
+def estimated_bytes(host: Mapping[str, np.ndarray], stored: Mapping[str, Any], root_attrs: Mapping[str, Any]) -> int:
+    """An upper estimate of a checkpoint file's size: the array bytes, the attributes' bytes, 4 KiB of HDF5
+    headers per dataset (object header, its sha256 attribute, B-tree and heap entries) and 64 KiB for the file
+    (superblock, root group, free-space slack); ``tests/test_checkpoint.py`` checks it against written files."""
+    data = sum(int(a.nbytes) for a in host.values())
+    attrs = sum((int(v.nbytes) if isinstance(v, np.ndarray) else len(str(v).encode())) + 256
+                for v in (*stored.values(), *root_attrs.values()))
+    return data + attrs + 4096 * len(host) + 65536
 
 
 def _free_bytes(folder: Path) -> int:

@@ -111,3 +111,39 @@ def test_both_paths_store_the_same_file_contents(comm, shared_dir, rng):
     assert sorted(a_attrs) == sorted(b_attrs)
     for key in a_attrs:
         np.testing.assert_array_equal(np.asarray(a_attrs[key]), np.asarray(b_attrs[key]), err_msg=key)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("writer", ["mpio", "serial"])
+def test_size_estimate_bounds_the_written_file(comm, shared_dir, rng, writer):
+    """checkpoint.estimated_bytes (the mpio path's free-space check) is at least the size of the file written,
+    on both paths, for small and larger arrays."""
+    from hpczeco.drivers import checkpoint as ck
+
+    arrays = comm.bcast({**_arrays(rng), "big": rng.standard_normal((300, 257))}, root=0)
+    attrs = comm.bcast(_attrs(rng), root=0)
+    w = CheckpointWriter(shared_dir / writer, comm=comm, parallel=writer == "mpio")
+    path = w.save(2, arrays, attrs)
+    _, host, _, stored, _ = w._prepare(2, arrays, attrs)
+    est = ck.estimated_bytes(host, stored, {"_manifest": "x" * 2048, "created": "2026-12-01T00:00:00Z"})
+    size = path.stat().st_size
+    assert size <= est <= 2 * size + 200_000, (size, est)
+
+
+@pytest.mark.mpi
+def test_mpio_refuses_before_writing_when_the_space_is_short(comm, shared_dir, rng, monkeypatch):
+    """Parallel HDF5 can crash in H5Fclose after a failed MPI-IO write, so the mpio path checks the free
+    space first: every rank gets the same CheckpointError, no temporary is left, the previous checkpoint
+    stays."""
+    from hpczeco.drivers import checkpoint as ck
+
+    arrays = comm.bcast(_arrays(rng), root=0)
+    w = CheckpointWriter(shared_dir, comm=comm, parallel=True)
+    w.save(1, arrays, {})
+    monkeypatch.setattr(ck, "_free_bytes", lambda folder: 1000)  # rank 0 decides; the others take its answer
+    with pytest.raises(ck.CheckpointError, match=r"cannot write checkpoint ckpt_00000002\.h5 into .*: no space "
+                       r"left on the device \(checked before writing, parallel HDF5\): it needs [\d,]+ bytes, "
+                       r"1,000 bytes are free there; the previous checkpoints are kept"):
+        w.save(2, arrays, {})
+    comm.Barrier()
+    assert sorted(p.name for p in shared_dir.iterdir()) == ["ckpt_00000001.h5"]
