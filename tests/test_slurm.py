@@ -125,17 +125,24 @@ def _wait(env: dict, job: str, name: str, out_file: Path) -> str:
     return text
 
 
-def _start_requeued_now(env: dict, job: str) -> None:
-    """Once the job script has requeued ``job``, make it eligible at once: Slurm holds a requeued batch job
-    (its EligibleTime, about two minutes here: 16:48:47 requeued, 16:51:26 started again), which is the
-    scheduler's policy, not the script's. Bounded; if the job never shows as requeued, ``_wait`` reports it."""
+CRED_EXPIRE = 10  # AuthInfo=cred_expire of tests/slurm/start_slurm.sh
+
+
+def _release_requeued(env: dict, job: str) -> None:
+    """Once the job script has requeued ``job`` (``Restarts=1``, ``PENDING``), make it eligible as soon as
+    its old credential has expired (``CRED_EXPIRE`` + 1 s later: an earlier start is killed with "Job
+    credential revoked"), instead of waiting for Slurm's hold and the next scheduling pass (~37 s with
+    cred_expire=10, ~160 s with the default 120). That hold is the scheduler's policy, not the script's.
+    Bounded; a job that never shows as requeued is left to ``_wait`` to report."""
     deadline = time.monotonic() + JOB_TIMEOUT
     while time.monotonic() < deadline:
         fields = _job_fields(env, job)
         if fields.get("Restarts") == "1" and fields.get("JobState") == "PENDING":
-            upd = subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True,
-                                 text=True, env=env, timeout=30)
-            assert upd.returncode == 0, upd.stderr
+            time.sleep(CRED_EXPIRE + 1)
+            if _job_fields(env, job).get("JobState") == "PENDING":
+                upd = subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True,
+                                     text=True, env=env, timeout=30)
+                assert upd.returncode == 0, upd.stderr
             return
         if fields.get("JobState", "") not in _ACTIVE:
             return
@@ -217,7 +224,7 @@ def test_cpu_job_srun_binding_resume_and_walltime_signal(slurm):
     sig = subprocess.run(["scancel", "--signal=USR1", "--batch", job], capture_output=True, text=True, env=env,
                          timeout=30)
     assert sig.returncode == 0, sig.stderr
-    _start_requeued_now(env, job)
+    _release_requeued(env, job)
     text = _wait(env, job, "c", log)
     assert _job_fields(env, job).get("Restarts") == "1", _job_fields(env, job)
     assert f"launcher  srun (--mpi={plugin}, --cpus-per-task=2, --cpu-bind=cores)" in text, text

@@ -56,6 +56,10 @@ SlurmctldPort=$ctld_port
 SlurmdPort=$slurmd_port
 AuthType=auth/none
 CredType=cred/none
+# a job's credential stays revoked for cred_expire seconds after the job ends, and a requeued batch job that
+# starts again before that is killed ("Job credential revoked"); Slurm holds requeued jobs for about that long
+# (default 120 s: the requeue test waited ~160 s). tests/test_slurm.py releases the job once this has passed.
+AuthInfo=cred_expire=10
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool
 SlurmctldPidFile=$dir/slurmctld.pid
