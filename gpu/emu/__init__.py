@@ -42,7 +42,9 @@ def build(source: str, names: list[str], cache_dir: str | None = None) -> Path:
     """Compile ``source`` (kernels) plus a registry of ``names`` into a shared library; cached by hash."""
     reg = "\n".join(f'EMU_REGISTER("{n}", {n})' for n in names)
     full = f'#include "{HEADER}"\n{source}\n{reg}\nEMU_DEFINE_ENTRY\n'
-    digest = hashlib.sha256((full + "".join(h.read_text() for h in HEADERS)).encode()).hexdigest()[:16]
+    # keyed by the contents, not by where this checkout lives (a fresh clone elsewhere reuses the build)
+    body = full.replace(str(HEADER), HEADER.name)
+    digest = hashlib.sha256((body + "".join(h.read_text() for h in HEADERS)).encode()).hexdigest()[:16]
     out_dir = Path(cache_dir or os.path.join(tempfile.gettempdir(), "hpczeco-emu"))
     out_dir.mkdir(parents=True, exist_ok=True)
     lib = out_dir / f"kernels_emu_{digest}.so"
