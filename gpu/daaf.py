@@ -48,8 +48,8 @@ from typing import Any
 import numpy as np
 
 from ..base.backend import get_array_module
+from ..base.checks import check_int
 from . import daaf_hopper, daaf_plan
-from .args import check_int
 from .runtime import HERE, KernelSet, Prepared, RuntimeSlot
 from .runtime import kernel_source as _source
 

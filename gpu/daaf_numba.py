@@ -28,8 +28,8 @@ from typing import Any
 import numba
 import numpy as np
 
+from ..base.checks import check_int
 from ..base.windows import window_starts
-from .args import check_int
 from .numba_util import SIMULATOR, cuda, dev, is_cupy, stream
 
 __all__ = ["window_entropy", "windows_to_mask", "mask_to_index", "threshold_plan", "window_starts", "SIMULATOR"]
