@@ -36,6 +36,7 @@ __all__ = [
     "get_device_transport",
     "device_transport",
     "resolve_kind",
+    "shared_gpus",
     "mpi_cuda_support",
     "cuda_aware_known",
     "nccl_available",
@@ -99,6 +100,26 @@ def nccl_available() -> bool:
         return bool(getattr(nccl, "available", True)) and hasattr(nccl, "NcclCommunicator")
     except Exception:
         return False
+
+
+def gpu_id() -> str:
+    """This rank's GPU as ``"host/PCI bus id"`` (the current CuPy device)."""
+    dev = _cupy().cuda.Device()
+    try:
+        bus = str(dev.pci_bus_id)
+    except Exception:  # noqa: BLE001 - an older CuPy: the ordinal is as good within one process tree
+        bus = f"device {dev.id}"
+    return f"{MPI.Get_processor_name()}/{bus}"
+
+
+def shared_gpus(comm: MPI.Comm) -> dict[str, list[int]]:
+    """The GPUs that several ranks of ``comm`` use, with those ranks (collective; the same on every
+    rank; empty when each rank has its own). NCCL refuses two ranks of one communicator on one GPU."""
+    ids = comm.allgather(gpu_id())
+    ranks: dict[str, list[int]] = {}
+    for r, i in enumerate(ids):
+        ranks.setdefault(i, []).append(r)
+    return {i: rs for i, rs in ranks.items() if len(rs) > 1}
 
 
 def _check_buf(name: str, buf: Any) -> None:
@@ -366,6 +387,11 @@ class NcclTransport(Transport):
 
     def __init__(self, comm: MPI.Comm):
         super().__init__(comm)
+        shared = shared_gpus(comm) if self.size > 1 else {}
+        if shared:  # the same list on every rank: the same error everywhere, before NCCL is asked
+            gpu, ranks = next(iter(shared.items()))
+            raise ValueError(f"transport 'nccl' needs one GPU per rank: ranks {ranks} share the GPU {gpu} "
+                             "(give each rank its own device, or use 'staged' or 'cuda-aware')")
         cp = _cupy()
         from cupy.cuda import nccl  # noqa: PLC0415
 
@@ -464,7 +490,7 @@ def resolve_kind(comm: MPI.Comm, kind: str) -> str:
     has_nccl = nccl_available()
     if comm.Get_size() > 1:  # agree, so every rank picks the same transport
         aware = all(comm.allgather(aware))
-        has_nccl = all(comm.allgather(has_nccl))
+        has_nccl = all(comm.allgather(has_nccl)) and not shared_gpus(comm)
     if aware:
         return "cuda-aware"
     if has_nccl:
@@ -475,8 +501,9 @@ def resolve_kind(comm: MPI.Comm, kind: str) -> str:
 def device_transport(ctx: CommContext, kind: str = "auto") -> Transport:
     """The device transport ``kind`` on ``ctx.pcomm``, from (or into) ``ctx.transports``.
 
-    ``"auto"``: CUDA-aware MPI if known CUDA-aware, else NCCL if available, else host-staged.
-    Collective over the communicator the first time for "auto" and "nccl" (agreement / unique-id bcast).
+    ``"auto"``: CUDA-aware MPI if known CUDA-aware, else NCCL if available and every rank has its own
+    GPU, else host-staged. Collective over the communicator the first time for "auto" and "nccl"
+    (agreement / unique-id bcast).
     """
     check_device_kind(kind)
     cache = ctx.transports
@@ -500,8 +527,8 @@ def get_device_transport(comm: MPI.Comm, kind: str = "auto") -> Transport:
     """The device transport ``kind`` for ``comm``: it carries its messages on ``comm``'s private duplicate
     and is cached in ``comm``'s library context per kind (the same object the scans on ``comm`` use).
 
-    ``"auto"``: CUDA-aware MPI if known CUDA-aware, else NCCL if available, else host-staged.
-    Collective over ``comm`` the first time (the context's ``Dup``; agreement / unique-id bcast).
+    ``"auto"``: CUDA-aware MPI if known CUDA-aware, else NCCL if available and every rank has its own
+    GPU, else host-staged. Collective over ``comm`` the first time (the context's ``Dup``; agreement / unique-id bcast).
     """
     check_device_kind(kind)
     return device_transport(get_context(comm), kind)

@@ -5,6 +5,8 @@
 #   torch    (issue 13) the PyTorch GPU tests
 #   mpigpu   (issue 13) the 2-rank GPU tests under mpirun -n 2 (one GPU, two ranks)
 #   glue     (issue 18) `python3 -m hpczeco.torch --bench`: the autograd glue's overhead over the raw kernels
+#   glueprof (issue 18) the same without fla (its timings are in `shapes`), with the in-a-row timings and cProfile
+#   grid     (issue 14) the accuracy grid against fla at the (K, V) and lengths whose fla autotuning is cached
 #   shapes   (issue 14) `hpczeco bench gpu-gla --shapes 1,2` and the accuracy grid (`--grid`)
 #   scan12   (issue 19) the 12-rank scan on host cores (the 16 ms stall seen once), ring vs allgather, with the
 #            cgroup's CPU quota and throttling counters before and after (a 16.0 ms floor could be CFS bandwidth
@@ -30,6 +32,10 @@ export STEP_CMD_torch="files tests/test_torch_gpu.py" STEP_LIMIT_torch=120
 export STEP_CMD_mpigpu="timeout 150 mpirun --bind-to none -n 2 -x PYTHONPATH python3 -m pytest -q -p no:cacheprovider \
 -m 'mpi and gpu' tests/test_gpu_transport.py tests/test_gpu_zeco.py tests/test_torch_gpu.py" STEP_LIMIT_mpigpu=160
 export STEP_CMD_glue="python3 -m hpczeco.torch --bench --json \$HPCZECO_RESULTS/torch-glue.json" STEP_LIMIT_glue=260
+export STEP_CMD_glueprof="python3 -m hpczeco.torch --bench --no-fla --profile --json \$HPCZECO_RESULTS/torch-glue-prof.json" \
+  STEP_LIMIT_glueprof=90
+export STEP_CMD_grid="python3 -m hpczeco bench gpu-gla --shapes 0 --grid --grid-kv 60x64,128x128 \
+--grid-t 777,1000,1024,2048 --out \$HPCZECO_RESULTS/grid" STEP_LIMIT_grid=120
 export STEP_CMD_shapes="python3 -m hpczeco bench gpu-gla --shapes 1,2 --variants walk1 --out \$HPCZECO_RESULTS/gla \
 && python3 -m hpczeco bench gpu-gla --shapes 0 --grid --out \$HPCZECO_RESULTS/grid" STEP_LIMIT_shapes=360
 export CG="/sys/fs/cgroup/cpu.max /sys/fs/cgroup/cpu.stat /sys/fs/cgroup/cpu/cpu.cfs_quota_us \

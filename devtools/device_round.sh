@@ -41,6 +41,7 @@ for step in ${STEPS:-smoke}; do
   e=$(( $(date +%s) - s ))
   tail -n "${TAIL:-30}" "$RES/$step.log"
   summary+=("$step rc=$rc ${e}s")
+  tar -czf "$OUT/results.tgz" -C /tmp device-res  # after every step: a call cut short still returns what ran
 done
 # keep the caches small (the tool returns files of at most 16 MiB): Triton's autotune results (not its
 # binaries: with the results known only the winning configs compile) and CuPy's NVRTC binaries

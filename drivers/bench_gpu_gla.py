@@ -63,6 +63,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention")
     p.add_argument("--grid", action="store_true", help="accuracy on fla's test grid (ours and fla vs float64)")
     p.add_argument("--grid-kv", default="", help="restrict the grid's (K, V) pairs, e.g. '64x64,128x128'")
+    p.add_argument("--grid-t", default="", help="restrict the grid's lengths T, e.g. '777,2048' (fla autotunes anew "
+                                                "for each short T and each (K, V): ~1-3 min each)")
     p.add_argument("--variants", default="", help=f"'all' or a comma list of: {', '.join(VARIANTS)}")
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-kernel timings")
     p.add_argument("--quick", action="store_true", help="the first shape only (jobs/device_session.sh)")
@@ -436,7 +438,7 @@ class Bench:
             o = G.chunk_gla(*(sets[0][n] for n in ("q", "k", "v", "g")), scale=scale)[0]
             of, _ = fla_fwd(0)
             torch.cuda.synchronize()
-            row["o vs fla"] = rel(cp, o, cp.from_dlpack(of.float().contiguous()))
+            row["o vs fla"] = rel(cp, o, cp.from_dlpack(of.detach().float().contiguous()))
 
         self.step(f"ours vs fla o {tag}", vs_fla)
 
@@ -496,9 +498,12 @@ class Bench:
         if self.args.grid_kv:
             want = {tuple(int(x) for x in item.split("x")) for item in self.args.grid_kv.split(",") if item}
             kv = tuple(p for p in GRID_KV if p in want)
+        ts = GRID_T
+        if self.args.grid_t:
+            ts = tuple(int(x) for x in self.args.grid_t.split(",") if x)
         rng = np.random.default_rng(self.seed + 7)
         for K, V in kv:
-            for T in GRID_T:
+            for T in ts:
                 for gn in GRID_GN:
                     self.grid_case(T, K, V, gn, int(rng.integers(1 << 30)))
 
@@ -535,7 +540,8 @@ class Bench:
                                   output_final_state=True)  # fmt: skip
                 torch.autograd.backward((of, hf), (t["do"], torch.from_dlpack(dht)))
                 got = [of, hf, xs["q"].grad, xs["k"].grad, xs["v"].grad, xs["g"].grad, h0t.grad]
-                theirs = {n: rel(cp, cp.from_dlpack(m.float().contiguous()), r_) for n, m, r_ in zip(NAMES, got, ref)}
+                theirs = {n: rel(cp, cp.from_dlpack(m.detach().float().contiguous()), r_)
+                          for n, m, r_ in zip(NAMES, got, ref)}
                 row.update({f"fla {n}": e for n, e in theirs.items()})
                 row["vs fla ok"] = all(ours[n] <= VS_FLA * theirs[n] + VS_FLA_SLACK for n in NAMES)
                 row["worst ours/fla"] = max(ours[n] / max(theirs[n], 1e-12) for n in NAMES)

@@ -254,6 +254,25 @@ def test_transport_argument(comm, rng):
         np.testing.assert_array_equal(buf, S[rank - 1])
 
 
+def test_auto_device_transport_skips_nccl_where_ranks_share_a_gpu(comm, monkeypatch):
+    """NCCL refuses two ranks of one communicator on one GPU: "auto" then picks host staging, and an
+    explicit "nccl" is the same clear error on every rank (the GPU ids are stood in for: no GPU here)."""
+    from hpczeco.collectives import device as D
+
+    P, rank = comm.Get_size(), comm.Get_rank()
+    monkeypatch.setattr(D, "cuda_aware_known", lambda: False)
+    monkeypatch.setattr(D, "nccl_available", lambda: True)
+    monkeypatch.setattr(D, "gpu_id", lambda: f"node/0000:{rank:02x}:00.0")  # one GPU each
+    assert D.shared_gpus(comm) == {}
+    assert D.resolve_kind(comm, "auto") == "nccl"
+    monkeypatch.setattr(D, "gpu_id", lambda: f"node/0000:{min(rank, 1):02x}:00.0")  # ranks 1.. share one
+    assert D.shared_gpus(comm) == ({"node/0000:01:00.0": list(range(1, P))} if P > 2 else {})
+    assert D.resolve_kind(comm, "auto") == ("staged" if P > 2 else "nccl")
+    if P > 2:
+        msg = agreed_error(comm, lambda: D.NcclTransport(comm), ValueError)
+        assert msg is not None and msg.startswith("transport 'nccl' needs one GPU per rank: ranks [1, 2")
+
+
 def test_error_types(comm, rng):
     P, rank = comm.Get_size(), comm.Get_rank()
     a = rng.uniform(0.1, 1, (3,))

@@ -2,9 +2,9 @@
 
 - CPU tensors -> numpy arrays: ``tensor.detach().numpy()`` (zero-copy) for float32/float64; float16 and
   bfloat16 are copied to float32 (the CPU kernels compute half inputs in float32 anyway).
-- CUDA tensors -> CuPy arrays through DLPack, zero-copy: float32/float16 as they are, bfloat16 as its raw
-  bits (``uint16``, the form :mod:`hpczeco.gpu.gla` takes). Results come back the same way, and are
-  viewed as ``torch.bfloat16`` again.
+- CUDA tensors -> CuPy arrays, zero-copy: float32/float16 as they are, bfloat16 as its raw bits (``uint16``,
+  the form :mod:`hpczeco.gpu.gla` takes); a view of the tensor's pointer (``cupy.cuda.UnownedMemory``, which
+  keeps the tensor alive), else DLPack. Results come back through DLPack, bits viewed as ``torch.bfloat16``.
 - :func:`cuda_stream`: torch's current CUDA stream of a device as the current CuPy stream, so the kernels
   run in order with the surrounding torch work. The DLPack exchanges then name the same stream on both
   sides, so neither library records an event or waits.
@@ -38,6 +38,8 @@ __all__ = [
 HOST_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 #: dtypes accepted on CUDA devices (zero-copy)
 CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_NUMPY_DTYPE = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
+                torch.int32: np.int32, torch.int64: np.int64, torch.int16: np.int16, torch.uint8: np.uint8}
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -115,6 +117,14 @@ def to_device(t: torch.Tensor | None) -> Any:
     if not t.is_contiguous():
         t = t.contiguous()
     bf16 = t.dtype == torch.bfloat16
+    unowned = getattr(cupy.cuda, "UnownedMemory", None)
+    if unowned is not None and t.is_cuda:  # CuPy: a view of the pointer, kept alive by ``t`` (no DLPack round)
+        dtype = np.uint16 if bf16 else _NUMPY_DTYPE[t.dtype]
+        if t.numel() == 0:
+            return cupy.empty(tuple(t.shape), dtype)
+        nbytes = t.numel() * t.element_size()
+        mem = cupy.cuda.MemoryPointer(unowned(t.data_ptr(), nbytes, t, t.device.index), 0)
+        return cupy.ndarray(tuple(t.shape), dtype, mem)  # C order: t is contiguous
     if bf16:
         t = t.view(torch.int16)
     arr = cupy.from_dlpack(t)  # the consumer's stream is torch's current one: no event is recorded

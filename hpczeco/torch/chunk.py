@@ -77,7 +77,7 @@ def _check_cu_seqlens(cu_seqlens: Any, q: torch.Tensor, initial_state: torch.Ten
 # ------------------------------------------------------------------------------------------------ host
 
 
-def _host_forward(q, k, v, g, h0, scale, want_final, cu_seqlens):
+def _host_forward(q, k, v, g, h0, scale, want_final, cu_seqlens, views=None):  # views: as the CUDA one's, unused
     fwd, _ = _host_functions()
     cdt = compute_dtype(q.dtype)
     extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens.detach().cpu().numpy()}
@@ -86,7 +86,7 @@ def _host_forward(q, k, v, g, h0, scale, want_final, cu_seqlens):
     return from_host(o, q.dtype), from_host(ht)
 
 
-def _host_backward(q, k, v, g, h0, do, dht, scale, cu_seqlens):
+def _host_backward(q, k, v, g, h0, do, dht, scale, cu_seqlens, views=None):
     _, bwd = _host_functions()
     cdt = compute_dtype(q.dtype)
     extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens.detach().cpu().numpy()}
@@ -100,21 +100,27 @@ def _host_backward(q, k, v, g, h0, do, dht, scale, cu_seqlens):
 # ------------------------------------------------------------------------------------------------ CUDA
 
 
-def _cuda_forward(q, k, v, g, h0, scale, want_final, cu_seqlens):
+def _cuda_forward(q, k, v, g, h0, scale, want_final, cu_seqlens, views=None):
+    """``(o, final)``; ``views``: a list that receives the CuPy views of q, k, v, g (the backward reuses them)."""
     fwd, _ = _cuda_functions()
     with cuda_stream(device_index(q.device)):
         extra = {} if cu_seqlens is None else {"cu_seqlens": to_device(cu_seqlens)}
-        o, ht = fwd(*(to_device(x) for x in (q, k, v, g)), scale=scale, chunk_size=_CHUNK,
+        arrays = [to_device(x) for x in (q, k, v, g)]
+        if views is not None:
+            views.extend(arrays)
+        o, ht = fwd(*arrays, scale=scale, chunk_size=_CHUNK,
                     initial_state=None if h0 is None else to_device(h0.to(torch.float32)),
                     output_final_state=want_final, **extra)
         return from_device(o, q.dtype), from_device(ht)
 
 
-def _cuda_backward(q, k, v, g, h0, do, dht, scale, cu_seqlens):
+def _cuda_backward(q, k, v, g, h0, do, dht, scale, cu_seqlens, views=None):
+    """``(dq, dk, dv, dg, dh0)``; ``views``: the forward's CuPy views of q, k, v, g, else made anew."""
     _, bwd = _cuda_functions()
     with cuda_stream(device_index(q.device)):
         extra = {} if cu_seqlens is None else {"cu_seqlens": to_device(cu_seqlens)}
-        grads = bwd(*(to_device(x) for x in (q, k, v, g, do)), scale=scale, chunk_size=_CHUNK,
+        arrays = list(views) if views else [to_device(x) for x in (q, k, v, g)]
+        grads = bwd(*arrays, to_device(do), scale=scale, chunk_size=_CHUNK,
                     initial_state=None if h0 is None else to_device(h0.to(torch.float32)),
                     dht=None if dht is None else to_device(dht.to(torch.float32)), **extra)
         dq, dk, dv, dg = (from_device(x, q.dtype) for x in grads[:4])
@@ -131,8 +137,9 @@ class ChunkGLAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, initial_state, scale, output_final_state, cu_seqlens):
         ctx.set_materialize_grads(False)  # an unused output gives None, not a tensor of zeros
+        ctx.views = []  # CUDA: the CuPy views of q, k, v, g for the backward (their memory, or a contiguous copy)
         run = _cuda_forward if q.is_cuda else _host_forward
-        o, ht = run(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens)
+        o, ht = run(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens, ctx.views)
         ctx.save_for_backward(q, k, v, g, initial_state, cu_seqlens)  # torch then catches in-place changes
         ctx.scale = scale
         return o, ht
@@ -144,7 +151,9 @@ class ChunkGLAFunction(torch.autograd.Function):
         if do is None:  # only the final state was used
             do = torch.zeros(q.shape[:3] + v.shape[3:], dtype=q.dtype, device=q.device)
         run = _cuda_backward if q.is_cuda else _host_backward
-        dq, dk, dv, dg, dh0 = run(q, k, v, g, h0, do, dht, ctx.scale, cu_seqlens)
+        # saved_tensors (above) has checked that q, k, v, g were not changed in place since the forward
+        dq, dk, dv, dg, dh0 = run(q, k, v, g, h0, do, dht, ctx.scale, cu_seqlens, ctx.views)
+        ctx.views = None
         need = ctx.needs_input_grad
         return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
                 dg if need[3] else None, dh0 if need[4] else None, None, None, None)
