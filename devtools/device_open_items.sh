@@ -2,7 +2,8 @@
 # The GPU steps the open issues still need, for one call of devtools/device_round.sh on one H200 (16 cores):
 #   gla      (issue 13) the GLA GPU test files, each in its own process, -v to its log
 #   daaf     (issue 13) the DAAF / device-planner / Hopper GPU test files, the same way
-#   torch    (issue 13) the PyTorch GPU tests
+#   torch    (issue 13) the PyTorch GPU tests (without the fla cross-check)
+#   torchfla (issue 18) the same tests' bf16 cases against fla too (HPCZECO_TEST_FLA=1: fla autotunes each new shape)
 #   mpigpu   (issue 13) the 2-rank GPU tests under mpirun -n 2 (one GPU, two ranks)
 #   glue     (issue 18) `python3 -m hpczeco.torch --bench`: the autograd glue's overhead over the raw kernels
 #   glueprof (issue 18) the same without fla (its timings are in `shapes`), with the in-a-row timings and cProfile
@@ -29,6 +30,8 @@ export STEP_CMD_gla="files tests/test_gpu_gla.py tests/test_gpu_gla_checks.py" S
 export STEP_CMD_daaf="files tests/test_gpu_daaf.py tests/test_gpu_daaf_checks.py tests/test_daaf_device_api.py \
 tests/test_daaf_hopper_emu.py" STEP_LIMIT_daaf=330
 export STEP_CMD_torch="files tests/test_torch_gpu.py" STEP_LIMIT_torch=120
+export STEP_CMD_torchfla="HPCZECO_TEST_FLA=1 timeout 400 \$PYTEST tests/test_torch_gpu.py -k bfloat16 2>&1 \
+| grep -E 'PASS|FAIL|ERROR|SKIP|passed|failed'" STEP_LIMIT_torchfla=420
 export STEP_CMD_mpigpu="timeout 150 mpirun --bind-to none -n 2 -x PYTHONPATH python3 -m pytest -q -p no:cacheprovider \
 -m 'mpi and gpu' tests/test_gpu_transport.py tests/test_gpu_zeco.py tests/test_torch_gpu.py" STEP_LIMIT_mpigpu=160
 export STEP_CMD_glue="python3 -m hpczeco.torch --bench --json \$HPCZECO_RESULTS/torch-glue.json" STEP_LIMIT_glue=260

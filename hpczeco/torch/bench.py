@@ -9,8 +9,8 @@ after ``warmup`` (never a timed assertion; run it with ``python -m hpczeco.torch
 - ``torch fwd+bwd``: the autograd forward, then ``torch.autograd.grad(o, (q, k, v, g), do)``;
 - ``fla fwd`` / ``fla fwd+bwd``: flash-linear-attention's ``chunk_gla`` on the same tensors, when it imports
   (and ``with_fla``);
-- ``... in a row``: the same calls ``repeats`` times back to back between one pair of events, per call: the
-  host queues the next call while the GPU runs this one, as in a training loop;
+- ``... in a row``: the same calls ``repeats`` times back to back between one pair of events, per call, the
+  median of 5 such blocks: the host queues the next call while the GPU runs this one, as in a training loop;
 - ``host ...``: the host's time per call (``time.perf_counter``, no synchronisation): the Python work alone.
 
 The ratios ``torch / bare`` are the glue's cost (target: <= 1.05). Events bracket the host work too, so in the
@@ -53,21 +53,27 @@ def time_cuda(fn: Callable[[], Any], repeats: int = 20, warmup: int = 3) -> floa
     return statistics.median(times)
 
 
-def time_cuda_in_a_row(fn: Callable[[], Any], repeats: int = 20, warmup: int = 3) -> tuple[float, float]:
-    """``(GPU seconds per call, host seconds per call)`` of ``repeats`` calls of ``fn()`` back to back between one
-    pair of CUDA events (after ``warmup`` calls): the host enqueues while the GPU works."""
+def time_cuda_in_a_row(
+    fn: Callable[[], Any], repeats: int = 20, warmup: int = 3, blocks: int = 5
+) -> tuple[float, float]:
+    """``(GPU seconds per call, host seconds per call)``, medians over ``blocks`` blocks of ``repeats`` calls of
+    ``fn()`` back to back between one pair of CUDA events (after ``warmup`` calls): the host enqueues while the
+    GPU works, as in a training loop."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    host = (time.perf_counter() - t0) / repeats
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e-3 / repeats, host
+    gpu, host = [], []
+    for _ in range(blocks):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        host.append((time.perf_counter() - t0) / repeats)
+        end.record()
+        end.synchronize()
+        gpu.append(start.elapsed_time(end) * 1e-3 / repeats)
+    return statistics.median(gpu), statistics.median(host)
 
 
 def _fla() -> Callable | None:
