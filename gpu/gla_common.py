@@ -10,6 +10,7 @@ the simt launches every pass uses: the scan over chunk states (``gla_state_scan`
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -22,6 +23,7 @@ from .runtime import kernel_source as _source
 NT_SIMT = 256  # threads per block of the simt kernels (GLA_NT in gla_kernels.cu)
 KERNEL_FILES = ("gla_kernels.cu", "gla_tc.cu", "gla_zeco.cu") + gla_tc_states.KERNEL_FILES
 _TYPES = {"float32": "float", "float16": "f16", "bfloat16": "bf16", "uint16": "bf16"}
+_TYPE_OF_DTYPE: dict[Any, str] = {}  # dtype object -> its entry of _TYPES
 
 i32 = np.int32
 f32 = np.float32
@@ -57,6 +59,7 @@ def _file_kernel_names(file: str) -> list[str]:
     return names[file]
 
 
+@functools.cache
 def kernel_group(name: str) -> str:
     """The module a kernel name expression compiles in: its input type "bf16", "f16", "float", or "common"; the
     chunk-parallel tensor-core kernels (``glatc_*``) with fp32 chunk states in "bf16-f32s" / "f16-f32s"."""
@@ -115,12 +118,16 @@ def warn_once(msg: str) -> None:
 
 def type_of(name: str, x: Any) -> str:
     """The kernels' element type ("float", "f16", "bf16") of ``x``; ``TypeError`` for any other dtype."""
+    t = _TYPE_OF_DTYPE.get(x.dtype)  # str(dtype) is slow Python in numpy; asked several times per call
+    if t is not None:
+        return t
     dt = str(x.dtype)
     if dt not in _TYPES:
         raise TypeError(
             f"{name} has dtype {dt}; the GPU GLA takes float32, float16 or bfloat16 "
             "(or uint16 raw bfloat16 bits); use the CPU path (numpy) for float64"
         )
+    _TYPE_OF_DTYPE[x.dtype] = _TYPES[dt]
     return _TYPES[dt]
 
 
@@ -151,7 +158,7 @@ def check_inputs(q, k, v, g, do=None, h0=None, dht=None, rt=None):
                             "for q, k, v, g and do only)")
     t = type_of("q", q)
     for name, x in (("k", k), ("v", v), ("g", g), ("do", do)):
-        if x is not None and str(x.dtype) != str(q.dtype):
+        if x is not None and x.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {x.dtype}, expected {q.dtype} (the dtype of q)")
     if K < 1 or V < 1:
         raise ValueError(f"K and V must be >= 1, got K={K}, V={V}")

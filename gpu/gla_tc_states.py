@@ -172,7 +172,7 @@ def check_inputs(rt: Any, q: Any, k: Any, v: Any, g: Any, do: Any = None) -> tup
                          ("do", do, (B, T, H, V))):  # fmt: skip
         if x is not None and tuple(x.shape) != shp:
             raise ValueError(f"{name} has shape {list(x.shape)}, expected {list(shp)}")
-        if x is not None and str(x.dtype) != str(q.dtype):
+        if x is not None and x.dtype != q.dtype:
             raise TypeError(f"{name} has dtype {x.dtype}, expected {q.dtype} (the dtype of q)")
     t = type_of(q)
     if not applies(t, K, V):

@@ -189,6 +189,7 @@ class CupyRuntime:
         self.built: dict[tuple[int, str, str], str] = {}
         self._fns: dict[tuple[int, str], Any] = {}
         self._smem: dict[tuple[int, str], int] = {}
+        self._available: set[tuple[int, str, str | None]] = set()  # (device, file, group) known to build
 
     def _device(self) -> int:
         return int(self.xp.cuda.runtime.getDevice())
@@ -234,12 +235,16 @@ class CupyRuntime:
 
     def available(self, file: str, group: str | None = None) -> bool:
         """Compile ``file``'s module for ``group`` (default: its first kernel's) now; False if NVRTC rejects it."""
+        ok_key = (self._device(), file, group)
+        if ok_key in self._available:  # asked on every call of the wrappers: the answer once per device
+            return True
         names = [n for n in self.kernels.names(file) if group is None or self.kernels.group(n) == group]
         key = f"{file}:{self.kernels.group(names[0])}" if names else file
         if key in self.errors:
             return False
         try:
             self.function(names[0])
+            self._available.add(ok_key)
             return True
         except Exception as exc:  # noqa: BLE001 - any compile/load failure
             self.errors[key] = f"{type(exc).__name__}: {exc}"

@@ -323,3 +323,38 @@ def test_nvcc_cache_reads_a_compile_back_and_misses_on_any_change(tmp_path, monk
     monkeypatch.setenv("HPCZECO_NVCC_CACHE", "0")
     gbuild.finish(gbuild.start(src, "sm_90"))
     assert count() == 7
+
+
+def test_cupy_runtime_available_compiles_once_per_device_and_keeps_failures(monkeypatch):
+    """CupyRuntime.available (asked on every wrapper call) with a stand-in cupy that counts module builds: a
+    group builds once per device, later asks do not touch the module, a failing group stays False, and another
+    device builds again."""
+    import contextlib  # noqa: PLC0415
+    import types  # noqa: PLC0415
+
+    builds, dev = [], [0]
+
+    class Module:
+        def __init__(self, code, options, name_expressions):
+            builds.append((dev[0], tuple(name_expressions or ())))
+            if any("f16" in n and "bf16" not in n for n in name_expressions or ()):
+                raise RuntimeError("NVRTC: stand-in failure")
+
+        def get_function(self, name):
+            return types.SimpleNamespace(max_dynamic_shared_size_bytes=0)
+
+    fake = types.ModuleType("cupy")
+    fake.RawModule = Module
+    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: dev[0]),
+                                      Device=lambda d=None: contextlib.nullcontext())
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    from hpczeco.gpu.gla_common import KERNELS  # noqa: PLC0415
+
+    rt = gruntime.CupyRuntime(KERNELS)
+    file = "gla_tc.cu"
+    assert rt.available(file, "bf16") and rt.available(file, "bf16")
+    assert len(builds) == 1
+    assert not rt.available(file, "f16") and not rt.available(file, "f16")
+    assert len(builds) == 2 and "NVRTC: stand-in failure" in next(iter(rt.errors.values()))
+    dev[0] = 1
+    assert rt.available(file, "bf16") and len(builds) == 3
