@@ -1,8 +1,8 @@
 """PyTorch interface of hpczeco (the optional ``torch`` extra: ``pip install hpczeco[torch]``).
 
 - :func:`chunk_gla`: flash-linear-attention's ``chunk_gla`` (same signature and semantics, ``[B, T, H, K]``)
-  as a ``torch.autograd.Function`` on hpczeco's kernels: CUDA bf16/fp16/fp32 tensors zero-copy through
-  DLPack on torch's current stream, CPU fp32/fp64 tensors through numpy views.
+  as a ``torch.autograd.Function`` on hpczeco's kernels: CUDA bf16/fp16/fp32 tensors as zero-copy CuPy
+  views on torch's current stream, CPU fp32/fp64 tensors through numpy views.
 - :func:`zeco_gla` / :class:`ZeCOGLAttention`: the same on this rank's slice of one sequence split over an
   mpi4py communicator (ZeCO: All-Scan forward, reverse-scan backward), collective and collectively validated.
 

@@ -6,8 +6,8 @@ Per batch ``b`` and head ``h`` (``q, k, g: [B, T, H, K]``, ``v, o: [B, T, H, V]`
     o_t = (scale * q_t) S_t                       scale = K ** -0.5 by default
 
 CPU tensors run :func:`hpczeco.gla.chunk_gla` / :func:`hpczeco.gla.chunk_gla_bwd` on numpy views;
-CUDA tensors run :func:`hpczeco.gpu.gla.chunk_gla` / :func:`hpczeco.gpu.gla.chunk_gla_bwd` on CuPy views
-(DLPack, zero-copy) on torch's current stream (with ``cu_seqlens`` through :mod:`hpczeco.gpu.gla_varlen`). The
+CUDA tensors run :func:`hpczeco.gpu.gla.chunk_gla` / :func:`hpczeco.gpu.gla.chunk_gla_bwd` on zero-copy
+CuPy views on torch's current stream (with ``cu_seqlens`` through :mod:`hpczeco.gpu.gla_varlen`). The
 backward recomputes the chunk states from the saved inputs (nothing per token is kept).
 """
 

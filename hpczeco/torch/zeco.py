@@ -3,7 +3,7 @@
 One long sequence is split over the ranks of an mpi4py communicator, rank p holding the contiguous slice
 ``q, k, g: [B, L_p, H, K]``, ``v: [B, L_p, H, V]`` (slices may differ in length, including zero). The
 forward is :meth:`hpczeco.ZeCOGLA.forward`, the backward :meth:`hpczeco.ZeCOGLA.backward`, on numpy views of
-CPU tensors or CuPy views of CUDA tensors (DLPack, torch's current stream; the device transports of
+CPU tensors or CuPy views of CUDA tensors (zero-copy, torch's current stream; the device transports of
 ``ZeCOGLA``: CUDA-aware MPI, staged, NCCL). Both are collective: every rank of ``comm`` calls the forward,
 and every rank backpropagates through it.
 
