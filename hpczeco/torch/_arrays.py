@@ -118,8 +118,8 @@ def to_device(t: torch.Tensor | None) -> Any:
         t = t.contiguous()
     bf16 = t.dtype == torch.bfloat16
     unowned = getattr(cupy.cuda, "UnownedMemory", None)
-    if unowned is not None and t.is_cuda:  # CuPy: a view of the pointer, kept alive by ``t`` (no DLPack round)
-        dtype = np.uint16 if bf16 else _NUMPY_DTYPE[t.dtype]
+    dtype = np.uint16 if bf16 else _NUMPY_DTYPE.get(t.dtype)
+    if unowned is not None and t.is_cuda and dtype is not None:  # a view of the pointer, kept alive by ``t``
         if t.numel() == 0:
             return cupy.empty(tuple(t.shape), dtype)
         nbytes = t.numel() * t.element_size()

@@ -84,18 +84,25 @@ def _fla() -> Callable | None:
     return fla_chunk_gla
 
 
+def _inputs(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+    """``[q, k, v, g, do]`` on the current CUDA device (q, k, v, g require grad; g a log gate, logsigmoid / 16)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, device=dev, generator=gen)  # noqa: E731
+    q, k = rnd(B, T, H, K).to(dtype), rnd(B, T, H, K).to(dtype)
+    v, do = rnd(B, T, H, V).to(dtype), rnd(B, T, H, V).to(dtype)
+    g = (torch.nn.functional.logsigmoid(rnd(B, T, H, K)) / 16).to(dtype)
+    return [x.requires_grad_() for x in (q, k, v, g)] + [do]
+
+
 def bench_chunk_gla(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype = torch.bfloat16,
                     repeats: int = 20, warmup: int = 3, seed: int = 0, with_fla: bool = True) -> dict[str, Any]:
     """Median seconds per call of the variants above for one shape ``[B, T, H, K]`` / ``[B, T, H, V]``."""
     from ..gpu import gla as gpu_gla  # noqa: PLC0415
 
     dev = torch.device("cuda", torch.cuda.current_device())
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, device=dev, generator=gen)
-    q, k = rnd(B, T, H, K).to(dtype), rnd(B, T, H, K).to(dtype)
-    v, do = rnd(B, T, H, V).to(dtype), rnd(B, T, H, V).to(dtype)
-    g = (torch.nn.functional.logsigmoid(rnd(B, T, H, K)) / 16).to(dtype)
-    inputs = [x.requires_grad_() for x in (q, k, v, g)]
+    *inputs, do = _inputs(B, T, H, K, V, dtype, seed)
+    q, k, v, g = inputs
     with cuda_stream(device_index(dev)):
         cq, ck, cv, cg, cdo = (to_device(x) for x in (q, k, v, g, do))
     scale = K**-0.5
@@ -149,12 +156,7 @@ def profile_glue(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype = to
     import io  # noqa: PLC0415
     import pstats  # noqa: PLC0415
 
-    dev = torch.device("cuda", torch.cuda.current_device())
-    mk = lambda *s: torch.randn(*s, device=dev).to(dtype)  # noqa: E731
-    q, k, g = (mk(B, T, H, K).requires_grad_() for _ in range(3))
-    v, do = mk(B, T, H, V).requires_grad_(), mk(B, T, H, V)
-    with torch.no_grad():
-        g.copy_(torch.nn.functional.logsigmoid(g.float()).to(dtype) / 16)
+    q, k, v, g, do = _inputs(B, T, H, K, V, dtype)
 
     def step():
         o, _ = chunk_gla(q, k, v, g)
