@@ -8,6 +8,8 @@
 #   glue     (issue 18) `python3 -m hpczeco.torch --bench`: the autograd glue's overhead over the raw kernels
 #   glueprof (issue 18) the same without fla (its timings are in `shapes`), with the in-a-row timings and cProfile
 #   grid     (issue 14) the accuracy grid against fla at the (K, V) and lengths whose fla autotuning is cached
+#   glatc    (issue 14) the chunk-parallel tensor-core cases of test_gpu_gla_checks.py and the output-kernel tests
+#   glafast  (issue 14) `hpczeco bench gpu-gla` at the three shapes, the former output kernel (out1) side by side
 #   shapes   (issue 14) `hpczeco bench gpu-gla --shapes 1,2` and the accuracy grid (`--grid`)
 #   scan12   (issue 19) the 12-rank scan on host cores (the 16 ms stall seen once), ring vs allgather, with the
 #            cgroup's CPU quota and throttling counters before and after (a 16.0 ms floor could be CFS bandwidth
@@ -39,6 +41,10 @@ export STEP_CMD_glueprof="python3 -m hpczeco.torch --bench --no-fla --profile --
   STEP_LIMIT_glueprof=90
 export STEP_CMD_grid="python3 -m hpczeco bench gpu-gla --shapes 0 --grid --grid-kv 60x64,128x128 \
 --grid-t 777,1000,1024,2048 --out \$HPCZECO_RESULTS/grid" STEP_LIMIT_grid=120
+export STEP_CMD_glatc="timeout 200 \$PYTEST tests/test_gpu_gla_checks.py -k 'tc-chunk or chunk_parallel or every_kernel' 2>&1 \
+| grep -E 'PASS|FAIL|ERROR|passed|failed'" STEP_LIMIT_glatc=210
+export STEP_CMD_glafast="python3 -m hpczeco bench gpu-gla --shapes 0,1,2 --variants out1 --out \$HPCZECO_RESULTS/gla \
+&& python3 -m hpczeco bench gpu-gla --shapes 2,1 --variants out1 --no-fla --out \$HPCZECO_RESULTS/gla21" STEP_LIMIT_glafast=300
 export STEP_CMD_shapes="python3 -m hpczeco bench gpu-gla --shapes 1,2 --variants walk1 --out \$HPCZECO_RESULTS/gla \
 && python3 -m hpczeco bench gpu-gla --shapes 0 --grid --out \$HPCZECO_RESULTS/grid" STEP_LIMIT_shapes=360
 export CG="/sys/fs/cgroup/cpu.max /sys/fs/cgroup/cpu.stat /sys/fs/cgroup/cpu/cpu.cfs_quota_us \

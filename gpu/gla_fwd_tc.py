@@ -9,7 +9,8 @@ per chunk writing ``o``), so ZeCO overlaps its scan over ranks with the first pa
 
 ``rt`` is the kernel runtime (see :mod:`.gla_tc_states`); ``nc`` chunks per segment (default: enough segments
 to fill the device), ``f32_states`` stores the per-chunk states in fp32 instead of 16 bits (default: 16 bits for
-bf16, fp32 for fp16), ``walk`` picks the state walk (2: ``glatc_walk2``, the default; 1: ``glatc_walk``).
+bf16, fp32 for fp16), ``walk`` picks the state walk (2: ``glatc_walk2``, the default; 1: ``glatc_walk``), ``out``
+the output kernel (2: ``glatc_fwd_out``, the default; 1: ``glatc_fwd_wide``).
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ class FwdTC:
     """
 
     def __init__(self, rt: Any, q: Any, k: Any, v: Any, g: Any, scale: float | None = None, *,
-                 nc: int | None = None, f32_states: bool | None = None, walk: int | None = None):  # fmt: skip
+                 nc: int | None = None, f32_states: bool | None = None, walk: int | None = None,
+                 out: int | None = None):  # fmt: skip
         B, T, H, K, V, t = st.check_inputs(rt, q, k, v, g)
         self._rt, self._q, self._k, self._v, self._g = rt, q, k, v, g
         self.scale = float(K) ** -0.5 if scale is None else float(scale)
-        self.geo = st.geometry(rt, B, T, H, K, V, t, nc, f32_states, walk)
+        self.geo = st.geometry(rt, B, T, H, K, V, t, nc, f32_states, walk, out)
         self.states = st.state_pass(rt, self.geo, k, v, g, reverse=False)
         self.local_final_state = self.states.fin.reshape(B, H, K, V)
         self.decay = st.decay_total(self.geo, self.states)
@@ -53,10 +55,10 @@ class FwdTC:
         Sf = st.carried(rt, geo, self.states, S0, reverse=False)
         o = rt.xp.empty((geo.B, geo.T, geo.H, geo.V), dtype=self._q.dtype)
         rt.launch(
-            st.fwd_name(geo.t, geo.km, geo.f32_states), (geo.NT, geo.BH), (st.CHUNK_THREADS,),
+            st.fwd_name(geo.t, geo.km, geo.f32_states, geo.out), (geo.NT, geo.BH), (st.CHUNK_THREADS,),
             (self._q, self._k, self._v, self._g, self.states.Hc, Sf, self.states.pc, o, st.f32(self.scale))
             + geo.dims() + (st.i32(geo.NC), st.i32(geo.NT), st.f32(st.SPAN_LIMIT[geo.t])),
-            shared_mem=st.smem_fwd(geo.km),
+            shared_mem=st.smem_fwd(geo.km, geo.out),
         )  # fmt: skip
         if not output_final_state:
             return o, None
@@ -65,7 +67,7 @@ class FwdTC:
 
 
 def fwd_tc_prepare(rt: Any, q: Any, k: Any, v: Any, g: Any, scale: float | None = None, **opts: Any) -> FwdTC:
-    """The local pass of the forward; see :class:`FwdTC` (``opts``: ``nc``, ``f32_states``, ``walk``)."""
+    """The local pass of the forward; see :class:`FwdTC` (``opts``: ``nc``, ``f32_states``, ``walk``, ``out``)."""
     return FwdTC(rt, q, k, v, g, scale, **opts)
 
 

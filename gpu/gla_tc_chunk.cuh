@@ -220,6 +220,16 @@ struct GtLayout {
   static constexpr int F_Q = F_AS + 2 * A64;  // Qh [Qe after the scores], Kh, Qh lo, Kh lo (64 rows each), Ko (96)
   static constexpr int F_SMALL = F_Q + 352 * P * 2;
   static constexpr int F_TOTAL = F_SMALL + (8 * KM + 4) * 4;  // R[4][KM], E[4][KM], sp[4]
+  // lean forward output kernel (two CTAs per SM at KM 128): the scores summed over NH pieces of K of KH columns;
+  // the zone holds one piece's operands, then (after the scores) Qe and the chunk state h; bs only for exact blocks
+  static constexpr int NH = KM == 128 ? 2 : 1, KH = KM / NH, PH = KH + 8;
+  static constexpr int O_ZOPS = 352 * PH * 2, O_ZQH = T64 + TK;
+  static constexpr int O_ZSIZE = O_ZOPS > O_ZQH ? (O_ZOPS > F64 ? O_ZOPS : F64) : (O_ZQH > F64 ? O_ZQH : F64);
+  static constexpr int O_V = 0;
+  static constexpr int O_AS = O_V + T64;  // A (hi), A (lo)
+  static constexpr int O_Z = O_AS + 2 * A64;  // Qh, Kh, Qh lo, Kh lo (64 rows each), Ko (96) [Qe, h] [bs]
+  static constexpr int O_SMALL = O_Z + O_ZSIZE;
+  static constexpr int O_TOTAL = O_SMALL + (8 * KM + 4) * 4;  // R[4][KM], E[4][KM], sp[4]
 };
 
 // ---- chunk state operand: dst[k][v] (16-bit, row stride P) = Hc[k][v] + exp(p[k]) * Sf[k][v] ------------------
@@ -304,8 +314,47 @@ GLA_DEVICE void gt_state_operands(u16* dstH, const void* Hc, const float* Sf, co
 // ---- intra-chunk scores: one 16 x 16 block (I >= J) of alpha * A, A_ts = sum_k q_tk k_sk exp(b_tk - b_sk) --------
 // for s <= t < len (zero elsewhere), into As[t][s] (16-bit, row stride AP; with Asl also the rounding remainder).
 // Operands (gt_score_operands): Qh, Kh (diagonal; with Qhl, Khl the split diagonal Qh Kh^T + Qh Khl^T + Qhl Kh^T),
-// Ko[pair] (pair = I(I-1)/2 + J). Diagonal blocks whose span exceeds span_limit are computed elementwise from the
-// raw inputs (qg, kg: the chunk's first row in global memory, row stride rstride) and bs. Warp collective.
+// Ko[pair] (pair = I(I-1)/2 + J), row stride PS. gt_score_mma adds the products over nks 16-column steps of the
+// operands to acc (so a block can be summed over pieces of K), gt_score_store writes the block. Warp collectives.
+template <typename T, int PS>
+GLA_DEVICE void gt_score_mma(float (&acc)[2][4], const u16* Qh, const u16* Kh, const u16* Qhl, const u16* Khl,
+                             const u16* Ko, int nks, int I, int J, int gid, int tig) {
+  const bool split = I == J && Qhl != nullptr;
+  const u16* Bop = (I == J) ? (Kh + 16 * I * PS) : (Ko + (I * (I - 1) / 2 + J) * 16 * PS);
+  for (int ks = 0; ks < nks; ++ks) {
+    u32 a[4], al[4];
+    frag_a(a, Qh, PS, 16 * I, 16 * ks, gid, tig);
+    if (split) frag_a(al, Qhl, PS, 16 * I, 16 * ks, gid, tig);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      u32 bb[2];
+      frag_b(bb, Bop, PS, 8 * nt, 16 * ks, gid, tig);
+      Mma<T>::mma(acc[nt], a, bb);
+      if (split) {
+        Mma<T>::mma(acc[nt], al, bb);
+        frag_b(bb, Khl + 16 * I * PS, PS, 8 * nt, 16 * ks, gid, tig);
+        Mma<T>::mma(acc[nt], a, bb);
+      }
+    }
+  }
+}
+template <typename T, int KM>
+GLA_DEVICE void gt_score_store(u16* As, u16* Asl, const float (&acc)[2][4], float alpha, int I, int J, int gid,
+                               int tig) {
+  using L = GtLayout<KM>;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int tl = gid + (i >= 2 ? 8 : 0), sl = 8 * nt + 2 * tig + (i & 1);
+      const float val = (I == J && sl > tl) ? 0.f : alpha * acc[nt][i];
+      const u16 hi = Mma<T>::cvt(val);
+      As[(16 * I + tl) * L::AP + 16 * J + sl] = hi;
+      if (Asl != nullptr) Asl[(16 * I + tl) * L::AP + 16 * J + sl] = Mma<T>::cvt(val - bits_to_f<T>(hi));
+    }
+}
+// The whole block; diagonal blocks whose span exceeds span_limit are computed elementwise from the raw inputs (qg,
+// kg: the chunk's first row in global memory, row stride rstride) and bs (the operands are then not read).
 template <typename T, int KM>
 GLA_DEVICE void gt_score_block(u16* As, u16* Asl, const u16* Qh, const u16* Kh, const u16* Qhl, const u16* Khl,
                                const u16* Ko, const float* bs, const float* span, float alpha, float span_limit,
@@ -328,35 +377,9 @@ GLA_DEVICE void gt_score_block(u16* As, u16* Asl, const u16* Qh, const u16* Kh, 
     }
     return;
   }
-  const bool split = I == J && Qhl != nullptr;
-  const u16* Bop = (I == J) ? (Kh + 16 * I * L::P) : (Ko + (I * (I - 1) / 2 + J) * 16 * L::P);
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-  for (int ks = 0; ks < K / 16; ++ks) {
-    u32 a[4], al[4];
-    frag_a(a, Qh, L::P, 16 * I, 16 * ks, gid, tig);
-    if (split) frag_a(al, Qhl, L::P, 16 * I, 16 * ks, gid, tig);
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      u32 bb[2];
-      frag_b(bb, Bop, L::P, 8 * nt, 16 * ks, gid, tig);
-      Mma<T>::mma(acc[nt], a, bb);
-      if (split) {
-        Mma<T>::mma(acc[nt], al, bb);
-        frag_b(bb, Khl + 16 * I * L::P, L::P, 8 * nt, 16 * ks, gid, tig);
-        Mma<T>::mma(acc[nt], a, bb);
-      }
-    }
-  }
-#pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int tl = gid + (i >= 2 ? 8 : 0), sl = 8 * nt + 2 * tig + (i & 1);
-      const float val = (I == J && sl > tl) ? 0.f : alpha * acc[nt][i];
-      const u16 hi = Mma<T>::cvt(val);
-      As[(16 * I + tl) * L::AP + 16 * J + sl] = hi;
-      if (Asl != nullptr) Asl[(16 * I + tl) * L::AP + 16 * J + sl] = Mma<T>::cvt(val - bits_to_f<T>(hi));
-    }
+  gt_score_mma<T, L::P>(acc, Qh, Kh, Qhl, Khl, Ko, K / 16, I, J, gid, tig);
+  gt_score_store<T, KM>(As, Asl, acc, alpha, I, J, gid, tig);
 }
 
 // block (I, J) of blocks in order (0,0) (1,0) (1,1) (2,0) (2,1) (2,2) (3,0) ...
@@ -369,60 +392,71 @@ GLA_DEVICE void gt_block_ij(int n, int& I, int& J) {
   J = n;
 }
 
-// Stage-A operands of the thread's rows from raw q, k (16-bit) and bs, R (shared memory): Qh = q exp(b - r_I),
-// Kh = k exp(min(r_I - b, span_limit)) (diagonal), Ko pairs k_J exp(r_I - b). With Qhl, Khl: the remainders of
-// Qh, Kh after rounding (hi + lo carries ~16 bits), for the split diagonal blocks.
+// Stage-A operands of the thread's row t = qr + 16 I from raw q, k (16-bit), its cumulative gate bt (8 floats,
+// columns c0 ..) and R (shared memory, [4][KM]): Qh = q exp(b - r_I), Kh = k exp(min(r_I - b, span_limit))
+// (diagonal), Ko pairs k_J exp(r_I - b). With Qhl, Khl: the remainders of Qh, Kh after rounding (hi + lo carries
+// ~16 bits), for the split diagonal blocks. Stored at column cd of tiles with row stride PS.
+template <typename T, int KM, int PS>
+GLA_DEVICE void gt_score_operand_row(u16* Qh, u16* Kh, u16* Qhl, u16* Khl, u16* Ko, const V16& qraw, const V16& kraw,
+                                     const float* bt, const float* R, float span_limit, int c0, int cd, int qr,
+                                     int I) {
+  const int t = qr + 16 * I;
+  float qv[8], kv[8], r[8], o1[8], o2[8];
+  gt_unpack<T>(qv, qraw);
+  gt_unpack<T>(kv, kraw);
+  gt_ld8f(r, R + I * KM + c0);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    o1[j] = qv[j] * dexp(bt[j] - r[j]);
+    o2[j] = kv[j] * expf(fminf(r[j] - bt[j], span_limit));
+  }
+  const V16 qh = gt_pack<T>(o1), kh = gt_pack<T>(o2);
+  gt_st16(Qh + t * PS + cd, qh);
+  gt_st16(Kh + t * PS + cd, kh);
+  if (Qhl != nullptr) {
+    float a1[8], a2[8];
+    gt_unpack<T>(a1, qh);
+    gt_unpack<T>(a2, kh);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      a1[j] = o1[j] - a1[j];
+      a2[j] = o2[j] - a2[j];
+    }
+    gt_st16(Qhl + t * PS + cd, gt_pack<T>(a1));
+    gt_st16(Khl + t * PS + cd, gt_pack<T>(a2));
+  }
+#pragma unroll
+  for (int I2 = I + 1; I2 < 4; ++I2) {
+    const int pair = I2 * (I2 - 1) / 2 + I;
+    gt_ld8f(r, R + I2 * KM + c0);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) o1[j] = kv[j] * dexp(r[j] - bt[j]);
+    gt_st16(Ko + (pair * 16 + qr) * PS + cd, gt_pack<T>(o1));
+  }
+}
+// the thread's four rows, their cumulative gate from bs (shared memory), full-width tiles (row stride P)
 template <typename T, int KM>
 GLA_DEVICE void gt_score_operands(u16* Qh, u16* Kh, u16* Qhl, u16* Khl, u16* Ko, const V16* qraw, const V16* kraw,
                                   const float* bs, const float* R, float span_limit, int c0, int qr) {
   using L = GtLayout<KM>;
 #pragma unroll
   for (int I = 0; I < 4; ++I) {
-    const int t = qr + 16 * I;
-    float qv[8], kv[8], bt[8], r[8], o1[8], o2[8];
-    gt_unpack<T>(qv, qraw[I]);
-    gt_unpack<T>(kv, kraw[I]);
-    gt_ld8f(bt, bs + t * L::BP + c0);
-    gt_ld8f(r, R + I * KM + c0);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      o1[j] = qv[j] * dexp(bt[j] - r[j]);
-      o2[j] = kv[j] * expf(fminf(r[j] - bt[j], span_limit));
-    }
-    const V16 qh = gt_pack<T>(o1), kh = gt_pack<T>(o2);
-    gt_st16(Qh + t * L::P + c0, qh);
-    gt_st16(Kh + t * L::P + c0, kh);
-    if (Qhl != nullptr) {
-      float a1[8], a2[8];
-      gt_unpack<T>(a1, qh);
-      gt_unpack<T>(a2, kh);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        a1[j] = o1[j] - a1[j];
-        a2[j] = o2[j] - a2[j];
-      }
-      gt_st16(Qhl + t * L::P + c0, gt_pack<T>(a1));
-      gt_st16(Khl + t * L::P + c0, gt_pack<T>(a2));
-    }
-#pragma unroll
-    for (int I2 = I + 1; I2 < 4; ++I2) {
-      const int pair = I2 * (I2 - 1) / 2 + I;
-      gt_ld8f(r, R + I2 * KM + c0);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) o1[j] = kv[j] * dexp(r[j] - bt[j]);
-      gt_st16(Ko + (pair * 16 + qr) * L::P + c0, gt_pack<T>(o1));
-    }
+    float bt[8];
+    gt_ld8f(bt, bs + (qr + 16 * I) * L::BP + c0);
+    gt_score_operand_row<T, KM, L::P>(Qh, Kh, Qhl, Khl, Ko, qraw[I], kraw[I], bt, R, span_limit, c0, c0, qr, I);
   }
 }
 
-// the chunk's cumulative gate to shared memory: bs[t][k] (row stride BP), R[I][k] = b at row 16 I and
-// E[I][k] = b at row 16 I + 15 (E[3]: the chunk's total, rows >= len holding g = 0)
+// the chunk's cumulative gate to shared memory: bs[t][k] (row stride BP; not if bs is null), R[I][k] = b at row
+// 16 I and E[I][k] = b at row 16 I + 15 (E[3]: the chunk's total, rows >= len holding g = 0)
 template <int KM>
 GLA_DEVICE void gt_store_decays(float* bs, float* R, float* E, const float (*x)[8], int c0, bool act, int qr) {
   using L = GtLayout<KM>;
   if (!act) return;
+  if (bs != nullptr) {
 #pragma unroll
-  for (int I = 0; I < 4; ++I) gt_st8f(bs + (qr + 16 * I) * L::BP + c0, x[I]);
+    for (int I = 0; I < 4; ++I) gt_st8f(bs + (qr + 16 * I) * L::BP + c0, x[I]);
+  }
   if (qr == 0) {
 #pragma unroll
     for (int I = 0; I < 4; ++I) gt_st8f(R + I * KM + c0, x[I]);

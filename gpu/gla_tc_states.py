@@ -35,6 +35,10 @@ WALK_THREADS = {1: 128, 2: 256}
 CHUNK_THREADS = 256
 #: the default state walk (1: ``glatc_walk``, 64 x 64 state tiles; 2: ``glatc_walk2``, 64 rows of K x all of V)
 DEFAULT_WALK = 2
+#: the forward output kernels (1: ``glatc_fwd_wide``, every operand in shared memory; 2: ``glatc_fwd_out``, the
+#: lean layout that lets two CTAs share an SM at KM 128) and the default
+FWD_KERNELS = {1: "glatc_fwd_wide", 2: "glatc_fwd_out"}
+DEFAULT_OUT = 2
 #: walk CTAs per SM each walk aims at (chunks per segment are chosen so the walk fills the device ~6-8 times)
 _WALK_CTAS_PER_SM = {1: 24, 2: 12}
 i32, f32 = np.int32, np.float32
@@ -74,8 +78,9 @@ def walk_name(t: str, reverse: bool, f32_states: bool, walk: int = 1, vm: int = 
     return f"glatc_walk<{t}, {_b(reverse)}, {_b(f32_states)}>"
 
 
-def fwd_name(t: str, km: int, f32_states: bool) -> str:
-    return f"glatc_fwd_out<{t}, {km}, {_b(f32_states)}>"
+def fwd_name(t: str, km: int, f32_states: bool, out: int = DEFAULT_OUT) -> str:
+    """Name expression of a forward output kernel (``out``: a key of :data:`FWD_KERNELS`)."""
+    return f"{FWD_KERNELS[out]}<{t}, {km}, {_b(f32_states)}>"
 
 
 def bwd_name(t: str, km: int, f32_states: bool) -> str:
@@ -98,7 +103,7 @@ def file_kernel_names(file: str, types: tuple[str, ...] = ("bf16", "f16"), kms: 
                 if file == "gla_tc_states.cu":
                     names += [walk_name(t, r, f, 2, km) for r in (False, True)]
                 elif file == "gla_fwd_tc.cu":
-                    names.append(fwd_name(t, km, f))
+                    names += [fwd_name(t, km, f, out) for out in FWD_KERNELS]
                 elif file == "gla_bwd_tc.cu":
                     names.append(bwd_name(t, km, f))
             if file == "gla_tc_states.cu":
@@ -115,8 +120,10 @@ def _layout(km: int) -> dict[str, int]:
     T64, TK, F64, A64 = 64 * P * 2, km * P * 2, 64 * BP * 4, 64 * AP * 2
     zone = max(2 * TK + T64, 224 * P * 2, F64)  # h, dS, Kd | Qh, Kh, Ko | dG
     bwd = F64 + 4 * T64 + zone + 2 * A64 + (10 * km + 4) * 4
-    fwd = F64 + T64 + TK + 2 * A64 + 352 * P * 2 + (8 * km + 4) * 4
-    return {"bwd": bwd, "fwd": fwd}
+    wide = F64 + T64 + TK + 2 * A64 + 352 * P * 2 + (8 * km + 4) * 4
+    PH = km // (2 if km == 128 else 1) + 8  # the lean kernel's piece of K
+    lean = T64 + 2 * A64 + max(352 * PH * 2, T64 + TK, F64) + (8 * km + 4) * 4
+    return {"bwd": bwd, "fwd1": wide, "fwd2": lean}
 
 
 def smem_bwd(km: int) -> int:
@@ -124,9 +131,9 @@ def smem_bwd(km: int) -> int:
     return _layout(km)["bwd"]
 
 
-def smem_fwd(km: int) -> int:
-    """Dynamic shared memory of ``glatc_fwd_out<T, km, *>`` (bytes)."""
-    return _layout(km)["fwd"]
+def smem_fwd(km: int, out: int = DEFAULT_OUT) -> int:
+    """Dynamic shared memory of the forward output kernel ``out`` (:data:`FWD_KERNELS`) at ``km`` (bytes)."""
+    return _layout(km)[f"fwd{out}"]
 
 
 def smem_walk2(vm: int) -> int:
@@ -225,6 +232,7 @@ class Geometry:
     NC: int
     f32_states: bool
     walk: int = DEFAULT_WALK
+    out: int = DEFAULT_OUT
 
     @property
     def BH(self) -> int:
@@ -247,18 +255,22 @@ class Geometry:
 
 
 def geometry(rt: Any, B: int, T: int, H: int, K: int, V: int, t: str, nc: int | None, f32_states: bool | None,
-             walk: int | None = None) -> Geometry:  # fmt: skip
+             walk: int | None = None, out: int | None = None) -> Geometry:  # fmt: skip
     """The :class:`Geometry` of a call: ``nc`` chunks per segment (None: :func:`chunks_per_segment`), 16-bit or fp32
-    chunk states (None: 16 bits for bf16, fp32 for fp16), the state walk (None: :data:`DEFAULT_WALK`)."""
+    chunk states (None: 16 bits for bf16, fp32 for fp16), the state walk (None: :data:`DEFAULT_WALK`), the forward
+    output kernel (None: :data:`DEFAULT_OUT`)."""
     wk = DEFAULT_WALK if walk is None else int(walk)
     if wk not in WALK_THREADS:
         raise ValueError(f"walk must be one of {sorted(WALK_THREADS)}, got {walk}")
+    ok = DEFAULT_OUT if out is None else int(out)
+    if ok not in FWD_KERNELS:
+        raise ValueError(f"out must be one of {sorted(FWD_KERNELS)}, got {out}")
     NT = -(-T // 64)
     NC = int(nc) if nc else chunks_per_segment(rt, B * H, NT, K, V, wk)
     if NC < 1:
         raise ValueError(f"nc (chunks per segment) must be >= 1, got {nc}")
     f32s = (t == "f16") if f32_states is None else bool(f32_states)  # fp16 states could overflow 16 bits
-    return Geometry(B, T, H, K, V, t, NC, f32s, wk)
+    return Geometry(B, T, H, K, V, t, NC, f32s, wk, ok)
 
 
 @dataclass

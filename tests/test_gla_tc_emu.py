@@ -90,6 +90,31 @@ def test_forward_backward_match_float64_recurrence(rt, rng, B, T, H, K, V, stron
         assert rel(_f(a), b) < TOL_GRAD, f"{name}: {rel(_f(a), b):.2e}"
 
 
+OUT_CASES = [  # B, T, H, K, V, strong, nc: K in both halves, in half 0 only (K <= 64 at KM 128), KM 64
+    pytest.param(1, 100, 1, 80, 96, True, 1, id="T100-K80-V96-strong-2seg"),
+    pytest.param(1, 66, 1, 48, 128, False, None, id="T66-K48-V128"),
+    pytest.param(1, 50, 2, 64, 32, True, None, id="T50-K64-V32-strong-KM64"),
+]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("B,T,H,K,V,strong,nc", OUT_CASES)
+def test_lean_and_wide_output_kernels_agree(rt, rng, B, T, H, K, V, strong, nc):
+    """glatc_fwd_out (two CTAs per SM, scores summed over halves of K) and glatc_fwd_wide give the same o (up to
+    fp32 summation order and one bf16 rounding), both within the target against the float64 recurrence."""
+    bits, xs, h0, _ = _inputs(rng, B, T, H, K, V, strong)
+    ro, _ = recurrent_gla(*xs[:4], initial_state=h0.astype(np.float64))
+    outs = {}
+    for out in (1, 2):
+        rt.launched.clear()
+        outs[out], _ = gla_fwd_tc.fwd_tc(rt, *bits[:4], initial_state=h0, nc=nc, out=out)
+        assert st.fwd_name("bf16", st.km_of(K, V), False, out) in rt.launched
+        assert rel(_f(outs[out]), ro) < TOL_O, f"out={out}: {rel(_f(outs[out]), ro):.2e}"
+    assert rel(_f(outs[2]), _f(outs[1])) < 2e-3
+    with pytest.raises(ValueError, match="out must be one of"):
+        gla_fwd_tc.fwd_tc(rt, *bits[:4], out=3)
+
+
 @pytest.mark.timeout(900)
 def test_no_initial_state_no_dht_and_fwd_state_reuse(rt, rng):
     B, T, H, K, V = 1, 90, 1, 32, 32
@@ -176,17 +201,19 @@ def test_shared_memory_layouts_match_python(tmp_path):
     src = tmp_path / "layout.cpp"
     src.write_text(
         f'#include "{gemu._HERE / "cuda_emu.h"}"\n#include "{st.HERE / "gla_tc_chunk.cuh"}"\n#include <cstdio>\n'
-        'int main() { std::printf("%d %d %d %d\\n", GtLayout<64>::B_TOTAL, GtLayout<128>::B_TOTAL, '
-        "GtLayout<64>::F_TOTAL, GtLayout<128>::F_TOTAL); }\n"
+        'int main() { std::printf("%d %d %d %d %d %d\\n", GtLayout<64>::B_TOTAL, GtLayout<128>::B_TOTAL, '
+        "GtLayout<64>::F_TOTAL, GtLayout<128>::F_TOTAL, GtLayout<64>::O_TOTAL, GtLayout<128>::O_TOTAL); }\n"
     )
     exe = tmp_path / "layout"
     res = subprocess.run([CXX, "-std=c++20", "-pthread", "-w", "-o", str(exe), str(src)], capture_output=True,
                          text=True, timeout=120)  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
-    b64, b128, f64, f128 = (int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True).stdout.split())
-    assert (b64, b128, f64, f128) == (st.smem_bwd(64), st.smem_bwd(128), st.smem_fwd(64), st.smem_fwd(128))
+    got = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True).stdout.split()]
+    b64, b128, f64, f128, o64, o128 = got
+    assert got == [st.smem_bwd(64), st.smem_bwd(128), st.smem_fwd(64, 1), st.smem_fwd(128, 1), st.smem_fwd(64, 2),
+                   st.smem_fwd(128, 2)]  # fmt: skip
     assert max(b128, f128) <= 227 * 1024  # a block's opt-in shared memory on an H100/H200
-    assert max(b64, f64) + 1024 <= 228 * 1024 // 2  # two CTAs per SM at K, V <= 64
+    assert max(b64, f64, o64, o128) + 1024 <= 228 * 1024 // 2  # two CTAs per SM (the lean forward also at KM 128)
 
 
 # ------------------------------------------------------------------ the public API's default path (hpczeco.gpu.gla)

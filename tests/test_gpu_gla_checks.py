@@ -359,12 +359,12 @@ def test_tensor_core_forward_matches_simt_at_bench_shape(gpu, bench_inputs, vari
     assert max(eo, eh) <= 1e-2, f"o {eo:.2e} ht {eh:.2e} (inputs seed {seed})"
 
 
-@pytest.mark.parametrize("walk", [2, 1])
+@pytest.mark.parametrize("walk,out", [(2, 2), (1, 2), (2, 1)])
 @pytest.mark.gpu
 @NEEDS_GPU
-def test_chunk_parallel_kernels_match_simt_at_bench_shape(gpu, bench_inputs, walk):
-    """The chunk-parallel tensor-core forward and backward (both state walks) against the simt kernels at the
-    benchmark shape; the backward reusing the forward's chunk states."""
+def test_chunk_parallel_kernels_match_simt_at_bench_shape(gpu, bench_inputs, walk, out):
+    """The chunk-parallel tensor-core forward and backward (both state walks, both output kernels) against the simt
+    kernels at the benchmark shape; the backward reusing the forward's chunk states."""
     cp = gpu.xp
     from hpczeco.gpu import gla as G
     from hpczeco.gpu import gla_bwd_tc, gla_fwd_tc
@@ -373,7 +373,7 @@ def test_chunk_parallel_kernels_match_simt_at_bench_shape(gpu, bench_inputs, wal
     dev, ref_o, ref_h, seed = bench_inputs
     rng = np.random.default_rng(seed + 1)
     do = gpu.up(rng.standard_normal(dev["v"].shape).astype(np.float32), "bf16")
-    plan = gla_fwd_tc.fwd_tc_prepare(runtime(), *(dev[n] for n in ("q", "k", "v", "g")), walk=walk)
+    plan = gla_fwd_tc.fwd_tc_prepare(runtime(), *(dev[n] for n in ("q", "k", "v", "g")), walk=walk, out=out)
     o, ht = plan.finish(output_final_state=True)
     eo, eh = rel(bf16.from_bits(o.get()), ref_o), rel(ht.get(), ref_h)
     assert max(eo, eh) <= 1e-2, f"o {eo:.2e} ht {eh:.2e} (inputs seed {seed})"
