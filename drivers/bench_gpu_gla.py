@@ -13,12 +13,12 @@ input sets alternating, CUDA events, warm-up excluded, median of ``--repeats``:
 - bytes: the memory floor (inputs read once, outputs written once) and the bytes our kernels move
   (:func:`hpczeco.gpu.gla_tc_states.traffic`), each over the measured copy bandwidth.
 
-``--variants`` (comma list or ``all``) times builds of the same kernels at the first shape: ``walk1`` (the former
-64 x 64 state walk), ``walk1-ctas2`` (it with ``-DGW_MIN_CTAS=2``), ``nc2`` / ``nc05`` (chunks per segment x2 /
-x0.5), ``f32`` (fp32 chunk states), ``out1`` (the former output kernel, ``glatc_fwd_wide``: one CTA per SM); each is
-checked against the default build. ``--grid`` adds the accuracy table on
-flash-linear-attention's test grid (tests/ops/test_gla.py there: q, k, v, h0 ~ U[0, 1), g = logsigmoid(U[0, 1)) /
-normaliser, do, dht ~ N(0, 1); T = 1, 63, 777, 1000, 1024, 2048; K = 60 (simt path), 64, 128 with V = 64, 128;
+``--variants`` (comma list or ``all``) times builds of the same kernels at the first shape: ``walk1`` (the former 64
+x 64 state walk), ``walk1-ctas2`` (it with ``-DGW_MIN_CTAS=2``), ``nc2`` / ``nc05`` (chunks per segment x2 / x0.5),
+``f32`` (fp32 chunk states), ``out1`` / ``out2`` (the output kernel ``glatc_fwd_wide`` / ``glatc_fwd_out``,
+whichever is not the default at that KM); each is checked against the default build. ``--grid`` adds the accuracy
+table on flash-linear-attention's test grid (tests/ops/test_gla.py there: q, k, v, h0 ~ U[0, 1), g = logsigmoid(U[0,
+1)) / normaliser, do, dht ~ N(0, 1); T = 1, 63, 777, 1000, 1024, 2048; K = 60 (simt path), 64, 128 with V = 64, 128;
 normaliser 0.1, 1, 10; B = H = 2): ours and fla's RMS error ratios against a float64 recurrence on the GPU, the
 targets (o <= 4e-3, final state and gradients <= 5e-3) and ``ours <= 1.5 x fla + 1e-4``.
 
@@ -47,7 +47,7 @@ GRID_GN = (0.1, 1.0, 10.0)
 TARGET = {"o": 4e-3, "ht": 5e-3, "dq": 5e-3, "dk": 5e-3, "dv": 5e-3, "dg": 5e-3, "dh0": 5e-3}
 VS_FLA, VS_FLA_SLACK = 1.5, 1e-4  # ours <= 1.5 x fla + 1e-4 (RMS error ratios)
 NAMES = ("o", "ht", "dq", "dk", "dv", "dg", "dh0")
-VARIANTS = ("walk1", "walk1-ctas2", "nc2", "nc05", "f32", "out1")
+VARIANTS = ("walk1", "walk1-ctas2", "nc2", "nc05", "f32", "out1", "out2")
 COPY_BYTES = 1 << 30  # the device copy that measures the bandwidth the floors are divided by
 
 
@@ -387,7 +387,7 @@ class Bench:
             "walk": (f"walk ({tcs.walk_name('bf16', False, False, geo.walk, vm)})",
                      lambda: tcs.state_pass(walks, geo, k, v, g, False)),
             "scan": ("segment scan (glatc_scan)", lambda: tcs.state_pass(scans, geo, k, v, g, False)),
-            "fwd_out": ("forward output (glatc_fwd_out)", lambda: fplan.finish()),
+            "fwd_out": (f"forward output ({tcs.fwd_name('bf16', geo.km, False, geo.out)})", lambda: fplan.finish()),
             "walk_rev": (f"reverse walk ({tcs.walk_name('bf16', True, False, geo.walk, vm)})",
                          lambda: tcs.state_pass(walks, geo, q, do, g, True, scale, fplan.states.gseg)),
             "scan_rev": ("reverse segment scan", lambda: tcs.state_pass(scans, geo, q, do, g, True, scale,
@@ -460,7 +460,7 @@ class Bench:
         NC = tcs.chunks_per_segment(rt, B * H, -(-T // 64), K, V)
         table = {"default": ((), {}), "walk1": ((), {"walk": 1}), "walk1-ctas2": (("GW_MIN_CTAS=2",), {"walk": 1}),
                  "nc2": ((), {"nc": 2 * NC}), "nc05": ((), {"nc": max(1, NC // 2)}), "f32": ((), {"f32_states": True}),
-                 "out1": ((), {"out": 1})}
+                 "out1": ((), {"out": 1}), "out2": ((), {"out": 2})}
         qkvg = [sets[0][n] for n in ("q", "k", "v", "g")]
         base = None
         for vname in ["default"] + [v for v in names if v in table]:

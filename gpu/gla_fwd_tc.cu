@@ -5,11 +5,12 @@
 // Precision: the diagonal sub-chunk blocks of A (its largest entries) use split operands (hi + lo bf16, three
 // products) and A enters A V as hi + lo (two products), so o's error is close to its own bf16 rounding.
 // Two kernels compute the same:
-//   glatc_fwd_out (the default): ~90 KB of shared memory at KM 128, so two CTAs share an SM. The cumulative gate
+//   glatc_fwd_out (the default at KM 128): ~90 KB of shared memory at KM 128, so two CTAs share an SM. The cumulative gate
 //     stays in registers (in shared memory only when a diagonal block needs the exact elementwise path), the
 //     scores are summed over two halves of K at KM 128 (one half's operands in shared memory at a time), and the
 //     state h and q exp(b) are formed after the scores, in the zone the score operands used.
-//   glatc_fwd_wide: every operand in shared memory at once (200 KB at KM 128: one CTA per SM).
+//   glatc_fwd_wide (the default at KM 64, where it fits two CTAs per SM too): every operand in shared memory at
+//     once (200 KB at KM 128: one CTA per SM).
 #include "gla_tc_chunk.cuh"
 
 // o = scale * (A V + Qe h) for the chunk (As, Asl: A hi / lo; Vs, Qe: row stride P; Hs: [K][P]): warp w -> rows

@@ -10,7 +10,8 @@ per chunk writing ``o``), so ZeCO overlaps its scan over ranks with the first pa
 ``rt`` is the kernel runtime (see :mod:`.gla_tc_states`); ``nc`` chunks per segment (default: enough segments
 to fill the device), ``f32_states`` stores the per-chunk states in fp32 instead of 16 bits (default: 16 bits for
 bf16, fp32 for fp16), ``walk`` picks the state walk (2: ``glatc_walk2``, the default; 1: ``glatc_walk``), ``out``
-the output kernel (2: ``glatc_fwd_out``, the default; 1: ``glatc_fwd_wide``).
+the output kernel (2: ``glatc_fwd_out``, two CTAs per SM, the default at K or V above 64; 1: ``glatc_fwd_wide``,
+the default at K, V <= 64).
 """
 
 from __future__ import annotations

@@ -36,9 +36,10 @@ CHUNK_THREADS = 256
 #: the default state walk (1: ``glatc_walk``, 64 x 64 state tiles; 2: ``glatc_walk2``, 64 rows of K x all of V)
 DEFAULT_WALK = 2
 #: the forward output kernels (1: ``glatc_fwd_wide``, every operand in shared memory; 2: ``glatc_fwd_out``, the
-#: lean layout that lets two CTAs share an SM at KM 128) and the default
+#: lean layout that lets two CTAs share an SM at KM 128) and the default per KM: at KM 64 the wide one already
+#: fits two CTAs per SM and was faster on an H200 (docs/benchmarks/gla_tc_design.md)
 FWD_KERNELS = {1: "glatc_fwd_wide", 2: "glatc_fwd_out"}
-DEFAULT_OUT = 2
+DEFAULT_OUT = {64: 1, 128: 2}
 #: walk CTAs per SM each walk aims at (chunks per segment are chosen so the walk fills the device ~6-8 times)
 _WALK_CTAS_PER_SM = {1: 24, 2: 12}
 i32, f32 = np.int32, np.float32
@@ -78,9 +79,9 @@ def walk_name(t: str, reverse: bool, f32_states: bool, walk: int = 1, vm: int = 
     return f"glatc_walk<{t}, {_b(reverse)}, {_b(f32_states)}>"
 
 
-def fwd_name(t: str, km: int, f32_states: bool, out: int = DEFAULT_OUT) -> str:
-    """Name expression of a forward output kernel (``out``: a key of :data:`FWD_KERNELS`)."""
-    return f"{FWD_KERNELS[out]}<{t}, {km}, {_b(f32_states)}>"
+def fwd_name(t: str, km: int, f32_states: bool, out: int | None = None) -> str:
+    """Name expression of a forward output kernel (``out``: a key of :data:`FWD_KERNELS`; None: the default)."""
+    return f"{FWD_KERNELS[out or DEFAULT_OUT[km]]}<{t}, {km}, {_b(f32_states)}>"
 
 
 def bwd_name(t: str, km: int, f32_states: bool) -> str:
@@ -131,9 +132,10 @@ def smem_bwd(km: int) -> int:
     return _layout(km)["bwd"]
 
 
-def smem_fwd(km: int, out: int = DEFAULT_OUT) -> int:
-    """Dynamic shared memory of the forward output kernel ``out`` (:data:`FWD_KERNELS`) at ``km`` (bytes)."""
-    return _layout(km)[f"fwd{out}"]
+def smem_fwd(km: int, out: int | None = None) -> int:
+    """Dynamic shared memory of the forward output kernel ``out`` (:data:`FWD_KERNELS`; None: the default) at
+    ``km`` (bytes)."""
+    return _layout(km)[f"fwd{out or DEFAULT_OUT[km]}"]
 
 
 def smem_walk2(vm: int) -> int:
@@ -232,7 +234,7 @@ class Geometry:
     NC: int
     f32_states: bool
     walk: int = DEFAULT_WALK
-    out: int = DEFAULT_OUT
+    out: int = 0  # the forward output kernel (a key of FWD_KERNELS); 0: the default at this KM
 
     @property
     def BH(self) -> int:
@@ -258,11 +260,11 @@ def geometry(rt: Any, B: int, T: int, H: int, K: int, V: int, t: str, nc: int | 
              walk: int | None = None, out: int | None = None) -> Geometry:  # fmt: skip
     """The :class:`Geometry` of a call: ``nc`` chunks per segment (None: :func:`chunks_per_segment`), 16-bit or fp32
     chunk states (None: 16 bits for bf16, fp32 for fp16), the state walk (None: :data:`DEFAULT_WALK`), the forward
-    output kernel (None: :data:`DEFAULT_OUT`)."""
+    output kernel (None: :data:`DEFAULT_OUT` at this KM)."""
     wk = DEFAULT_WALK if walk is None else int(walk)
     if wk not in WALK_THREADS:
         raise ValueError(f"walk must be one of {sorted(WALK_THREADS)}, got {walk}")
-    ok = DEFAULT_OUT if out is None else int(out)
+    ok = DEFAULT_OUT[km_of(K, V)] if out is None else int(out)
     if ok not in FWD_KERNELS:
         raise ValueError(f"out must be one of {sorted(FWD_KERNELS)}, got {out}")
     NT = -(-T // 64)
