@@ -10,6 +10,7 @@
 #   grid     (issue 14) the accuracy grid against fla at the (K, V) and lengths whose fla autotuning is cached
 #   glatc    (issue 14) the chunk-parallel tensor-core cases of test_gpu_gla_checks.py and the output-kernel tests
 #   glafast  (issue 14) `hpczeco bench gpu-gla` at the three shapes, the former output kernel (out1) side by side
+#   gridtc   (issue 14) the accuracy grid at the tensor-core head sizes (GRID_KV, GRID_T, GRID_LIMIT: defaults below)
 #   shapes   (issue 14) `hpczeco bench gpu-gla --shapes 1,2` and the accuracy grid (`--grid`)
 #   scan12   (issue 19) the 12-rank scan on host cores (the 16 ms stall seen once), ring vs allgather, with the
 #            cgroup's CPU quota and throttling counters before and after (a 16.0 ms floor could be CFS bandwidth
@@ -45,6 +46,8 @@ export STEP_CMD_glatc="timeout 200 \$PYTEST tests/test_gpu_gla_checks.py -k 'tc-
 | grep -E 'PASS|FAIL|ERROR|passed|failed'" STEP_LIMIT_glatc=210
 export STEP_CMD_glafast="python3 -m hpczeco bench gpu-gla --shapes 0,1,2 --variants out1 --out \$HPCZECO_RESULTS/gla \
 && python3 -m hpczeco bench gpu-gla --shapes 2,1 --variants out2 --no-fla --out \$HPCZECO_RESULTS/gla21" STEP_LIMIT_glafast=300
+export STEP_CMD_gridtc="python3 -m hpczeco bench gpu-gla --shapes 0 --grid --grid-kv \${GRID_KV:-128x128,64x64} \
+--grid-t \${GRID_T:-1,63,777,1000,1024,2048} --out \$HPCZECO_RESULTS/gridtc" STEP_LIMIT_gridtc=${GRID_LIMIT:-280}
 export STEP_CMD_shapes="python3 -m hpczeco bench gpu-gla --shapes 1,2 --variants walk1 --out \$HPCZECO_RESULTS/gla \
 && python3 -m hpczeco bench gpu-gla --shapes 0 --grid --out \$HPCZECO_RESULTS/grid" STEP_LIMIT_shapes=360
 export CG="/sys/fs/cgroup/cpu.max /sys/fs/cgroup/cpu.stat /sys/fs/cgroup/cpu/cpu.cfs_quota_us \
