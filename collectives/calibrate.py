@@ -4,7 +4,9 @@
 receives from the previous at once: the ring's steady state) or by ping-pong between rank pairs
 (all pairs at once), medians of repeats; ``gamma``/``delta`` by timing the scans' combine kernel
 (:func:`measure_combine`) on every rank at once; ``overhead`` (the fixed cost of one scan call) as
-what a tiny serial scan costs beyond the model's hops (:func:`measure_overhead`). The messages run
+what a tiny serial scan costs beyond the model's hops (:func:`measure_overhead`); ``piece`` (the
+ring's cost per piece above the eager size) as how much the ring's time grows with its piece
+count beyond what the model's other terms say (:func:`measure_piece`). The messages run
 on a private duplicate of the communicator. Knows nothing about attention.
 """
 
@@ -16,10 +18,10 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .costmodel import LinkParams
+from .costmodel import LinkParams, piece_from_times
 from .kernels import axpy_rows
 
-__all__ = ["calibrate", "measure_combine", "measure_overhead"]
+__all__ = ["calibrate", "measure_combine", "measure_overhead", "measure_piece"]
 
 #: tags of the ping-pong and cyclic-shift messages (on the private duplicate)
 _PINGPONG_TAG, _SHIFT_TAG = 7, 9
@@ -119,12 +121,43 @@ def measure_overhead(comm: MPI.Comm, params: LinkParams, repeats: int = 30, dtyp
     return max(0.0, t - serial_time(comm.Get_size(), S.nbytes, params))
 
 
+#: the piece counts :func:`measure_piece` times the ring at, on a state of ``PIECE_STATE_EAGERS * eager`` bytes
+#: (pieces of 4 and 4/3 times the eager size: both above it, and many enough that the difference is mostly
+#: pieces rather than pipelining)
+PIECE_BLOCKS = (16, 48)
+PIECE_STATE_EAGERS = 64
+
+
+def measure_piece(comm: MPI.Comm, params: LinkParams, repeats: int = 15, dtype: Any = "float32",
+                  blocks: tuple[int, int] = PIECE_BLOCKS) -> float:
+    """Seconds a ring piece above ``params.eager`` bytes costs per pipeline stage beyond ``alpha``: the ring
+    on a ``[1, R, 128]`` state of ``PIECE_STATE_EAGERS * eager`` bytes timed like the benchmark at the two
+    piece counts ``blocks``, through :func:`piece_from_times` under ``params``. Holds the rendezvous
+    handshake of every such message and the per-request work of the ring's Python loop. Collective;
+    0 for one rank."""
+    from .scan import scan_start
+
+    P = comm.Get_size()
+    if P < 2:
+        return 0.0
+    V = 128
+    item = np.dtype(dtype).itemsize
+    R = max(blocks[1], int(PIECE_STATE_EAGERS * params.eager) // (item * V))
+    a = np.full((1, R), 0.5, dtype=dtype)
+    S = np.ones((1, R, V), dtype=dtype)
+    out = np.empty_like(S)
+    t = [_timed_max(comm, lambda k=k: scan_start(a, S, comm, topology="ring", blocks=k, out=out).wait(), repeats)
+         for k in blocks]
+    return piece_from_times(P, S.nbytes, blocks[0], t[0], blocks[1], t[1], params)
+
+
 def calibrate(
     comm: MPI.Comm,
     sizes: tuple[int, ...] = (8, 4096, 1 << 20, 4 << 20),
     repeats: int = 15,
     dtype: Any = "float32",
     method: str = "shift",
+    piece: bool = True,
 ) -> LinkParams:
     """Measure ``LinkParams`` on the running machine (collective over ``comm``; same result on every rank).
 
@@ -141,7 +174,8 @@ def calibrate(
     ``gamma``/``delta``: every rank times the scans' combine kernel at the largest and at a tiny
     size at the same time (memory bandwidth is shared); medians over ranks. ``overhead``:
     :func:`measure_overhead` on the user's communicator (``comm`` itself: the scans' contexts live
-    there). Rank 0's numbers are broadcast. One rank alone measures ``alpha = beta = 0`` (no link).
+    there). ``piece`` (unless ``piece=False``; with ``eager`` at its default): :func:`measure_piece`, after
+    the others. Rank 0's numbers are broadcast. One rank alone measures ``alpha = beta = 0`` (no link).
     """
     if method not in ("shift", "pingpong"):
         raise ValueError(f"method must be 'shift' or 'pingpong', got {method!r}")
@@ -181,4 +215,7 @@ def calibrate(
     if P >= 2:
         over = measure_overhead(comm, link)
         link = LinkParams(*vals, overhead=comm.bcast(over, root=0), name=link.name)
+        if piece:
+            pc = measure_piece(comm, link, repeats, dtype)
+            link = LinkParams(*vals, overhead=link.overhead, piece=comm.bcast(pc, root=0), name=link.name)
     return link

@@ -18,7 +18,7 @@ from . import costmodel as cm
 from .costmodel import LinkParams
 
 __all__ = ["PAPER_TABLE2", "PAPER_STATE_BYTES", "PAPER_PER_NODE", "Point", "nelder_mead", "fit", "fit_paper",
-           "residuals", "paper_rows"]
+           "residuals", "paper_rows", "estimate_piece"]
 
 #: ZeCO paper (arXiv 2507.01004) Table 2: communication time per layer, ms, All-Scan (ring) vs LASP-2's
 #: AllGather, 8k tokens per GPU, d = 4096, H = 32 heads, on H100 nodes of 8 GPUs
@@ -113,6 +113,33 @@ def residuals(points: Sequence[Point], params: LinkParams, *, K: int = 128, V: i
               exscan_algorithm: str = "recursive_doubling") -> list[tuple[str, int, float, float, float]]:
     """``(topology, P, bytes, measured s, predicted s)`` for every point."""
     return [(t, P, m, s, _predict(t, P, m, params, K, V, exscan_algorithm)) for t, P, m, s in points]
+
+
+def estimate_piece(points: Sequence[Point], params: LinkParams
+                   ) -> tuple[float, list[tuple[int, float, int, int]]] | None:
+    """The ring's per-piece cost (``LinkParams.piece``) from measured ring points, as
+    :func:`.calibrate.measure_piece` measures it: for every pair of ``"ring/k=N"`` points at the same
+    ``(P, bytes)`` with different piece counts whose pieces are all above ``params.eager``,
+    :func:`~.costmodel.piece_from_times`; ``(median over the pairs, [(P, bytes, k1, k2), ...])``, or None
+    without such a pair. For results whose calibration predates the term."""
+    groups: dict[tuple[int, float], dict[int, float]] = {}
+    for topo, P, m, sec in points:
+        if topo.startswith("ring/k="):
+            k = int(topo.split("=", 1)[1])
+            if m / k > params.eager:
+                groups.setdefault((P, m), {})[k] = sec
+    vals, used = [], []
+    for (P, m), by_k in sorted(groups.items()):
+        ks = sorted(by_k)
+        for i, k1 in enumerate(ks):
+            for k2 in ks[i + 1:]:
+                vals.append(cm.piece_from_times(P, m, k1, by_k[k1], k2, by_k[k2], params))
+                used.append((P, m, k1, k2))
+    if not vals:
+        return None
+    vals.sort()
+    n = len(vals)
+    return (vals[n // 2] if n % 2 else 0.5 * (vals[n // 2 - 1] + vals[n // 2])), used
 
 
 def paper_rows(intra: LinkParams, inter: LinkParams, state_bytes: float = PAPER_STATE_BYTES,

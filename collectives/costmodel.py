@@ -6,7 +6,8 @@ state byte of one combine ``a * X + S`` (reads two states, writes one), ``delta`
 of one combine call, ``overhead`` the fixed cost of one scan call whatever its topology (the
 collective validation -- local checks and one ``Allreduce`` --, building the plan, posting and
 completing the requests; measured by :func:`.calibrate.calibrate` as what a tiny serial scan costs
-beyond its hops). ``m`` is the state size in bytes (``S.nbytes``); pairs ``(a, S)`` that carry
+beyond its hops), ``piece`` the extra cost of one ring piece per pipeline stage when the piece is larger
+than ``eager`` bytes (see below). ``m`` is the state size in bytes (``S.nbytes``); pairs ``(a, S)`` that carry
 the decays too are ``m' = m (1 + 1/V)`` bytes. Every formula below adds ``overhead`` (for ``P > 1``).
 
 Formulas (critical path; ``P`` ranks, ``k`` ring pieces, ``L = ceil(log2 P)``):
@@ -14,11 +15,27 @@ Formulas (critical path; ``P`` ranks, ``k`` ring pieces, ``L = ceil(log2 P)``):
 * ring (pipelined All-Scan): piece 0 takes ``P - 1`` hops and ``P - 2`` combines, the other
   ``k - 1`` pieces trail one stage each::
 
-      T = (P + k - 2)(alpha + m beta / k) + (P + k - 3)(delta + m gamma / k)      [combines only if P > 2]
+      T = (P + k - 2)(alpha + pi + m beta / k) + (P + k - 3)(delta + m gamma / k)      [combines only if P > 2]
+      pi = piece if m / k > eager else 0
 
-  minimised at ``k* = sqrt(m ((P - 2) beta + (P - 3) gamma) / (alpha + delta))`` -- the paper's
-  ``sqrt((P - 2) m beta / alpha)`` when combines are free (clamped to 1..K; :func:`best_blocks`
-  takes the better integer next to it).
+  ``piece`` is what a piece above the MPI library's eager/fragment size costs beyond ``alpha``: the
+  rendezvous handshake of every such message (the receiver must enter MPI to answer it, the sender
+  to see the answer, while each of them also combines and posts its other pieces from Python) and
+  the per-request work of posting and completing it. ``alpha`` (a cyclic shift of tiny messages)
+  does not contain it, and ``beta`` (a shift of whole states, where the per-message cost is spread
+  over megabytes) hides it; a pipelined ring pays it ``P + k - 2`` times, so it sets how many pieces
+  pay. Measured by :func:`.calibrate.measure_piece` (the ring itself at two piece counts, both above
+  ``eager``); 0 when not measured (presets, and runs calibrated before it existed), which is the
+  model without it. ``eager`` defaults to 32 KiB (Open MPI's shared-memory BTL fragment size
+  ``btl_vader_max_send_size``; an assumption, not measured: read it with ``ompi_info --param btl
+  vader --level 9`` or set it per run).
+
+  Within each regime (pieces above / at most ``eager``) the time is convex in ``k`` and minimised at
+  ``k* = sqrt(m ((P - 2) beta + (P - 3) gamma) / (alpha + pi + delta))`` -- the paper's
+  ``sqrt((P - 2) m beta / alpha)`` when combines and pieces are free; :func:`best_blocks` takes the
+  better integer next to each regime's ``k*`` and the regimes' boundary (``k = ceil(m / eager)``),
+  clamped to 1..K, so a large ``piece`` makes it choose fewer, larger pieces -- or pieces just under
+  ``eager``.
 * serial relay (LASP-1): ``(P - 1)(alpha + m beta) + (P - 2)(delta + m gamma)`` (the ring with k = 1).
 * tree (recursive doubling): ``L`` rounds, each one send and one receive of ``m'`` and up to two
   combines, plus packing the pair once: ``L (alpha + m' beta + 2 (delta + m' gamma)) + m' gamma / 2``.
@@ -72,6 +89,8 @@ __all__ = [
     "set_default_params",
     "ring_time",
     "best_blocks",
+    "piece_cost",
+    "piece_from_times",
     "serial_time",
     "tree_time",
     "allgather_time",
@@ -81,26 +100,35 @@ __all__ = [
     "predict_hier",
     "with_name",
     "LINK_ENV",
+    "EAGER_DEFAULT",
 ]
 
-#: environment variable with the default link parameters: a preset name or "alpha,beta[,gamma[,delta[,overhead]]]"
+#: bytes above which a ring piece pays ``LinkParams.piece`` unless set (Open MPI vader's default fragment size)
+EAGER_DEFAULT = 32 << 10
+
+#: environment variable with the default link parameters: a preset name or
+#: "alpha,beta[,gamma[,delta[,overhead]]][,piece=S][,eager=BYTES]"
 LINK_ENV = "HPCZECO_LINK"
 
 
 @dataclass(frozen=True)
 class LinkParams:
     """``alpha`` s/message, ``beta`` s/byte, ``gamma`` s/state byte combined, ``delta`` s/combine call,
-    ``overhead`` s per scan call."""
+    ``overhead`` s per scan call, ``piece`` s per ring piece and stage for pieces above ``eager`` bytes.
+
+    Results saved before ``piece``/``eager`` existed load with the defaults (no per-piece term)."""
 
     alpha: float
     beta: float
     gamma: float = 0.0
     delta: float = 0.0
     overhead: float = 0.0
+    piece: float = 0.0
+    eager: float = float(EAGER_DEFAULT)
     name: str = "custom"
 
     def __post_init__(self) -> None:
-        for k in ("alpha", "beta", "gamma", "delta", "overhead"):
+        for k in ("alpha", "beta", "gamma", "delta", "overhead", "piece", "eager"):
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"LinkParams.{k} must be a finite number >= 0, got {v!r}")
@@ -109,7 +137,8 @@ class LinkParams:
         bw = "inf" if self.beta <= 0 else (f"{1e-9 / self.beta:.1f} GB/s" if self.beta <= 1e-9 else
                                            f"{1e-6 / self.beta:.1f} MB/s")
         return (f"{self.name}: alpha={self.alpha * 1e6:.2f} us, 1/beta={bw}, gamma={self.gamma * 1e12:.1f} ps/B, "
-                f"delta={self.delta * 1e6:.2f} us, overhead={self.overhead * 1e6:.1f} us")
+                f"delta={self.delta * 1e6:.2f} us, overhead={self.overhead * 1e6:.1f} us"
+                + (f", piece={self.piece * 1e6:.1f} us above {self.eager / 1024:g} KiB" if self.piece > 0 else ""))
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -139,19 +168,33 @@ def preset(name: str) -> LinkParams:
         raise ValueError(f"unknown link preset {name!r} (choose from {', '.join(PRESETS)})") from None
 
 
+_LINK_FORM = "'alpha,beta[,gamma[,delta[,overhead]]][,piece=S][,eager=BYTES]'"
+
+
 def parse_link(text: str) -> LinkParams:
-    """A preset name, or ``"alpha,beta[,gamma[,delta[,overhead]]]"`` in seconds and seconds per byte."""
+    """A preset name, or ``"alpha,beta[,gamma[,delta[,overhead]]][,piece=S][,eager=BYTES]"``: two to five
+    numbers in seconds and seconds per byte, then optionally the ring's per-piece term by name."""
     text = text.strip()
     if text in PRESETS:
         return PRESETS[text]
+    vals: list[float] = []
+    named: dict[str, float] = {}
     try:
-        vals = [float(x) for x in text.split(",")]
+        for item in text.split(","):
+            key, eq, val = item.partition("=")
+            if eq:
+                if key.strip() not in ("piece", "eager") or key.strip() in named:
+                    raise ValueError(item)
+                named[key.strip()] = float(val)
+            elif named:
+                raise ValueError(item)  # positional after named
+            else:
+                vals.append(float(item))
     except ValueError:
-        raise ValueError(f"link must be a preset ({', '.join(PRESETS)}) or 'alpha,beta[,gamma[,delta[,overhead]]]', "
-                         f"got {text!r}") from None
+        raise ValueError(f"link must be a preset ({', '.join(PRESETS)}) or {_LINK_FORM}, got {text!r}") from None
     if not 2 <= len(vals) <= 5:
-        raise ValueError(f"link 'alpha,beta[,gamma[,delta[,overhead]]]' needs 2 to 5 numbers, got {text!r}")
-    return LinkParams(*vals, name="custom")
+        raise ValueError(f"link {_LINK_FORM} needs 2 to 5 numbers before the named ones, got {text!r}")
+    return LinkParams(*vals, **named, name="custom")
 
 
 def set_default_params(params: LinkParams | None) -> None:
@@ -187,6 +230,11 @@ def _rounds(P: int) -> int:
     return (P - 1).bit_length()
 
 
+def piece_cost(piece_bytes: float, params: LinkParams) -> float:
+    """The extra seconds one ring piece of ``piece_bytes`` pays per stage: ``params.piece`` above ``params.eager``."""
+    return params.piece if piece_bytes > params.eager else 0.0
+
+
 def ring_time(P: int, nbytes: float, k: int, params: LinkParams) -> float:
     """Pipelined ring with ``k`` pieces (seconds)."""
     _check(P, nbytes)
@@ -195,28 +243,49 @@ def ring_time(P: int, nbytes: float, k: int, params: LinkParams) -> float:
     if P == 1:
         return 0.0
     p, m = params, float(nbytes)
-    t = p.overhead + (P + k - 2) * (p.alpha + m * p.beta / k)
+    t = p.overhead + (P + k - 2) * (p.alpha + piece_cost(m / k, p) + m * p.beta / k)
     if P > 2:
         t += (P + k - 3) * (p.delta + m * p.gamma / k)
     return t
 
 
+def piece_from_times(P: int, nbytes: float, k1: int, t1: float, k2: int, t2: float, params: LinkParams) -> float:
+    """The per-piece cost that explains two measured ring times ``t1``, ``t2`` (seconds, ``k1 < k2`` pieces of
+    more than ``params.eager`` bytes, same ``P`` and state): the growth ``t2 - t1`` beyond what
+    :func:`ring_time` without the term predicts, over the ``k2 - k1`` extra pipeline stages of
+    every piece; clamped at 0. Pure arithmetic."""
+    if not 1 <= k1 < k2:
+        raise ValueError(f"need 1 <= k1 < k2, got {k1}, {k2}")
+    if nbytes / k2 <= params.eager:
+        raise ValueError(f"pieces of {nbytes / k2:.0f} bytes at k2 = {k2} are not above eager "
+                         f"({params.eager:.0f} bytes)")
+    base = replace(params, piece=0.0)
+    growth = (t2 - t1) - (ring_time(P, nbytes, k2, base) - ring_time(P, nbytes, k1, base))
+    return max(0.0, growth / (k2 - k1))
+
+
 @lru_cache(maxsize=4096)
 def _best_blocks(P: int, nbytes: float, K: int, params: LinkParams) -> int:
-    if P <= 2 or K <= 1:
+    if P <= 2 or K <= 1:  # P = 2: no combines, so every extra piece only adds alpha (and piece)
         return 1
-    # ring_time = const + k (alpha + delta) + m ((P - 2) beta + (P - 3) gamma) / k: convex in k
-    a = params.alpha + params.delta
+    # in each regime (pieces above / at most eager) ring_time = const + k (alpha + pi + delta)
+    # + m ((P - 2) beta + (P - 3) gamma) / k: convex in k; the regimes meet at k = ceil(m / eager)
     b = (P - 2) * params.beta + (P - 3) * params.gamma
-    kstar = math.sqrt(nbytes * b / a) if a > 0 else float(K)
-    cands = {1, K, max(1, min(K, math.floor(kstar))), max(1, min(K, math.ceil(kstar)))}
+    k_eager = math.ceil(nbytes / params.eager) if params.eager > 0 else K + 1  # fewest pieces of <= eager bytes
+    cands = {1, K, min(K, max(1, k_eager)), min(K, max(1, k_eager - 1))}
+    for pi in {0.0, params.piece}:
+        a = params.alpha + pi + params.delta
+        kstar = math.sqrt(nbytes * b / a) if a > 0 else float(K)
+        cands |= {max(1, min(K, math.floor(kstar))), max(1, min(K, math.ceil(kstar)))}
     return min(sorted(cands), key=lambda k: ring_time(P, nbytes, k, params))
 
 
 def best_blocks(P: int, nbytes: float, K: int, params: LinkParams) -> int:
-    """The ring's best piece count in 1..K: the integer next to
-    ``k* = sqrt(m ((P-2) beta + (P-3) gamma) / (alpha + delta))`` (the paper's ``sqrt((P-2) m beta / alpha)``
-    when combines are free); 1 for ``P <= 2``."""
+    """The ring's best piece count in 1..K under :func:`ring_time`: the best of the integers next to
+    ``k* = sqrt(m ((P-2) beta + (P-3) gamma) / (alpha + pi + delta))`` for ``pi`` = 0 and ``params.piece``,
+    the boundary ``ceil(m / eager)`` of the two regimes (and one less), 1 and K (the paper's
+    ``sqrt((P-2) m beta / alpha)`` when combines and pieces are free); ties go to fewer pieces;
+    1 for ``P <= 2`` (where more pieces never pay)."""
     _check(P, nbytes)
     if K < 1:
         raise ValueError(f"K must be >= 1, got {K}")
@@ -317,7 +386,7 @@ def with_name(params: LinkParams, name: str) -> LinkParams:
 
 
 def _hop(p: LinkParams, piece: float) -> float:
-    return p.alpha + piece * p.beta
+    return p.alpha + piece_cost(piece, p) + piece * p.beta
 
 
 def predict_hier(

@@ -38,7 +38,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     description, epilog = split_doc(__doc__)
     ap = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, formatter_class=HelpFormatter)
     ap.add_argument("--link", default="nvlink4",
-                    help="link preset (nvlink4, ib-ndr, shm, tcp) or 'alpha,beta[,gamma[,delta[,overhead]]]'")
+                    help="link preset (nvlink4, ib-ndr, shm, tcp) or "
+                         "'alpha,beta[,gamma[,delta[,overhead]]][,piece=S][,eager=BYTES]'")
     ap.add_argument("--alpha", type=float, help="seconds per message (overrides the preset's)")
     ap.add_argument("--beta", type=float, help="seconds per byte (overrides the preset's)")
     ap.add_argument("--gamma", type=float, help="seconds per state byte combined (overrides the preset's)")

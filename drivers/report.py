@@ -6,7 +6,9 @@ share the folder). With none there it first runs a short bench itself (``mpiexec
 model, the model recomputed from the run's calibration with the current formulas), the fastest
 topology per size, ring/tree crossovers, the ring-vs-baseline ratios at 1 MiB, a measured/model
 table with the accuracy targets (states <= 64 KiB within 3x, the ring at >= 1 MiB within 1.5x), the
-model refit to the measurements (``alpha``, ``beta``, ``overhead``) with its residual, and PNG plots:
+model refit to the measurements (``alpha``, ``beta``, ``overhead``) with its residual, the ring's per-piece
+cost (``piece``: from the calibration, or for runs calibrated before it existed estimated from the run's own
+ring points at two piece counts) with measured/model before and after it, and PNG plots:
 time vs state size (one panel per P) and time vs P at a few sizes, where the model curves continue
 past the measured P (to ``--model-max-p``) with the calibration of the largest run that was not
 oversubscribed (an extrapolation: it assumes the calibrated link and per-call costs do not change with
@@ -162,6 +164,48 @@ def refit_md(runs: list[dict[str, Any]]) -> list[str]:
         desc = fitted.describe().split(": ", 1)[1].split(", gamma")[0] + f", overhead={fitted.overhead * 1e6:.1f} us"
         lines.append(f"| {run['P']} | {rms_cal:.3f} ({math.exp(rms_cal):.2f}x) | {desc} | {rms:.3f} "
                      f"({math.exp(rms):.2f}x) | {t} {fmt_size(m)}: {meas * 1e3:.3f} vs {pred * 1e3:.3f} ms |")
+    return lines
+
+
+def piece_md(runs: list[dict[str, Any]]) -> list[str]:
+    """Per run: the ring's per-piece cost above the eager size and where it comes from (the run's calibration,
+    or estimated from the run's ring points at two piece counts when the calibration predates it), the RMS log
+    residual of all points and measured/model of the ring at >= 1 MiB without the term and with it."""
+    from dataclasses import replace
+
+    from hpczeco.collectives import costfit
+    from hpczeco.collectives import costmodel as cm
+
+    lines = ["| P | piece (us) above eager | from | RMS log without -> with | ring >= 1 MiB measured/model "
+             "without -> with | model's k at 1 MiB without -> with |", "|---|---|---|---|---|---|"]
+    for run in runs:
+        cal = cm.LinkParams(**run["params"])
+        pts = _points([run])
+        alg = run.get("exscan_algorithm", "recursive_doubling")
+        if "piece" in run["params"]:
+            src, with_p = "calibration", cal
+        else:
+            est = costfit.estimate_piece(pts, cal)
+            if est is None:
+                lines.append(f"| {run['P']} | - | not calibrated; no pair of ring points above the eager size | "
+                             "- | - | - |")
+                continue
+            pairs = ", ".join(f"k={k1}/{k2} at {fmt_size(m)}" for _, m, k1, k2 in est[1])
+            src, with_p = f"estimated from this run's ring ({pairs})", replace(cal, piece=est[0])
+        without = replace(with_p, piece=0.0)
+
+        def rms(p: cm.LinkParams, pts: list = pts, alg: str = alg) -> float:
+            res = costfit.residuals(pts, p, exscan_algorithm=alg)
+            return math.sqrt(sum(math.log(x[4] / x[3]) ** 2 for x in res) / len(res))
+
+        big = [x for x in pts if x[0].startswith("ring/") and x[2] >= 1 << 20]
+        q0 = [x[3] / costfit.residuals([x], without)[0][4] for x in big]
+        q1 = [x[3] / costfit.residuals([x], with_p)[0][4] for x in big]
+        cells = ", ".join(f"{x[0].split('=')[1]}@{fmt_size(x[2])}: {a:.2f} -> {b:.2f}" for x, a, b in zip(big, q0, q1))
+        K = next((r["shape"][1] for r in run["results"]), 128)
+        ks = f"{cm.best_blocks(run['P'], 1 << 20, K, without)} -> {cm.best_blocks(run['P'], 1 << 20, K, with_p)}"
+        lines.append(f"| {run['P']} | {with_p.piece * 1e6:.1f} above {with_p.eager / 1024:g} KiB | {src} | "
+                     f"{rms(without):.3f} -> {rms(with_p):.3f} | {cells or '-'} | {ks} |")
     return lines
 
 
@@ -356,6 +400,10 @@ def write_report(runs: list[dict[str, Any]], out: Path, max_p: int) -> Path:
         lines += ["", f"**Model over P:** {caveat}."]
     lines += ["", "## Measured / model", ""] + accuracy_md(runs)
     lines += ["", "## Refit", ""] + refit_md(runs)
+    lines += ["", "## The ring's per-piece cost", "",
+              "A ring piece above the eager size pays a per-message cost (`piece`) that the calibrated `alpha` "
+              "(tiny messages) and `beta` (whole states) do not show; estimated values (for runs calibrated "
+              "before it was measured) come from the same points they are compared with.", ""] + piece_md(runs)
     lines += [
         "",
         "## Plots",
