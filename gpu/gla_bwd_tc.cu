@@ -20,7 +20,8 @@
 // Stages and shared memory (GtLayout<KM>; region Z is reused twice):
 //   0 loads (raw q, k, v, do kept), state operands h, dS (16-bit) and rowsum(h * dS), cumulative gate, Kd
 //   I inter-chunk products: do h^T, v dS^T, Kd dS (registers until the end), their dG terms
-//   - Z <- Qh, Kh, Ko;   A A' (10 blocks) and dA' (10 blocks) over 8 warps
+//   - Z <- Qh, Kh, Ko;   A A' (10 blocks) and dA' (10 blocks, hi in dAs, the rounding remainder lo in v's memory
+//     after a barrier: dq and dk take dA' as hi + lo, two products, so its rounding leaves their error)
 //   B dv;   C dq and its dG terms;   D dk and its dG terms;   - Z <- dG (fp32)
 //   E reverse cumulative sum of dG in the chunk, dg
 #include "gla_tc_chunk.cuh"
@@ -74,6 +75,7 @@ __global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
   float* dGs = reinterpret_cast<float*>(smem + L::B_Z);  // after stage D
   u16* As = reinterpret_cast<u16*>(smem + L::B_AS);
   u16* dAs = reinterpret_cast<u16*>(smem + L::B_DAS);
+  u16* dAsl = Vs;  // dA' lo, after stage A (v is read there for the last time)
   float* R = reinterpret_cast<float*>(smem + L::B_SMALL);
   float* E = R + 4 * KM;
   float* rs = E + 4 * KM;
@@ -239,14 +241,28 @@ __global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
     const i64 rstride = (i64)H * K;
     const T* qg = q + ((i64)(b * Tlen + t0) * H + h) * K;
     const T* kg = k + ((i64)(b * Tlen + t0) * H + h) * K;
-    for (int task = w; task < 20; task += 8) {
+    u16 lo[2][8];  // this warp's dA' blocks (at most two: tasks w + 8, w + 16 >= 10), their remainders
+#pragma unroll
+    for (int n = 0; n < 3; ++n) {
+      const int task = w + 8 * n;
+      if (task >= 20) break;
       int I, J;
       gt_block_ij(task % 10, I, J);
       if (task < 10)
         gt_score_block<T, KM>(As, nullptr, Qh, Kh, nullptr, nullptr, Ko, bs, spn, scale, span_limit, qg, kg, rstride,
                               K, len, I, J, lane);
       else
-        gt_dA_block<T, KM>(dAs, DOs, Vs, scale, V, I, J, lane);
+        gt_dA_block<T, KM>(dAs, lo[n > 0 ? n - 1 : 0], DOs, Vs, scale, V, I, J, lane);
+    }
+    __syncthreads();  // v is dead: its memory <- dA' lo
+#pragma unroll
+    for (int n = 1; n < 3; ++n) {
+      const int task = w + 8 * n;
+      if (task >= 10 && task < 20) {
+        int I, J;
+        gt_block_ij(task % 10, I, J);
+        gt_dA_store_lo<KM>(dAsl, lo[n - 1], I, J, lane);
+      }
     }
   }
   __syncthreads();
@@ -279,8 +295,9 @@ __global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
     for (int J = 0; J <= I; ++J) {
       if (J == I && !tcdiag) break;
       const u16* Bop = J == I ? Kh + 16 * I * P : Ko + (I * (I - 1) / 2 + J) * 16 * P;
-      u32 a[4];
+      u32 a[4], al[4];
       frag_a(a, dAs, AP, 16 * I, 16 * J, gid, tig);
+      frag_a(al, dAsl, AP, 16 * I, 16 * J, gid, tig);
 #pragma unroll
       for (int pp = 0; pp < NPW; ++pp) {
         if (q0 + pp < q1) {
@@ -288,6 +305,8 @@ __global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
           frag_b2_rowmajor(b0, b1, Bop, P, 0, 16 * (q0 + pp), lane);
           Mma<T>::mma(P_[2 * pp], a, b0);
           Mma<T>::mma(P_[2 * pp + 1], a, b1);
+          Mma<T>::mma(P_[2 * pp], al, b0);
+          Mma<T>::mma(P_[2 * pp + 1], al, b1);
         }
       }
     }
@@ -307,7 +326,8 @@ __global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
               if (!tcdiag && t < len) {  // exact diagonal block (fp32)
                 float e = 0.f;
                 for (int s = 16 * I; s <= t; ++s)
-                  e += bits_to_f<T>(dAs[t * AP + s]) * bits_to_f<T>(Kr[s * P + col]) * dexp(bt - bs[s * BP + col]);
+                  e += (bits_to_f<T>(dAs[t * AP + s]) + bits_to_f<T>(dAsl[t * AP + s])) * bits_to_f<T>(Kr[s * P + col]) *
+                       dexp(bt - bs[s * BP + col]);
                 dqv += e;
                 dgv += bits_to_f<T>(Qr[t * P + col]) * e;
               }
@@ -328,8 +348,9 @@ __global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
       float P_[2 * NPW][4];
 #pragma unroll
       for (int n = 0; n < 2 * NPW; ++n) P_[n][0] = P_[n][1] = P_[n][2] = P_[n][3] = 0.f;
-      u32 a[4];
+      u32 a[4], al[4];
       frag_a_trans(a, dAs, AP, 16 * I, 16 * J, lane);
+      frag_a_trans(al, dAsl, AP, 16 * I, 16 * J, lane);
 #pragma unroll
       for (int pp = 0; pp < NPW; ++pp) {
         if (q0 + pp < q1) {
@@ -337,6 +358,8 @@ __global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
           frag_b2_rowmajor(b0, b1, Qh, P, 16 * I, 16 * (q0 + pp), lane);
           Mma<T>::mma(P_[2 * pp], a, b0);
           Mma<T>::mma(P_[2 * pp + 1], a, b1);
+          Mma<T>::mma(P_[2 * pp], al, b0);
+          Mma<T>::mma(P_[2 * pp + 1], al, b1);
         }
       }
       const u16* Kp = I == J ? Kh + 16 * J * P : Ko + (I * (I - 1) / 2 + J) * 16 * P;  // rows s - 16 J
@@ -372,7 +395,8 @@ __global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
                   const float bsv = bs[s * BP + col];
                   float e = 0.f;
                   for (int t = s; t < 16 * J + 16; ++t)
-                    e += bits_to_f<T>(dAs[t * AP + s]) * bits_to_f<T>(Qr[t * P + col]) * dexp(bs[t * BP + col] - bsv);
+                    e += (bits_to_f<T>(dAs[t * AP + s]) + bits_to_f<T>(dAsl[t * AP + s])) *
+                         bits_to_f<T>(Qr[t * P + col]) * dexp(bs[t * BP + col] - bsv);
                   acck[2 * pp + hh][2 * r2 + j] += e;
                   dG[2 * pp + hh][2 * r2 + j] -= bits_to_f<T>(Kr[s * P + col]) * e;
                 }

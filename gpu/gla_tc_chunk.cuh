@@ -482,9 +482,12 @@ GLA_DEVICE void gt_spans(float* sp, const float* R, const float* E, int K, int w
   if (lane == 0) sp[w] = m;
 }
 
-// one 16 x 16 block (I >= J) of alpha * do v^T (masked s <= t) into dAs[t][s] (16-bit, row stride AP). Warp collective.
+// one 16 x 16 block (I >= J) of alpha * do v^T (masked s <= t) into dAs[t][s] (16-bit, row stride AP), and into
+// lo[8] the rounding remainders of this lane's eight entries (hi + lo carries ~16 bits), for gt_dA_store_lo once
+// the operands' memory may be overwritten. Warp collective.
 template <typename T, int KM>
-GLA_DEVICE void gt_dA_block(u16* dAs, const u16* DOs, const u16* Vs, float alpha, int V, int I, int J, int lane) {
+GLA_DEVICE void gt_dA_block(u16* dAs, u16* lo, const u16* DOs, const u16* Vs, float alpha, int V, int I, int J,
+                            int lane) {
   using L = GtLayout<KM>;
   const int gid = lane >> 2, tig = lane & 3;
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -504,6 +507,20 @@ GLA_DEVICE void gt_dA_block(u16* dAs, const u16* DOs, const u16* Vs, float alpha
     for (int i = 0; i < 4; ++i) {
       const int tl = gid + (i >= 2 ? 8 : 0), sl = 8 * nt + 2 * tig + (i & 1);
       const float val = (I == J && sl > tl) ? 0.f : alpha * acc[nt][i];
-      dAs[(16 * I + tl) * L::AP + 16 * J + sl] = Mma<T>::cvt(val);
+      const u16 hi = Mma<T>::cvt(val);
+      dAs[(16 * I + tl) * L::AP + 16 * J + sl] = hi;
+      lo[4 * nt + i] = Mma<T>::cvt(val - bits_to_f<T>(hi));
+    }
+}
+template <int KM>
+GLA_DEVICE void gt_dA_store_lo(u16* dAsl, const u16* lo, int I, int J, int lane) {
+  using L = GtLayout<KM>;
+  const int gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int tl = gid + (i >= 2 ? 8 : 0), sl = 8 * nt + 2 * tig + (i & 1);
+      dAsl[(16 * I + tl) * L::AP + 16 * J + sl] = lo[4 * nt + i];
     }
 }
