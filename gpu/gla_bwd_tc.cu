@@ -26,29 +26,6 @@
 //   E reverse cumulative sum of dG in the chunk, dg
 #include "gla_tc_chunk.cuh"
 
-// store a warp tile (rows 16 RB.., column groups p0..p1-1) of fp32 accumulators as 16-bit pairs to x [B, T, H, W]
-template <typename T, int NPW>
-GLA_DEVICE void gb_store_tile(T* __restrict__ x, const float (*acc)[4], int b, int h, int t0, int len, int Tlen, int H,
-                              int W, int RB, int p0, int p1, int gid, int tig) {
-#pragma unroll
-  for (int pp = 0; pp < NPW; ++pp) {
-    if (p0 + pp < p1) {
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int col = 16 * (p0 + pp) + 8 * hh + 2 * tig;
-#pragma unroll
-        for (int r2 = 0; r2 < 2; ++r2) {
-          const int t = 16 * RB + gid + 8 * r2;
-          if (t < len) {
-            const u32 lo = Mma<T>::cvt(acc[2 * pp + hh][2 * r2]), hi = Mma<T>::cvt(acc[2 * pp + hh][2 * r2 + 1]);
-            *reinterpret_cast<u32*>(x + ((i64)(b * Tlen + t0 + t) * H + h) * W + col) = lo | (hi << 16);
-          }
-        }
-      }
-    }
-  }
-}
-
 template <typename T, int KM, bool F32S>
 __global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
     glatc_bwd(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ g,
@@ -282,7 +259,7 @@ __global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
         }
       }
     }
-    gb_store_tile<T, NPW>(dv, accv, b, h, t0, len, Tlen, H, V, RB, v0, v1, gid, tig);
+    gt_store_tile<T, NPW>(dv, accv, b, h, t0, len, Tlen, H, V, RB, v0, v1, gid, tig);
   }
 
   // ---- (C) dq: rows I = RB -----------------------------------------------------------------------------------------
@@ -336,7 +313,7 @@ __global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
             }
       }
     }
-    gb_store_tile<T, NPW>(dq, accq, b, h, t0, len, Tlen, H, K, RB, q0, q1, gid, tig);
+    gt_store_tile<T, NPW>(dq, accq, b, h, t0, len, Tlen, H, K, RB, q0, q1, gid, tig);
   }
 
   // ---- (D) dk: rows J = RB -----------------------------------------------------------------------------------------
@@ -404,7 +381,7 @@ __global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
         }
       }
     }
-    gb_store_tile<T, NPW>(dk, acck, b, h, t0, len, Tlen, H, K, RB, q0, q1, gid, tig);
+    gt_store_tile<T, NPW>(dk, acck, b, h, t0, len, Tlen, H, K, RB, q0, q1, gid, tig);
   }
   __syncthreads();  // Qh, Kh, Ko are dead: Z <- dG (fp32)
   if (q0 < npk) {

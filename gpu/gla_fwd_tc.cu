@@ -57,24 +57,7 @@ GLA_DEVICE void gt_fwd_output(T* __restrict__ o, const u16* As, const u16* Asl, 
           }
         }
       }
-#pragma unroll
-      for (int pp = 0; pp < NPW; ++pp) {
-        if (p0 + pp < p1) {
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int col = 16 * (p0 + pp) + 8 * hh + 2 * tig;
-#pragma unroll
-            for (int r2 = 0; r2 < 2; ++r2) {
-              const int t = 16 * I + gid + 8 * r2;
-              if (t < len) {
-                const u32 lo = Mma<T>::cvt(scale * acc[2 * pp + hh][2 * r2]);
-                const u32 hi = Mma<T>::cvt(scale * acc[2 * pp + hh][2 * r2 + 1]);
-                *reinterpret_cast<u32*>(o + ((i64)(b * Tlen + t0 + t) * H + h) * V + col) = lo | (hi << 16);
-              }
-            }
-          }
-        }
-      }
+      gt_store_tile<T, NPW>(o, acc, b, h, t0, len, Tlen, H, V, I, p0, p1, gid, tig, scale);
     }
   }
 }
@@ -113,15 +96,8 @@ __global__ void __launch_bounds__(256, 2)
   V16 qraw[4], kraw[4];
   float x[4][8];
   {
-    V16 gr[4], vr[4];
-    gt_load_rows<T>(vr, v, b, h, t0, len, Tlen, H, V, c0, actV, qr);
-    gt_load_rows<T>(qraw, q, b, h, t0, len, Tlen, H, K, c0, actK, qr);
-    gt_load_rows<T>(kraw, k, b, h, t0, len, Tlen, H, K, c0, actK, qr);
-    gt_load_rows<T>(gr, g, b, h, t0, len, Tlen, H, K, c0, actK, qr);
-    if (actV) {
-#pragma unroll
-      for (int I = 0; I < 4; ++I) gt_st16(Vs + (qr + 16 * I) * L::P + c0, vr[I]);
-    }
+    V16 gr[4];
+    gt_load_chunk<T, KM>(qraw, kraw, gr, Vs, q, k, v, g, b, h, t0, len, Tlen, H, K, V, c0, actK, actV, qr);
 #pragma unroll
     for (int I = 0; I < 4; ++I) gt_unpack<T>(x[I], gr[I]);
     gt_chunk_cumsum(x, qr);
@@ -233,15 +209,8 @@ __global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
   // (0) loads, incoming state, cumulative gate; after a barrier the stage-A operands and the sub-chunk spans
   V16 qraw[4], kraw[4];
   {
-    V16 gr[4], vr[4];
-    gt_load_rows<T>(vr, v, b, h, t0, len, Tlen, H, V, c0, actV, qr);
-    gt_load_rows<T>(qraw, q, b, h, t0, len, Tlen, H, K, c0, actK, qr);
-    gt_load_rows<T>(kraw, k, b, h, t0, len, Tlen, H, K, c0, actK, qr);
-    gt_load_rows<T>(gr, g, b, h, t0, len, Tlen, H, K, c0, actK, qr);
-    if (actV) {
-#pragma unroll
-      for (int I = 0; I < 4; ++I) gt_st16(Vs + (qr + 16 * I) * L::P + c0, vr[I]);
-    }
+    V16 gr[4];
+    gt_load_chunk<T, KM>(qraw, kraw, gr, Vs, q, k, v, g, b, h, t0, len, Tlen, H, K, V, c0, actK, actV, qr);
     const i64 cKV = ((i64)bh * NT + c) * K * V;
     const void* Hcc = reinterpret_cast<const unsigned char*>(Hc) + cKV * (F32S ? 4 : 2);
     const float* Sfs = Sf != nullptr ? Sf + ((i64)bh * NS + seg) * K * V : nullptr;

@@ -187,6 +187,31 @@ GLA_DEVICE void gt_chunk_revcumsum(float (*x)[8], int qr) {
     }
 }
 
+// store a warp tile (rows 16 RB.., column groups p0..p1-1) of fp32 accumulators times alpha as 16-bit pairs to
+// x [B, T, H, W] (rows t < len)
+template <typename T, int NPW>
+GLA_DEVICE void gt_store_tile(T* __restrict__ x, const float (*acc)[4], int b, int h, int t0, int len, int Tlen, int H,
+                              int W, int RB, int p0, int p1, int gid, int tig, float alpha = 1.f) {
+#pragma unroll
+  for (int pp = 0; pp < NPW; ++pp) {
+    if (p0 + pp < p1) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int col = 16 * (p0 + pp) + 8 * hh + 2 * tig;
+#pragma unroll
+        for (int r2 = 0; r2 < 2; ++r2) {
+          const int t = 16 * RB + gid + 8 * r2;
+          if (t < len) {
+            const u32 lo = Mma<T>::cvt(alpha * acc[2 * pp + hh][2 * r2]);
+            const u32 hi = Mma<T>::cvt(alpha * acc[2 * pp + hh][2 * r2 + 1]);
+            *reinterpret_cast<u32*>(x + ((i64)(b * Tlen + t0 + t) * H + h) * W + col) = lo | (hi << 16);
+          }
+        }
+      }
+    }
+  }
+}
+
 // ---- shared-memory layouts of the chunk kernels (bytes), per KM (largest K, V: 64 or 128) -------------------
 // gpu/gla_tc_states.py mirrors gt_bwd_smem / gt_fwd_smem.
 template <int KM>
@@ -231,6 +256,23 @@ struct GtLayout {
   static constexpr int O_SMALL = O_Z + O_ZSIZE;
   static constexpr int O_TOTAL = O_SMALL + (8 * KM + 4) * 4;  // R[4][KM], E[4][KM], sp[4]
 };
+
+// the chunk's rows of q, k, g (raw, to registers: rows qr + 16 I, columns c0 ..) and of v (to Vs, row stride P),
+// every load issued before any use
+template <typename T, int KM>
+GLA_DEVICE void gt_load_chunk(V16* qraw, V16* kraw, V16* gr, u16* Vs, const T* __restrict__ q, const T* __restrict__ k,
+                              const T* __restrict__ v, const T* __restrict__ g, int b, int h, int t0, int len, int Tlen,
+                              int H, int K, int V, int c0, bool actK, bool actV, int qr) {
+  V16 vr[4];
+  gt_load_rows<T>(vr, v, b, h, t0, len, Tlen, H, V, c0, actV, qr);
+  gt_load_rows<T>(qraw, q, b, h, t0, len, Tlen, H, K, c0, actK, qr);
+  gt_load_rows<T>(kraw, k, b, h, t0, len, Tlen, H, K, c0, actK, qr);
+  gt_load_rows<T>(gr, g, b, h, t0, len, Tlen, H, K, c0, actK, qr);
+  if (actV) {
+#pragma unroll
+    for (int I = 0; I < 4; ++I) gt_st16(Vs + (qr + 16 * I) * GtLayout<KM>::P + c0, vr[I]);
+  }
+}
 
 // ---- chunk state operand: dst[k][v] (16-bit, row stride P) = Hc[k][v] + exp(p[k]) * Sf[k][v] ------------------
 // Hc: the chunk's state inside its segment (16-bit bits of T, or fp32 if F32S), Sf: the segment's state (fp32,
