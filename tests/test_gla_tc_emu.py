@@ -422,21 +422,25 @@ def test_hpczeco_gla_takes_raw_bits_on_device_arrays(fake_cupy, gla_emu, rng, mo
 
 @pytest.mark.mpi
 @pytest.mark.timeout(1200)
-def test_zeco_layer_on_raw_bits_device_arrays(fake_cupy, gla_emu, comm, rng, monkeypatch):
+@pytest.mark.parametrize("L,K,V", [(70, 32, 16), (40, 80, 96)], ids=["KM64-wide", "KM128-lean"])
+def test_zeco_layer_on_raw_bits_device_arrays(fake_cupy, gla_emu, comm, rng, monkeypatch, L, K, V):
     """ZeCOGLA (ring scan) on (fake) CuPy uint16 slices over the ranks: the collective checks accept the raw bits,
-    the device split runs the chunk-parallel kernels (the backward reusing the forward's chunk states), and output
-    and gradients equal the float64 recurrence of the whole sequence."""
+    the device split runs the chunk-parallel kernels (both forward output kernels: KM 64 and KM 128; the backward
+    reusing the forward's chunk states), and output and gradients equal the float64 recurrence of the whole
+    sequence."""
     import hpczeco  # noqa: PLC0415
 
     monkeypatch.setattr(gla_emu, "xp", fake_cupy)  # the kernels' results are (fake) device arrays too
 
     P, r = comm.Get_size(), comm.Get_rank()
-    L, B, H, K, V = 70, 1, 1, 32, 16
+    B, H = 1, 1
     bits, h0, dht, ref = _public(rng, B, P * L, H, K, V)
     sl = slice(r * L, (r + 1) * L)
     mine = [np.ascontiguousarray(x[:, sl]).view(fake_cupy.ndarray) for x in bits]
     layer = hpczeco.ZeCOGLA(comm, scan="ring", check_values=False)
+    gla_emu.launched.clear()
     o = layer.forward(*mine[:4], initial_state=h0.view(fake_cupy.ndarray) if r == 0 else None)
+    assert st.fwd_name("bf16", st.km_of(K, V), False) in gla_emu.launched
     gla_emu.launched.clear()
     grads = layer.backward(mine[4], dht=dht.view(fake_cupy.ndarray) if r == P - 1 else None)
     assert _walk(False, V, 2) not in gla_emu.launched  # the forward's chunk states were reused
