@@ -34,7 +34,9 @@ class _Stream:
 
 FAKE_CUPY = types.SimpleNamespace(
     from_dlpack=np.from_dlpack, uint16=np.uint16, int16=np.int16, zeros=np.zeros,
-    cuda=types.SimpleNamespace(Device=lambda index: contextlib.nullcontext(), ExternalStream=_Stream),
+    cuda=types.SimpleNamespace(Device=lambda index: contextlib.nullcontext(), ExternalStream=_Stream,
+                               runtime=types.SimpleNamespace(getDevice=lambda: 0),
+                               get_current_stream=lambda: types.SimpleNamespace(ptr=-1)),  # never torch's: switch
 )
 
 
@@ -86,6 +88,28 @@ def test_views_are_zero_copy_and_bf16_travels_as_raw_bits(fake_cupy, rng):
         sa = _arrays.to_device(s)
         assert sa.flags.c_contiguous and np.array_equal(sa, s.numpy())
         assert _arrays.from_device(fa, torch.float64).dtype == torch.float64
+
+
+def test_cuda_stream_switches_only_where_cupy_is_elsewhere(fake_cupy, monkeypatch):
+    entered = []
+
+    class Stream(_Stream):
+        def __enter__(self):
+            entered.append(self.ptr)
+            return self
+
+    monkeypatch.setattr(FAKE_CUPY.cuda, "ExternalStream", Stream)
+    with _arrays.cuda_stream(0):  # CuPy's current stream (ptr -1) is not torch's (0): switched
+        pass
+    assert entered == [0]
+    monkeypatch.setattr(FAKE_CUPY.cuda, "get_current_stream", lambda: types.SimpleNamespace(ptr=0))
+    with _arrays.cuda_stream(0):  # CuPy is on torch's stream already: nothing entered
+        pass
+    assert entered == [0]
+    monkeypatch.setattr(FAKE_CUPY.cuda.runtime, "getDevice", lambda: 1)
+    with _arrays.cuda_stream(0):  # another current device: switched
+        pass
+    assert entered == [0, 0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

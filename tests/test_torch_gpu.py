@@ -127,6 +127,30 @@ def test_cuda_runs_on_torchs_current_stream_and_views_are_zero_copy(rng):
         assert back.dtype == torch.bfloat16 and back.data_ptr() == q.data_ptr()
 
 
+def test_cached_views_are_looked_up_by_address_dtype_and_shape(rng):
+    """``to_device(t, cached=True)``: the same view for the same (address, dtype, shape), another for another
+    shape or dtype at that address; a tensor that reuses freed memory reads its own values through the view."""
+    from hpczeco.torch import _arrays  # noqa: PLC0415
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    with _arrays.cuda_stream(dev.index):
+        t = torch.randn(4, 64, device=dev)
+        a = _arrays.to_device(t, cached=True)
+        assert _arrays.to_device(t, cached=True) is a and int(a.data.ptr) == t.data_ptr()
+        flat = t.view(256)
+        b = _arrays.to_device(flat, cached=True)
+        assert b is not a and b.shape == (256,) and int(b.data.ptr) == t.data_ptr()
+        assert str(_arrays.to_device(t.view(torch.int32), cached=True).dtype) == "int32"
+        ptr = t.data_ptr()
+        del t, flat
+        u = torch.randn(4, 64, device=dev)  # the caching allocator hands out the block just freed
+        view = _arrays.to_device(u, cached=True)
+        assert (int(view.data.ptr) == ptr) == (view is a)
+        assert torch.equal(_arrays.from_device(view.copy()), u)
+        nc = torch.randn(64, 4, device=dev).t()  # not contiguous: a copy that the view owns, never cached
+        assert _arrays.to_device(nc, cached=True) is not _arrays.to_device(nc, cached=True)
+
+
 def test_cuda_float64_is_a_clear_error(rng):
     dev = torch.device("cuda", torch.cuda.current_device())
     q, k, v, g, *_ = make(rng, 1, 8, 1, 4, 4, 1.0, torch.float64, dev)
@@ -139,7 +163,8 @@ def test_glue_benchmark_runs():
 
     r = bench_chunk_gla(1, 256, 2, 64, 64, repeats=3, warmup=1, with_fla=False)  # fla would autotune this shape
     for key in ("bare fwd", "torch fwd", "bare fwd+bwd", "torch fwd+bwd", "glue ratio fwd", "glue ratio fwd+bwd",
-                "torch fwd in a row", "host torch fwd+bwd", "glue ratio fwd+bwd in a row"):
+                "torch fwd in a row", "host torch fwd+bwd", "glue ratio fwd+bwd in a row", "glue ratio fwd paired",
+                "glue ratio fwd+bwd paired"):
         assert r[key] > 0, key
 
 

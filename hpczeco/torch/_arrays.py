@@ -14,8 +14,6 @@ Layouts are whatever the caller passes (``[B, T, H, K]`` for q, k, g ...): nothi
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -29,6 +27,7 @@ __all__ = [
     "from_host",
     "cupy_module",
     "device_index",
+    "current_stream_ptr",
     "cuda_stream",
     "to_device",
     "from_device",
@@ -40,6 +39,7 @@ HOST_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 CUDA_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _NUMPY_DTYPE = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
                 torch.int32: np.int32, torch.int64: np.int64, torch.int16: np.int16, torch.uint8: np.uint8}
+_VIEW_DTYPE = {t: np.dtype(d) for t, d in {**_NUMPY_DTYPE, torch.bfloat16: np.uint16}.items()}  # bf16: raw bits
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -73,18 +73,24 @@ def from_host(a: np.ndarray | None, dtype: torch.dtype | None = None) -> torch.T
 # ------------------------------------------------------------------------------------------------ CUDA
 
 
+_CUPY: Any = None
+
+
 def cupy_module() -> Any:
     """``cupy`` (``ImportError`` with the extra to install when it is missing)."""
-    try:
-        import cupy  # noqa: PLC0415
-    except ImportError as exc:
-        raise ImportError(
-            f"hpczeco.torch needs CuPy for CUDA tensors ({exc}); install the 'gpu' extra (pip install hpczeco[gpu])"
-        ) from exc
-    return cupy
+    global _CUPY  # noqa: PLW0603 - imported once: the views are made on every call
+    if _CUPY is None:
+        try:
+            import cupy  # noqa: PLC0415
+        except ImportError as exc:
+            raise ImportError(f"hpczeco.torch needs CuPy for CUDA tensors ({exc}); install the 'gpu' extra "
+                              "(pip install hpczeco[gpu])") from exc
+        _CUPY = cupy
+    return _CUPY
 
 
 _STREAMS: dict[tuple[int, int], Any] = {}  # (device, stream pointer) -> cupy.cuda.ExternalStream
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds: device -> cudaStream_t as an int
 
 
 def device_index(device: torch.device) -> int:
@@ -92,43 +98,93 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-@contextlib.contextmanager
-def cuda_stream(device: int) -> Iterator[None]:
-    """Run the enclosed CuPy work on ``device`` and on torch's current stream there."""
-    cupy = cupy_module()
-    ptr = int(torch.cuda.current_stream(device).cuda_stream)
-    stream = _STREAMS.get((device, ptr))
-    if stream is None:
-        with cupy.cuda.Device(device):
-            stream = _STREAMS[(device, ptr)] = cupy.cuda.ExternalStream(ptr)
-    with cupy.cuda.Device(device), stream:
-        yield
+def current_stream_ptr(device: int) -> int:
+    """torch's current CUDA stream on ``device`` as a ``cudaStream_t`` integer.
+
+    Through torch's raw getter where the build has it (one C call; ``torch.cuda.current_stream`` builds a
+    ``Stream`` object under a device guard, several microseconds per call), else that public function.
+    """
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(device)
+    return int(torch.cuda.current_stream(device).cuda_stream)
 
 
-def to_device(t: torch.Tensor | None) -> Any:
+class cuda_stream:  # noqa: N801 - used as a function: ``with cuda_stream(device):``
+    """Run the enclosed CuPy work on ``device`` and on torch's current stream there (a context manager).
+
+    Nothing is switched when CuPy's current device and stream are those already (torch's default stream is
+    CuPy's null stream): entering costs a device and a stream query then.
+    """
+
+    __slots__ = ("device", "_entered")
+
+    def __init__(self, device: int):
+        self.device = device
+        self._entered: tuple = ()
+
+    def __enter__(self) -> None:
+        cuda = cupy_module().cuda
+        ptr = current_stream_ptr(self.device)
+        if cuda.runtime.getDevice() == self.device and cuda.get_current_stream().ptr == ptr:
+            return
+        stream = _STREAMS.get((self.device, ptr))
+        if stream is None:
+            with cuda.Device(self.device):
+                stream = _STREAMS[(self.device, ptr)] = cuda.ExternalStream(ptr)
+        device = cuda.Device(self.device)
+        device.__enter__()
+        stream.__enter__()
+        self._entered = (device, stream)
+
+    def __exit__(self, *exc: Any) -> bool:
+        if self._entered:
+            device, stream = self._entered
+            self._entered = ()
+            stream.__exit__(*exc)
+            device.__exit__(*exc)
+        return False
+
+
+_VIEWS: dict[tuple, Any] = {}  # (pointer, dtype, shape, device) -> a CuPy view that owns nothing (cached=True)
+_VIEWS_MAX = 256
+
+
+def to_device(t: torch.Tensor | None, cached: bool = False) -> Any:
     """A zero-copy CuPy view of a CUDA tensor (made contiguous first; bfloat16 as ``uint16`` raw bits).
 
-    Call inside :func:`cuda_stream`.
+    Call inside :func:`cuda_stream`. The view keeps ``t`` alive. ``cached``: the caller keeps ``t`` alive while
+    the view is used (torch's allocator then orders the reuse of its memory on the stream, as for torch's own
+    kernels); the view is then one that owns nothing, looked up by the tensor's address, dtype and shape (a
+    view is only those, so one made for an earlier tensor at the same address is the same view). Tensors of
+    the same address recur in training loops: the lookup costs a fraction of making a view.
     """
     if t is None:
         return None
     cupy = cupy_module()
-    t = t.detach()
     if not t.is_contiguous():
-        t = t.contiguous()
-    bf16 = t.dtype == torch.bfloat16
+        t, cached = t.detach().contiguous(), False  # a copy that only the view keeps alive
+    dtype = _VIEW_DTYPE.get(t.dtype)
     unowned = getattr(cupy.cuda, "UnownedMemory", None)
-    dtype = np.uint16 if bf16 else _NUMPY_DTYPE.get(t.dtype)
-    if unowned is not None and t.is_cuda and dtype is not None:  # a view of the pointer, kept alive by ``t``
-        if t.numel() == 0:
+    if unowned is not None and dtype is not None and t.is_cuda:  # a view of the pointer
+        n = t.numel()
+        if n == 0:
             return cupy.empty(tuple(t.shape), dtype)
-        nbytes = t.numel() * t.element_size()
-        mem = cupy.cuda.MemoryPointer(unowned(t.data_ptr(), nbytes, t, t.device.index), 0)
+        if cached:
+            key = (t.data_ptr(), dtype, t.shape, t.get_device())
+            view = _VIEWS.get(key)
+            if view is None:
+                if len(_VIEWS) >= _VIEWS_MAX:
+                    _VIEWS.clear()
+                mem = cupy.cuda.MemoryPointer(unowned(key[0], n * dtype.itemsize, None, key[3]), 0)
+                view = _VIEWS[key] = cupy.ndarray(tuple(t.shape), dtype, mem)
+            return view
+        mem = cupy.cuda.MemoryPointer(unowned(t.data_ptr(), n * dtype.itemsize, t, t.get_device()), 0)
         return cupy.ndarray(tuple(t.shape), dtype, mem)  # C order: t is contiguous
-    if bf16:
-        t = t.view(torch.int16)
-    arr = cupy.from_dlpack(t)  # the consumer's stream is torch's current one: no event is recorded
-    return arr.view(cupy.uint16) if bf16 else arr
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        arr = cupy.from_dlpack(t.view(torch.int16))  # the consumer's stream is torch's current one: no event
+        return arr.view(cupy.uint16)
+    return cupy.from_dlpack(t)
 
 
 def from_device(a: Any, dtype: torch.dtype | None = None) -> torch.Tensor | None:

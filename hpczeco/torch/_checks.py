@@ -13,6 +13,8 @@ from ._arrays import CUDA_DTYPES, HOST_DTYPES
 
 __all__ = ["check_tensors"]
 
+_FAST_KEYS = frozenset(("q", "k", "v", "g", "initial_state"))
+
 
 def check_tensors(**tensors: torch.Tensor | None) -> tuple[torch.device, torch.dtype]:
     """``q, k, v, g`` (and ``initial_state`` if given) must be tensors on one CPU or CUDA device, q, k, v, g of one
@@ -20,6 +22,15 @@ def check_tensors(**tensors: torch.Tensor | None) -> tuple[torch.device, torch.d
 
     Shapes are left to hpczeco (it names the argument and the expected ``[B, T, H, K]`` form).
     """
+    get = tensors.get
+    q, k, v, g, h0 = get("q"), get("k"), get("v"), get("g"), get("initial_state")
+    T = torch.Tensor
+    if (tensors.keys() <= _FAST_KEYS and type(q) is T and type(k) is T and type(v) is T and type(g) is T and q.is_cuda
+            and q.dtype in CUDA_DTYPES and k.dtype is q.dtype and v.dtype is q.dtype and g.dtype is q.dtype
+            and (h0 is None or (type(h0) is T and h0.dtype in (q.dtype, torch.float32)))):  # the common CUDA call
+        d = q.get_device()
+        if k.get_device() == d and v.get_device() == d and g.get_device() == d and (h0 is None or h0.get_device() == d):
+            return q.device, q.dtype
     given = {n: t for n, t in tensors.items() if t is not None}
     for name, t in given.items():
         if not isinstance(t, torch.Tensor):

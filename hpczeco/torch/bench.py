@@ -9,13 +9,16 @@ after ``warmup`` (never a timed assertion; run it with ``python -m hpczeco.torch
 - ``torch fwd+bwd``: the autograd forward, then ``torch.autograd.grad(o, (q, k, v, g), do)``;
 - ``fla fwd`` / ``fla fwd+bwd``: flash-linear-attention's ``chunk_gla`` on the same tensors, when it imports
   (and ``with_fla``);
+- ``glue ratio ... paired``: the median of the ratios of each torch call to the bare call timed beside it;
+- ``ours vs fla``: the relative differences of o and the four gradients between the two on the same tensors;
 - ``... in a row``: the same calls ``repeats`` times back to back between one pair of events, per call, the
   median of 5 such blocks: the host queues the next call while the GPU runs this one, as in a training loop;
 - ``host ...``: the host's time per call (``time.perf_counter``, no synchronisation): the Python work alone.
 
 The ratios ``torch / bare`` are the glue's cost (target: <= 1.05). Events bracket the host work too, so in the
 one-call timings a gap where the GPU waits for the Python glue counts; in the in-a-row timings it counts only
-where the host falls behind the GPU.
+where the host falls behind the GPU. The compared calls are interleaved (:func:`time_cuda`), so that a drift of
+the host's speed between blocks of calls does not land on one side of a ratio.
 """
 
 from __future__ import annotations
@@ -32,48 +35,64 @@ import torch
 from ._arrays import cuda_stream, device_index, to_device
 from .chunk import chunk_gla
 
-__all__ = ["time_cuda", "time_cuda_in_a_row", "bench_chunk_gla", "profile_glue", "main"]
+__all__ = ["time_cuda", "time_cuda_samples", "time_cuda_in_a_row", "bench_chunk_gla", "host_breakdown",
+           "alone_breakdown", "profile_glue", "main"]
 
 SHAPES = ((1, 32768, 16, 128, 128), (8, 4096, 16, 128, 128), (1, 32768, 32, 64, 64))
 
 
-def time_cuda(fn: Callable[[], Any], repeats: int = 20, warmup: int = 3) -> float:
-    """Median seconds of ``fn()`` between CUDA events on torch's current stream (after ``warmup`` calls)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    return statistics.median(times)
-
-
-def time_cuda_in_a_row(
-    fn: Callable[[], Any], repeats: int = 20, warmup: int = 3, blocks: int = 5
-) -> tuple[float, float]:
-    """``(GPU seconds per call, host seconds per call)``, medians over ``blocks`` blocks of ``repeats`` calls of
-    ``fn()`` back to back between one pair of CUDA events (after ``warmup`` calls): the host enqueues while the
-    GPU works, as in a training loop."""
-    for _ in range(warmup):
-        fn()
-    gpu, host = [], []
-    for _ in range(blocks):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t0 = time.perf_counter()
-        for _ in range(repeats):
+def time_cuda_samples(fns: dict[str, Callable[[], Any]], repeats: int = 20, warmup: int = 3) -> dict[str, list[float]]:
+    """Seconds of each ``fn()`` timed alone between CUDA events on torch's current stream, with a
+    synchronisation before each call (after ``warmup`` calls of each). The calls are interleaved -- repeat ``r``
+    runs every ``fn`` once, in forward order for even ``r`` and reversed for odd ``r`` -- so that the compared
+    calls see the same state of the host (whose speed drifts between blocks of calls on a shared machine)."""
+    for fn in fns.values():
+        for _ in range(warmup):
             fn()
-        host.append((time.perf_counter() - t0) / repeats)
-        end.record()
-        end.synchronize()
-        gpu.append(start.elapsed_time(end) * 1e-3 / repeats)
-    return statistics.median(gpu), statistics.median(host)
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(fns.items())
+    for r in range(repeats):
+        for name, fn in order if r % 2 == 0 else order[::-1]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e-3)
+    return times
+
+
+def time_cuda(fns: dict[str, Callable[[], Any]], repeats: int = 20, warmup: int = 3) -> dict[str, float]:
+    """Median seconds of each ``fn()`` of :func:`time_cuda_samples`."""
+    return {name: statistics.median(t) for name, t in time_cuda_samples(fns, repeats, warmup).items()}
+
+
+def time_cuda_in_a_row(fns: dict[str, Callable[[], Any]], repeats: int = 20, warmup: int = 3,
+                       blocks: int = 5) -> dict[str, tuple[float, float]]:
+    """Per ``fn``: ``(GPU seconds per call, host seconds per call)``, medians over ``blocks`` blocks of ``repeats``
+    calls of ``fn()`` back to back between one pair of CUDA events (after ``warmup`` calls): the host enqueues
+    while the GPU works, as in a training loop. The blocks of the ``fns`` alternate (as in :func:`time_cuda`)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    gpu: dict[str, list[float]] = {name: [] for name in fns}
+    host: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(fns.items())
+    for b in range(blocks):
+        for name, fn in order if b % 2 == 0 else order[::-1]:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            host[name].append((time.perf_counter() - t0) / repeats)
+            end.record()
+            end.synchronize()
+            gpu[name].append(start.elapsed_time(end) * 1e-3 / repeats)
+    return {name: (statistics.median(gpu[name]), statistics.median(host[name])) for name in fns}
 
 
 def _fla() -> Callable | None:
@@ -93,6 +112,21 @@ def _inputs(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, seed: in
     v, do = rnd(B, T, H, V).to(dtype), rnd(B, T, H, V).to(dtype)
     g = (torch.nn.functional.logsigmoid(rnd(B, T, H, K)) / 16).to(dtype)
     return [x.requires_grad_() for x in (q, k, v, g)] + [do]
+
+
+def compare_with(other: Callable, inputs: list[torch.Tensor], do: torch.Tensor) -> dict[str, float]:
+    """Relative L2 differences ``|ours - other| / |other|`` of o and of the gradients of q, k, v, g, with
+    :func:`hpczeco.torch.chunk_gla` and ``other`` (fla's ``chunk_gla``) called through autograd on the same tensors."""
+    outs = []
+    for fn in (chunk_gla, other):
+        o, _ = fn(*inputs)
+        outs.append([o, *torch.autograd.grad(o, inputs, do)])
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        a, b = a.detach().double(), b.detach().double()
+        return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
+
+    return {name: rel(a, b) for name, a, b in zip(("o", "dq", "dk", "dv", "dg"), *outs)}
 
 
 def bench_chunk_gla(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype = torch.bfloat16,
@@ -122,31 +156,124 @@ def bench_chunk_gla(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype =
         torch.autograd.grad(o, inputs, do)
 
     res: dict[str, Any] = {"shape": [B, T, H, K, V], "dtype": str(dtype).removeprefix("torch."), "repeats": repeats}
-    with cuda_stream(device_index(dev)):
-        res["bare fwd"] = time_cuda(bare_fwd, repeats, warmup)
-        res["bare fwd+bwd"] = time_cuda(bare_fwd_bwd, repeats, warmup)
-    res["torch fwd"] = time_cuda(torch_fwd, repeats, warmup)
-    res["torch fwd+bwd"] = time_cuda(torch_fwd_bwd, repeats, warmup)
-    with cuda_stream(device_index(dev)):
-        res["bare fwd in a row"], res["host bare fwd"] = time_cuda_in_a_row(bare_fwd, repeats, warmup)
-        res["bare fwd+bwd in a row"], res["host bare fwd+bwd"] = time_cuda_in_a_row(bare_fwd_bwd, repeats, warmup)
-    res["torch fwd in a row"], res["host torch fwd"] = time_cuda_in_a_row(torch_fwd, repeats, warmup)
-    res["torch fwd+bwd in a row"], res["host torch fwd+bwd"] = time_cuda_in_a_row(torch_fwd_bwd, repeats, warmup)
     fla = _fla() if with_fla else None
-    if fla is not None:
-        def fla_fwd():
-            fla(*inputs)
-
-        def fla_fwd_bwd():
-            o, _ = fla(*inputs)
-            torch.autograd.grad(o, inputs, do)
-
-        res["fla fwd"] = time_cuda(fla_fwd, repeats, warmup)
-        res["fla fwd+bwd"] = time_cuda(fla_fwd_bwd, repeats, warmup)
+    fwd = {"bare fwd": bare_fwd, "torch fwd": torch_fwd}
+    fwd_bwd = {"bare fwd+bwd": bare_fwd_bwd, "torch fwd+bwd": torch_fwd_bwd}
+    with cuda_stream(device_index(dev)):  # torch's stream as CuPy's, as a CuPy caller of the bare kernels has it
+        for group, pair in ((fwd, "fwd"), (fwd_bwd, "fwd+bwd")):
+            samples = time_cuda_samples(group, repeats, warmup)
+            res.update({name: statistics.median(t) for name, t in samples.items()})
+            res[f"glue ratio {pair} paired"] = statistics.median(  # one torch call over the bare call beside it
+                t / b for t, b in zip(samples[f"torch {pair}"], samples[f"bare {pair}"]))
+        for name, (gpu, host) in time_cuda_in_a_row({**fwd, **fwd_bwd}, repeats, warmup).items():
+            res[f"{name} in a row"], res[f"host {name}"] = gpu, host
+    if fla is not None:  # timed on its own: the interleaving pairs the two calls whose ratio is the glue's cost
+        res.update(time_cuda({"fla fwd": lambda: fla(*inputs)}, repeats, warmup))
+        res.update(time_cuda({"fla fwd+bwd": lambda: torch.autograd.grad(fla(*inputs)[0], inputs, do)}, repeats,
+                             warmup))
+        res["ours vs fla"] = compare_with(fla, inputs, do)
     res["glue ratio fwd"] = res["torch fwd"] / res["bare fwd"]
     res["glue ratio fwd+bwd"] = res["torch fwd+bwd"] / res["bare fwd+bwd"]
     res["glue ratio fwd in a row"] = res["torch fwd in a row"] / res["bare fwd in a row"]
     res["glue ratio fwd+bwd in a row"] = res["torch fwd+bwd in a row"] / res["bare fwd+bwd in a row"]
+    return res
+
+
+def alone_breakdown(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype = torch.bfloat16,
+                    repeats: int = 20, warmup: int = 3) -> dict[str, dict[str, float]]:
+    """Each call timed alone (as :func:`time_cuda`), layer by layer: per variant the medians (ms) of the GPU time
+    between the events, the host time from the call to its first kernel launch, and the host time of the call.
+
+    Variants: the bare forward on CuPy views; the views made in the call, then that; ``_cuda_forward`` (the views
+    and the stream, no autograd, no torch checks); :func:`chunk_gla` on tensors without grad; on tensors with grad;
+    the bare backward, and ``torch.autograd.grad`` of a :func:`chunk_gla` output (each after its forward, untimed).
+    """
+    from ..gpu import gla as gpu_gla  # noqa: PLC0415
+    from ..gpu import gla_common  # noqa: PLC0415
+    from . import chunk as chunk_mod  # noqa: PLC0415
+
+    *inputs, _ = _inputs(B, T, H, K, V, dtype)
+    q, k, v, g = inputs
+    plain = [x.detach() for x in inputs]
+    dev = device_index(q.device)
+    scale = K**-0.5
+    with cuda_stream(dev):
+        views = [to_device(x) for x in inputs]
+
+    def bare():
+        with cuda_stream(dev):
+            gpu_gla.chunk_gla(*views, scale=scale, chunk_size=64)
+
+    def views_then_bare():
+        with cuda_stream(dev):
+            gpu_gla.chunk_gla(*(to_device(x) for x in plain), scale=scale, chunk_size=64)
+
+    cdo = None
+    state: dict[str, Any] = {}
+
+    def bare_bwd_setup():
+        with cuda_stream(dev):
+            gpu_gla.chunk_gla(*views, scale=scale, chunk_size=64)
+
+    def bare_bwd():
+        with cuda_stream(dev):
+            gpu_gla.chunk_gla_bwd(*views, cdo, scale=scale, chunk_size=64)
+
+    def torch_bwd_setup():
+        state["o"] = chunk_gla(*inputs)[0]
+
+    def torch_bwd():
+        torch.autograd.grad(state.pop("o"), inputs, do)
+
+    *_, do = _inputs(B, T, H, K, V, dtype, seed=1)
+    with cuda_stream(dev):
+        cdo = to_device(do)
+    setups = {"bare bwd (after a bare fwd)": bare_bwd_setup, "autograd.grad (after a torch fwd)": torch_bwd_setup}
+    variants = {
+        "bare fwd (views made before)": bare,
+        "views in the call + bare fwd": views_then_bare,
+        "_cuda_forward (no autograd)": lambda: chunk_mod._cuda_forward(q, k, v, g, None, scale, False, None, []),
+        "chunk_gla, tensors without grad": lambda: chunk_gla(*plain),
+        "chunk_gla, tensors with grad": lambda: chunk_gla(*inputs),
+        "bare bwd (after a bare fwd)": bare_bwd,
+        "autograd.grad (after a torch fwd)": torch_bwd,
+    }
+    rt = gla_common.runtime()
+    first: list[float] = []
+    launch = rt.launch
+
+    def timed_launch(*args: Any, **kwargs: Any) -> None:
+        if not first:
+            first.append(time.perf_counter())
+        launch(*args, **kwargs)
+
+    rt.launch = timed_launch
+    res = {}
+    try:
+        for name, fn in variants.items():
+            setup = setups.get(name, lambda: None)
+            for _ in range(warmup):
+                setup()
+                fn()
+            gpu, to_first, host = [], [], []
+            for _ in range(repeats):
+                setup()  # the forward a backward needs, untimed
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                first.clear()
+                start.record()
+                t0 = time.perf_counter()
+                fn()
+                t1 = time.perf_counter()
+                end.record()
+                end.synchronize()
+                gpu.append(start.elapsed_time(end))
+                to_first.append((first[0] - t0) * 1e3 if first else float("nan"))
+                host.append((t1 - t0) * 1e3)
+            res[name] = {"gpu ms": statistics.median(gpu), "host to 1st launch ms": statistics.median(to_first),
+                         "host ms": statistics.median(host)}
+    finally:
+        del rt.launch  # the class's method again
     return res
 
 
@@ -174,6 +301,60 @@ def profile_glue(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype = to
     return out.getvalue()
 
 
+def host_breakdown(B: int = 1, T: int = 4096, H: int = 4, K: int = 128, V: int = 128,
+                   dtype: torch.dtype = torch.bfloat16, calls: int = 2000) -> dict[str, float]:
+    """Host microseconds per call of each piece of the glue (``time.perf_counter`` over ``calls`` calls, the
+    median of 5 such loops; no GPU work is waited for): what the autograd forward adds before its first launch."""
+    from . import _arrays, _checks  # noqa: PLC0415
+
+    cupy = _arrays.cupy_module()
+    q, k, v, g, _ = _inputs(B, T, H, K, V, dtype)
+    dev = device_index(q.device)
+
+    class _Noop(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, g, h0, scale, want, cu):
+            return q.detach(), None
+
+        @staticmethod
+        def backward(ctx, do, dht):
+            return (do,) + (None,) * 7
+
+    def stream_enter():
+        with cuda_stream(dev):
+            pass
+
+    def views():
+        with cuda_stream(dev):
+            for x in (q, k, v, g):
+                to_device(x)
+
+    with cuda_stream(dev):
+        out = cupy.empty(tuple(q.shape), cupy.uint16)
+    pieces: dict[str, Callable[[], Any]] = {
+        "torch.cuda.current_stream": lambda: torch.cuda.current_stream(dev).cuda_stream,
+        "current_stream_ptr": lambda: _arrays.current_stream_ptr(dev),
+        "cuda_stream enter+exit": stream_enter,
+        "cuda_stream + 4 to_device": views,
+        "from_device (bf16 bits)": lambda: _arrays.from_device(out, torch.bfloat16),
+        "check_tensors": lambda: _checks.check_tensors(q=q, k=k, v=v, g=g, initial_state=None),
+        "autograd.Function.apply (no-op)": lambda: _Noop.apply(q, k, v, g, None, 1.0, False, None),
+        "apply + autograd.grad (no-op)": lambda: torch.autograd.grad(_Noop.apply(q, k, v, g, None, 1.0, False,
+                                                                               None)[0], q, q),
+    }
+    res = {}
+    for name, fn in pieces.items():
+        fn()
+        loops = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            loops.append((time.perf_counter() - t0) / calls * 1e6)
+        res[name] = statistics.median(loops)
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m hpczeco.torch",
                                  description="GPU benchmark of the torch glue (hpczeco.torch.chunk_gla vs the bare "
@@ -186,8 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out (its first call at a new "
                                                             "shape autotunes for minutes)")
-    ap.add_argument("--profile", action="store_true", help="also print cProfile's 25 costliest functions (own time) "
-                                                             "of 20 torch fwd+bwd calls at the first shape")
+    ap.add_argument("--profile", action="store_true", help="also print the host time of each piece of the glue and "
+                                                             "cProfile's 25 costliest functions (own time) of 20 torch "
+                                                             "fwd+bwd calls at the first shape")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     if not args.bench:
@@ -213,9 +395,25 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['glue ratio fwd+bwd in a row']:6.3f}")
         print(f"{'host per call:':>24} {ms('host bare fwd')} {ms('host torch fwd')} {'':6} "
               f"{ms('host bare fwd+bwd')} {ms('host torch fwd+bwd')}")
+        print(f"{'paired ratio:':>24} {'':9} {'':9} {r['glue ratio fwd paired']:6.3f} {'':9} {'':9} "
+              f"{r['glue ratio fwd+bwd paired']:6.3f}")
+        if "ours vs fla" in r:
+            print(f"{'|ours - fla| / |fla|:':>24} " + "  ".join(f"{n} {e:.2e}" for n, e in r["ours vs fla"].items()))
+    breakdown: dict[str, Any] | None = None
     if args.profile:
+        breakdown = host_breakdown(dtype=getattr(torch, args.dtype))
+        print("host us per call of each piece of the glue (median of 5 loops of 2000):")
+        for name, us in breakdown.items():
+            print(f"{name:>36} {us:8.2f}")
+        for shape in shapes:
+            alone = alone_breakdown(*shape, dtype=getattr(torch, args.dtype), repeats=args.repeats)
+            breakdown[f"alone {','.join(map(str, shape))}"] = alone
+            print(f"each call alone at {shape}, medians (ms):  GPU (events)  host to 1st launch  host")
+            for name, r in alone.items():
+                print(f"{name:>36} {r['gpu ms']:12.3f} {r['host to 1st launch ms']:19.3f} {r['host ms']:6.3f}")
         print(profile_glue(*shapes[0], dtype=getattr(torch, args.dtype)))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, fh, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
+                       "host_breakdown_us": breakdown}, fh, indent=1)
     return 0

@@ -32,12 +32,14 @@ _CHUNK = 64  # chunk length of hpczeco's kernels (the GPU kernels take at most 6
 # ------------------------------------------------------------------------------------------------ backends
 
 
+@functools.cache
 def _host_functions() -> tuple[Callable, Callable]:
     from .. import gla  # noqa: PLC0415
 
     return gla.chunk_gla, gla.chunk_gla_bwd
 
 
+@functools.cache
 def _cuda_functions() -> tuple[Callable, Callable]:
     from ..gpu import gla_varlen  # noqa: PLC0415 - hpczeco.gpu.gla's functions, with cu_seqlens
 
@@ -105,7 +107,7 @@ def _cuda_forward(q, k, v, g, h0, scale, want_final, cu_seqlens, views=None):
     fwd, _ = _cuda_functions()
     with cuda_stream(device_index(q.device)):
         extra = {} if cu_seqlens is None else {"cu_seqlens": to_device(cu_seqlens)}
-        arrays = [to_device(x) for x in (q, k, v, g)]
+        arrays = [to_device(x, cached=True) for x in (q, k, v, g)]  # kept alive: the caller's, then saved
         if views is not None:
             views.extend(arrays)
         o, ht = fwd(*arrays, scale=scale, chunk_size=_CHUNK,
@@ -119,8 +121,8 @@ def _cuda_backward(q, k, v, g, h0, do, dht, scale, cu_seqlens, views=None):
     _, bwd = _cuda_functions()
     with cuda_stream(device_index(q.device)):
         extra = {} if cu_seqlens is None else {"cu_seqlens": to_device(cu_seqlens)}
-        arrays = list(views) if views else [to_device(x) for x in (q, k, v, g)]
-        grads = bwd(*arrays, to_device(do), scale=scale, chunk_size=_CHUNK,
+        arrays = list(views) if views else [to_device(x, cached=True) for x in (q, k, v, g)]
+        grads = bwd(*arrays, to_device(do, cached=True), scale=scale, chunk_size=_CHUNK,
                     initial_state=None if h0 is None else to_device(h0.to(torch.float32)),
                     dht=None if dht is None else to_device(dht.to(torch.float32)), **extra)
         dq, dk, dv, dg = (from_device(x, q.dtype) for x in grads[:4])
@@ -131,15 +133,19 @@ def _cuda_backward(q, k, v, g, h0, do, dht, scale, cu_seqlens, views=None):
 
 
 class ChunkGLAFunction(torch.autograd.Function):
-    """``(o, final_state or None)`` from ``(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens)``;
-    gradients for q, k, v, g and initial_state. Call it through :func:`chunk_gla` (which checks the arguments)."""
+    """``(o, final_state or None)`` from ``(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens, done)``;
+    gradients for q, k, v, g and initial_state. Call it through :func:`chunk_gla` (which checks the arguments).
+
+    ``done``: ``(o, final_state, views)`` of a forward already run on these inputs (:func:`chunk_gla` launches the
+    kernels first, so that the GPU works while autograd records the call), or None: run it here.
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, initial_state, scale, output_final_state, cu_seqlens):
+    def forward(ctx, q, k, v, g, initial_state, scale, output_final_state, cu_seqlens, done=None):
         ctx.set_materialize_grads(False)  # an unused output gives None, not a tensor of zeros
-        ctx.views = []  # CUDA: the CuPy views of q, k, v, g for the backward (their memory, or a contiguous copy)
-        run = _cuda_forward if q.is_cuda else _host_forward
-        o, ht = run(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens, ctx.views)
+        if done is None:
+            done = _run_forward(q, k, v, g, initial_state, scale, output_final_state, cu_seqlens)
+        o, ht, ctx.views = done  # CUDA: the CuPy views of q, k, v, g for the backward (their memory, or a copy)
         ctx.save_for_backward(q, k, v, g, initial_state, cu_seqlens)  # torch then catches in-place changes
         ctx.scale = scale
         return o, ht
@@ -156,7 +162,16 @@ class ChunkGLAFunction(torch.autograd.Function):
         ctx.views = None
         need = ctx.needs_input_grad
         return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None,
-                dg if need[3] else None, dh0 if need[4] else None, None, None, None)
+                dg if need[3] else None, dh0 if need[4] else None, None, None, None, None)
+
+
+def _run_forward(q, k, v, g, h0, scale, want_final, cu_seqlens) -> tuple[Any, Any, list]:
+    """``(o, final state, views)``: the forward's kernels on these tensors, no autograd history recorded."""
+    views: list = []
+    run = _cuda_forward if q.is_cuda else _host_forward
+    with torch.no_grad():
+        o, ht = run(q, k, v, g, h0, scale, want_final, cu_seqlens, views)
+    return o, ht, views
 
 
 def chunk_gla(
@@ -187,5 +202,8 @@ def chunk_gla(
         _check_cu_seqlens(cu_seqlens, q, initial_state)
     if scale is None:
         scale = float(q.shape[-1]) ** -0.5
-    o, ht = ChunkGLAFunction.apply(q, k, v, g, initial_state, scale, bool(output_final_state), cu_seqlens)
+    want_final = bool(output_final_state)
+    # the kernels first (on the GPU they run while the host records the autograd node), then the node
+    done = _run_forward(q, k, v, g, initial_state, scale, want_final, cu_seqlens)
+    o, ht = ChunkGLAFunction.apply(q, k, v, g, initial_state, scale, want_final, cu_seqlens, done)
     return o, (ht if output_final_state else None)
