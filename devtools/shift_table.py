@@ -1,0 +1,64 @@
+"""The cyclic shift of :func:`collectives.calibrate.calibrate` at many sizes, and the ring's pieces timed alone.
+
+Under ``mpiexec -n P``: for each size, the median (over repeats, then over ranks) seconds of one step of the
+shift every rank runs at once (send to rank+1, receive from rank-1), and the same per byte beyond the smallest
+size's step; then measure_piece's two ring times on its 2 MiB state. Prints a table on rank 0 and writes JSON
+(``--out``). A diagnostic of the cost model's ``beta`` against the message size (docs/benchmarks/network.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from mpi4py import MPI
+
+from collectives import calibrate as cal
+from collectives.costmodel import LinkParams, ring_time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="8,4096,16384,32768,65536,131072,262144,1048576,4194304")
+    ap.add_argument("--repeats", type=int, default=31)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    comm = MPI.COMM_WORLD
+    sizes = [int(s) for s in args.sizes.split(",")]
+    table = {}
+    for s in sizes:
+        cal._sleep_barrier(comm)
+        mine = cal._median(cal._shift(comm, s, args.repeats, "float32"))
+        table[s] = cal._median(comm.allgather(mine))
+    link = cal.calibrate(comm, piece=False)
+    import numpy as np  # noqa: PLC0415
+
+    from collectives.scan import scan_start  # noqa: PLC0415
+
+    V = 128
+    R = int(cal.PIECE_STATE_EAGERS * link.eager) // (4 * V)
+    a = np.full((1, R), 0.5, dtype="float32")
+    S = np.ones((1, R, V), dtype="float32")
+    out = np.empty_like(S)
+    rings = {k: cal._timed_max(comm, lambda k=k: scan_start(a, S, comm, topology="ring", blocks=k, out=out).wait(),
+                               15) for k in (4, 8, 16, 32, 48, 64)}
+    if comm.rank == 0:
+        a0 = table[sizes[0]]
+        print(f"P={comm.size}  shift step (median of {args.repeats}, median over ranks)")
+        print(f"{'bytes':>10} {'step us':>10} {'ns/B beyond alpha':>18} {'GB/s':>8}")
+        for s in sizes:
+            per = (table[s] - a0) / (s - sizes[0]) if s > sizes[0] else float("nan")
+            print(f"{s:>10} {table[s] * 1e6:10.2f} {per * 1e9:18.3f} {1e-9 / per if per > 0 else float('nan'):8.2f}")
+        print(link.describe() if hasattr(link, "describe") else link)
+        base = LinkParams(link.alpha, link.beta, link.gamma, link.delta, link.overhead, name="no piece")
+        print(f"ring on {S.nbytes} B (measure_piece's state): k, measured ms, model ms (piece 0)")
+        for k, t in rings.items():
+            print(f"{k:>4} {t * 1e3:9.3f} {ring_time(comm.size, S.nbytes, k, base) * 1e3:9.3f}")
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump({"P": comm.size, "shift_s": table, "link": link.__dict__ if hasattr(link, "__dict__")
+                           else str(link), "ring_2MiB_s": rings}, fh, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
