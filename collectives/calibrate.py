@@ -5,8 +5,9 @@ receives from the previous at once: the ring's steady state) or by ping-pong bet
 (all pairs at once), medians of repeats; ``gamma``/``delta`` by timing the scans' combine kernel
 (:func:`measure_combine`) on every rank at once; ``overhead`` (the fixed cost of one scan call) as
 what a tiny serial scan costs beyond the model's hops (:func:`measure_overhead`); ``piece`` (the
-ring's cost per piece above the eager size) as how much the ring's time grows with its piece
-count beyond what the model's other terms say (:func:`measure_piece`). The messages run
+ring's cost per piece above the eager size) and ``ring_beta`` (the ring's cost per byte of a stage) by
+fitting the ring's own times at three piece counts (:func:`measure_ring`; :func:`measure_piece` is the
+per-piece term alone, from two). The messages run
 on a private duplicate of the communicator. Knows nothing about attention.
 """
 
@@ -18,10 +19,10 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .costmodel import LinkParams, piece_from_times
+from .costmodel import EAGER_DEFAULT, LinkParams, piece_from_times, ring_from_times
 from .kernels import axpy_rows
 
-__all__ = ["calibrate", "measure_combine", "measure_overhead", "measure_piece"]
+__all__ = ["calibrate", "eager_bytes", "measure_combine", "measure_overhead", "measure_piece", "measure_ring"]
 
 #: tags of the ping-pong and cyclic-shift messages (on the private duplicate)
 _PINGPONG_TAG, _SHIFT_TAG = 7, 9
@@ -151,6 +152,41 @@ def measure_piece(comm: MPI.Comm, params: LinkParams, repeats: int = 15, dtype: 
     return piece_from_times(P, S.nbytes, blocks[0], t[0], blocks[1], t[1], params)
 
 
+#: the piece counts :func:`measure_ring` times the ring at, on a state of ``RING_STATE_BYTES`` (pieces of 256,
+#: 128 and 43 KiB: above every eager size below, and enough of them that both terms show)
+RING_BLOCKS = (8, 16, 48)
+RING_STATE_BYTES = 2 << 20
+
+
+def eager_bytes() -> float:
+    """The size above which a message of the running MPI library leaves its eager protocol for a handshake:
+    Open MPI's shared-memory BTL ``btl_vader_eager_limit`` default (4 KiB) under Open MPI, else
+    :data:`~.costmodel.EAGER_DEFAULT` (an assumption: MPICH's thresholds depend on its netmod and shm)."""
+    return 4096.0 if "Open MPI" in MPI.Get_library_version() else float(EAGER_DEFAULT)
+
+
+def measure_ring(comm: MPI.Comm, params: LinkParams, repeats: int = 15, dtype: Any = "float32",
+                 blocks: tuple[int, ...] = RING_BLOCKS) -> tuple[float, float]:
+    """``(piece, ring_beta)``: the ring on a ``[1, R, 128]`` state of ``RING_STATE_BYTES`` timed like the
+    benchmark at the piece counts ``blocks`` (all above ``params.eager``), fitted by
+    :func:`~.costmodel.ring_from_times`: the per-stage cost beyond ``alpha`` and the per-byte cost of a stage
+    as the ring itself pays them. Collective; ``(0, 0)`` for one rank."""
+    from .scan import scan_start
+
+    P = comm.Get_size()
+    if P < 2:
+        return 0.0, 0.0
+    V = 128
+    item = np.dtype(dtype).itemsize
+    R = max(max(blocks), RING_STATE_BYTES // (item * V))
+    a = np.full((1, R), 0.5, dtype=dtype)
+    S = np.ones((1, R, V), dtype=dtype)
+    out = np.empty_like(S)
+    t = [_timed_max(comm, lambda k=k: scan_start(a, S, comm, topology="ring", blocks=k, out=out).wait(), repeats)
+         for k in blocks]
+    return ring_from_times(P, S.nbytes, list(blocks), t, params)
+
+
 def calibrate(
     comm: MPI.Comm,
     sizes: tuple[int, ...] = (8, 4096, 1 << 20, 4 << 20),
@@ -174,8 +210,9 @@ def calibrate(
     ``gamma``/``delta``: every rank times the scans' combine kernel at the largest and at a tiny
     size at the same time (memory bandwidth is shared); medians over ranks. ``overhead``:
     :func:`measure_overhead` on the user's communicator (``comm`` itself: the scans' contexts live
-    there). ``piece`` (unless ``piece=False``; with ``eager`` at its default): :func:`measure_piece`, after
-    the others. Rank 0's numbers are broadcast. One rank alone measures ``alpha = beta = 0`` (no link).
+    there). ``eager``: :func:`eager_bytes`. ``piece`` and ``ring_beta`` (unless ``piece=False``):
+    :func:`measure_ring`, after the others. Rank 0's numbers are broadcast. One rank alone measures
+    ``alpha = beta = 0`` (no link).
     """
     if method not in ("shift", "pingpong"):
         raise ValueError(f"method must be 'shift' or 'pingpong', got {method!r}")
@@ -211,11 +248,12 @@ def calibrate(
         vals = c.bcast((alpha, beta, gamma, delta) if rank == 0 else None, root=0)
     finally:
         c.Free()
-    link = LinkParams(*vals, name=f"calibrated ({method})")
+    eager = eager_bytes()
+    link = LinkParams(*vals, eager=eager, name=f"calibrated ({method})")
     if P >= 2:
         over = measure_overhead(comm, link)
-        link = LinkParams(*vals, overhead=comm.bcast(over, root=0), name=link.name)
+        link = LinkParams(*vals, overhead=comm.bcast(over, root=0), eager=eager, name=link.name)
         if piece:
-            pc = measure_piece(comm, link, repeats, dtype)
-            link = LinkParams(*vals, overhead=link.overhead, piece=comm.bcast(pc, root=0), name=link.name)
+            pc, rb = comm.bcast(measure_ring(comm, link, repeats, dtype), root=0)
+            link = LinkParams(*vals, overhead=link.overhead, piece=pc, eager=eager, ring_beta=rb, name=link.name)
     return link

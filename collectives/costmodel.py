@@ -27,8 +27,20 @@ Formulas (critical path; ``P`` ranks, ``k`` ring pieces, ``L = ceil(log2 P)``):
   pay. Measured by :func:`.calibrate.measure_piece` (the ring itself at two piece counts, both above
   ``eager``); 0 when not measured (presets, and runs calibrated before it existed), which is the
   model without it. ``eager`` defaults to 32 KiB (Open MPI's shared-memory BTL fragment size
-  ``btl_vader_max_send_size``; an assumption, not measured: read it with ``ompi_info --param btl
-  vader --level 9`` or set it per run).
+  ``btl_vader_max_send_size``; an assumption, not measured); :func:`.calibrate.calibrate` sets it from the
+  library (:func:`.calibrate.eager_bytes`: 4 KiB under Open MPI, its ``btl_vader_eager_limit`` default,
+  above which a message waits for the receiver's handshake; read it with ``ompi_info --param btl vader
+  --level 9``).
+
+  ``ring_beta`` (when set) replaces ``beta`` and ``gamma`` in the stages of the pipelined ring (``k > 1``):
+  ``T = overhead + (P + k - 2)(alpha + pi + m ring_beta / k) + (P + k - 3) delta``. It is the ring's own
+  cost per byte of a stage, transfer and combine together, for machines where that is not the sum of what
+  the cyclic shift (``beta``) and the combine alone (``gamma``) cost: on shared memory without
+  asynchronous progress the bytes of a piece move only while its sender and its receiver are inside MPI,
+  and in the ring they are not while they combine and post requests from Python (the shift keeps both
+  inside ``Sendrecv``). :func:`.calibrate.measure_ring` fits it with ``piece`` to the ring itself at three
+  piece counts (:func:`ring_from_times`); 0 (presets, older runs): ``beta + gamma``. The serial relay
+  (one piece, one pair of ranks at a time), tree, allgather and exscan keep ``beta`` and ``gamma``.
 
   Within each regime (pieces above / at most ``eager``) the time is convex in ``k`` and minimised at
   ``k* = sqrt(m ((P - 2) beta + (P - 3) gamma) / (alpha + pi + delta))`` -- the paper's
@@ -74,6 +86,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Any
@@ -91,6 +104,7 @@ __all__ = [
     "best_blocks",
     "piece_cost",
     "piece_from_times",
+    "ring_from_times",
     "serial_time",
     "tree_time",
     "allgather_time",
@@ -107,16 +121,18 @@ __all__ = [
 EAGER_DEFAULT = 32 << 10
 
 #: environment variable with the default link parameters: a preset name or
-#: "alpha,beta[,gamma[,delta[,overhead]]][,piece=S][,eager=BYTES]"
+#: "alpha,beta[,gamma[,delta[,overhead]]][,piece=S][,eager=BYTES][,ring_beta=S_PER_BYTE]"
 LINK_ENV = "HPCZECO_LINK"
 
 
 @dataclass(frozen=True)
 class LinkParams:
     """``alpha`` s/message, ``beta`` s/byte, ``gamma`` s/state byte combined, ``delta`` s/combine call,
-    ``overhead`` s per scan call, ``piece`` s per ring piece and stage for pieces above ``eager`` bytes.
+    ``overhead`` s per scan call, ``piece`` s per ring piece and stage for pieces above ``eager`` bytes,
+    ``ring_beta`` s per byte of one ring stage (the piece's transfer and its combine together; 0: ``beta +
+    gamma``, what the shift and the combine alone measure).
 
-    Results saved before ``piece``/``eager`` existed load with the defaults (no per-piece term)."""
+    Results saved before ``piece``/``eager``/``ring_beta`` existed load with the defaults (none of those terms)."""
 
     alpha: float
     beta: float
@@ -126,9 +142,10 @@ class LinkParams:
     piece: float = 0.0
     eager: float = float(EAGER_DEFAULT)
     name: str = "custom"
+    ring_beta: float = 0.0
 
     def __post_init__(self) -> None:
-        for k in ("alpha", "beta", "gamma", "delta", "overhead", "piece", "eager"):
+        for k in ("alpha", "beta", "gamma", "delta", "overhead", "piece", "eager", "ring_beta"):
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"LinkParams.{k} must be a finite number >= 0, got {v!r}")
@@ -138,7 +155,8 @@ class LinkParams:
                                            f"{1e-6 / self.beta:.1f} MB/s")
         return (f"{self.name}: alpha={self.alpha * 1e6:.2f} us, 1/beta={bw}, gamma={self.gamma * 1e12:.1f} ps/B, "
                 f"delta={self.delta * 1e6:.2f} us, overhead={self.overhead * 1e6:.1f} us"
-                + (f", piece={self.piece * 1e6:.1f} us above {self.eager / 1024:g} KiB" if self.piece > 0 else ""))
+                + (f", piece={self.piece * 1e6:.1f} us above {self.eager / 1024:g} KiB" if self.piece > 0 else "")
+                + (f", ring stage {self.ring_beta * 1e9:.3f} ns/B" if self.ring_beta > 0 else ""))
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -168,12 +186,12 @@ def preset(name: str) -> LinkParams:
         raise ValueError(f"unknown link preset {name!r} (choose from {', '.join(PRESETS)})") from None
 
 
-_LINK_FORM = "'alpha,beta[,gamma[,delta[,overhead]]][,piece=S][,eager=BYTES]'"
+_LINK_FORM = "'alpha,beta[,gamma[,delta[,overhead]]][,piece=S][,eager=BYTES][,ring_beta=S_PER_BYTE]'"
 
 
 def parse_link(text: str) -> LinkParams:
-    """A preset name, or ``"alpha,beta[,gamma[,delta[,overhead]]][,piece=S][,eager=BYTES]"``: two to five
-    numbers in seconds and seconds per byte, then optionally the ring's per-piece term by name."""
+    """A preset name, or ``"alpha,beta[,gamma[,delta[,overhead]]][,piece=S][,eager=BYTES][,ring_beta=S]"``: two
+    to five numbers in seconds and seconds per byte, then optionally the ring's own terms by name."""
     text = text.strip()
     if text in PRESETS:
         return PRESETS[text]
@@ -183,7 +201,7 @@ def parse_link(text: str) -> LinkParams:
         for item in text.split(","):
             key, eq, val = item.partition("=")
             if eq:
-                if key.strip() not in ("piece", "eager") or key.strip() in named:
+                if key.strip() not in ("piece", "eager", "ring_beta") or key.strip() in named:
                     raise ValueError(item)
                 named[key.strip()] = float(val)
             elif named:
@@ -243,10 +261,42 @@ def ring_time(P: int, nbytes: float, k: int, params: LinkParams) -> float:
     if P == 1:
         return 0.0
     p, m = params, float(nbytes)
+    if p.ring_beta > 0 and k > 1:  # the pipelined ring's own per-byte stage cost (transfer and combine)
+        t = p.overhead + (P + k - 2) * (p.alpha + piece_cost(m / k, p) + m * p.ring_beta / k)
+        return t + ((P + k - 3) * p.delta if P > 2 else 0.0)
     t = p.overhead + (P + k - 2) * (p.alpha + piece_cost(m / k, p) + m * p.beta / k)
     if P > 2:
         t += (P + k - 3) * (p.delta + m * p.gamma / k)
     return t
+
+
+def ring_from_times(P: int, nbytes: float, ks: Sequence[int], times: Sequence[float],
+                    params: LinkParams) -> tuple[float, float]:
+    """``(piece, ring_beta)`` that explain measured ring times ``times`` (seconds) at piece counts ``ks`` (at
+    least two, pieces all above ``params.eager`` bytes) on one state of ``nbytes`` at ``P`` ranks: the least
+    squares fit of ``t - overhead - (P + k - 3) delta = (P + k - 2)(u + nbytes b / k)`` over the points, then
+    ``piece = u - alpha`` and ``ring_beta = b``, each clamped at 0. Pure arithmetic."""
+    if len(ks) != len(times) or len(ks) < 2 or len(set(ks)) != len(ks):
+        raise ValueError(f"need two or more distinct piece counts with one time each, got {ks}, {times}")
+    if P < 2 or min(ks) < 1 or nbytes / max(ks) <= params.eager:
+        raise ValueError(f"need P >= 2 and pieces above eager ({params.eager:.0f} bytes), got P = {P}, "
+                         f"{nbytes / max(ks):.0f} bytes at k = {max(ks)}")
+    rows, ys = [], []
+    for k, t in zip(ks, times):
+        stages = P + k - 2
+        rows.append((stages, stages * nbytes / k))
+        ys.append(t - params.overhead - ((P + k - 3) * params.delta if P > 2 else 0.0))
+    s11 = sum(a * a for a, _ in rows)
+    s12 = sum(a * b for a, b in rows)
+    s22 = sum(b * b for _, b in rows)
+    y1 = sum(a * y for (a, _), y in zip(rows, ys))
+    y2 = sum(b * y for (_, b), y in zip(rows, ys))
+    det = s11 * s22 - s12 * s12
+    if det <= 0:
+        raise ValueError(f"the piece counts {ks} do not separate the two terms")
+    u = (y1 * s22 - y2 * s12) / det
+    b = (s11 * y2 - s12 * y1) / det
+    return max(0.0, u - params.alpha), max(0.0, b)
 
 
 def piece_from_times(P: int, nbytes: float, k1: int, t1: float, k2: int, t2: float, params: LinkParams) -> float:
@@ -266,6 +316,8 @@ def piece_from_times(P: int, nbytes: float, k1: int, t1: float, k2: int, t2: flo
 
 @lru_cache(maxsize=4096)
 def _best_blocks(P: int, nbytes: float, K: int, params: LinkParams) -> int:
+    if params.ring_beta > 0:  # one piece keeps beta + gamma, more take ring_beta: two formulas, compare them all
+        return min(range(1, K + 1), key=lambda k: ring_time(P, nbytes, k, params))
     if P <= 2 or K <= 1:  # P = 2: no combines, so every extra piece only adds alpha (and piece)
         return 1
     # in each regime (pieces above / at most eager) ring_time = const + k (alpha + pi + delta)
@@ -285,7 +337,8 @@ def best_blocks(P: int, nbytes: float, K: int, params: LinkParams) -> int:
     ``k* = sqrt(m ((P-2) beta + (P-3) gamma) / (alpha + pi + delta))`` for ``pi`` = 0 and ``params.piece``,
     the boundary ``ceil(m / eager)`` of the two regimes (and one less), 1 and K (the paper's
     ``sqrt((P-2) m beta / alpha)`` when combines and pieces are free); ties go to fewer pieces;
-    1 for ``P <= 2`` (where more pieces never pay)."""
+    1 for ``P <= 2`` (where more pieces never pay). With ``ring_beta`` (where one piece and more follow two
+    formulas): the best of every k in 1..K."""
     _check(P, nbytes)
     if K < 1:
         raise ValueError(f"K must be >= 1, got {K}")
