@@ -316,10 +316,10 @@ def piece_from_times(P: int, nbytes: float, k1: int, t1: float, k2: int, t2: flo
 
 @lru_cache(maxsize=4096)
 def _best_blocks(P: int, nbytes: float, K: int, params: LinkParams) -> int:
-    if params.ring_beta > 0:  # one piece keeps beta + gamma, more take ring_beta: two formulas, compare them all
+    if K <= 1 or (P <= 2 and params.piece == 0 and params.ring_beta == 0):
+        return 1  # P = 2: no combines, so every extra piece only adds alpha
+    if params.ring_beta > 0 or P <= 2:  # two formulas (one piece and more; costly pieces and eager ones at P = 2)
         return min(range(1, K + 1), key=lambda k: ring_time(P, nbytes, k, params))
-    if P <= 2 or K <= 1:  # P = 2: no combines, so every extra piece only adds alpha (and piece)
-        return 1
     # in each regime (pieces above / at most eager) ring_time = const + k (alpha + pi + delta)
     # + m ((P - 2) beta + (P - 3) gamma) / k: convex in k; the regimes meet at k = ceil(m / eager)
     b = (P - 2) * params.beta + (P - 3) * params.gamma
@@ -337,8 +337,9 @@ def best_blocks(P: int, nbytes: float, K: int, params: LinkParams) -> int:
     ``k* = sqrt(m ((P-2) beta + (P-3) gamma) / (alpha + pi + delta))`` for ``pi`` = 0 and ``params.piece``,
     the boundary ``ceil(m / eager)`` of the two regimes (and one less), 1 and K (the paper's
     ``sqrt((P-2) m beta / alpha)`` when combines and pieces are free); ties go to fewer pieces;
-    1 for ``P <= 2`` (where more pieces never pay). With ``ring_beta`` (where one piece and more follow two
-    formulas): the best of every k in 1..K."""
+    1 for ``P <= 2`` without ``piece`` (where more pieces never pay). With ``ring_beta`` (one piece and more
+    follow two formulas), or ``piece`` at ``P <= 2`` (pieces of at most ``eager`` bytes may then pay): the best
+    of every k in 1..K."""
     _check(P, nbytes)
     if K < 1:
         raise ValueError(f"K must be >= 1, got {K}")

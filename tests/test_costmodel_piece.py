@@ -40,12 +40,13 @@ def test_more_pieces_cost_more_when_pieces_are_costly():
     assert cm.ring_time(P, m, 26, BASE) < cm.ring_time(P, m, 16, BASE)  # which the base model inverts
 
 
-@pytest.mark.parametrize("P", [3, 5, 12, 64])
+@pytest.mark.parametrize("P", [2, 3, 5, 12, 64])
 @pytest.mark.parametrize("m", [1 << 14, 1 << 18, 1 << 20, 1 << 23])
 @pytest.mark.parametrize("piece", [0.0, 5e-6, 40e-6, 400e-6])
 @pytest.mark.parametrize("eager", [4096.0, 32768.0])
-def test_best_blocks_is_the_exact_optimum_with_the_term(P, m, piece, eager):
-    p = replace(BASE, piece=piece, eager=eager)
+@pytest.mark.parametrize("ring_beta", [0.0, 2e-10, 1.5e-9])  # the ring's own stage cost (test_costmodel_ring.py)
+def test_best_blocks_is_the_exact_optimum_with_the_term(P, m, piece, eager, ring_beta):
+    p = replace(BASE, piece=piece, eager=eager, ring_beta=ring_beta)
     K = 128
     k = cm.best_blocks(P, m, K, p)
     times = [cm.ring_time(P, m, j, p) for j in range(1, K + 1)]

@@ -1,5 +1,6 @@
 """The cost model's ring stage cost (``LinkParams.ring_beta``): formula, the choice of k, its fit to measured ring
-times with the per-piece term, old results without the key, and its calibration (``measure_ring``)."""
+times with the per-piece term, old results without the key, and its calibration (``measure_ring``). That
+``best_blocks`` is the exact optimum with it: test_costmodel_piece.py."""
 
 from __future__ import annotations
 
@@ -27,18 +28,6 @@ def test_ring_stage_term_by_hand():
     assert cm.serial_time(P, m, SLOW) == cm.serial_time(P, m, no_stage)
     for t in ("tree", "allgather", "exscan"):
         assert cm.predict(t, P, m, SLOW) == cm.predict(t, P, m, no_stage)
-
-
-@pytest.mark.parametrize("P", [2, 3, 12, 64])
-@pytest.mark.parametrize("m", [1 << 14, 1 << 20, 1 << 23])
-@pytest.mark.parametrize("ring_beta", [0.0, 2e-10, 1.5e-9, 2e-8])
-@pytest.mark.parametrize("piece", [0.0, 40e-6])
-def test_best_blocks_is_the_exact_optimum_with_the_stage_term(P, m, ring_beta, piece):
-    p = replace(BASE, piece=piece, ring_beta=ring_beta)
-    K = 128
-    k = cm.best_blocks(P, m, K, p)
-    times = [cm.ring_time(P, m, j, p) for j in range(1, K + 1)]
-    assert cm.ring_time(P, m, k, p) == pytest.approx(min(times), rel=1e-12)
 
 
 def test_a_costlier_byte_per_stage_takes_more_pieces():
