@@ -13,6 +13,7 @@ on a private duplicate of the communicator. Knows nothing about attention.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -158,11 +159,30 @@ RING_BLOCKS = (8, 16, 48)
 RING_STATE_BYTES = 2 << 20
 
 
-def eager_bytes() -> float:
-    """The size above which a message of the running MPI library leaves its eager protocol for a handshake:
-    Open MPI's shared-memory BTL ``btl_vader_eager_limit`` default (4 KiB) under Open MPI, else
-    :data:`~.costmodel.EAGER_DEFAULT` (an assumption: MPICH's thresholds depend on its netmod and shm)."""
-    return 4096.0 if "Open MPI" in MPI.Get_library_version() else float(EAGER_DEFAULT)
+_OMPI_EAGER_VARS = ("OMPI_MCA_btl_vader_eager_limit", "OMPI_MCA_btl_sm_eager_limit")
+
+
+def eager_bytes(comm: MPI.Comm) -> float:
+    """The size above which a ring piece leaves the library's eager protocol for a handshake (an assumption about
+    the library, not a measurement). Under Open MPI with every rank of ``comm`` on one node (shared memory):
+    ``btl_vader_eager_limit`` / ``btl_sm_eager_limit`` from the environment, else their default, 4 KiB. Anything
+    else (MPICH, ranks on several nodes, whose links have their own thresholds): :data:`~.costmodel.EAGER_DEFAULT`.
+    Collective (a shared-memory split of ``comm``); the same on every rank."""
+    shm = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        one_node = shm.Get_size() == comm.Get_size()
+    finally:
+        shm.Free()
+    eager = float(EAGER_DEFAULT)
+    if one_node and "Open MPI" in MPI.Get_library_version():
+        eager = 4096.0
+        for var in _OMPI_EAGER_VARS:
+            try:
+                eager = float(os.environ[var])
+                break
+            except (KeyError, ValueError):
+                continue
+    return comm.bcast(eager, root=0)
 
 
 def measure_ring(comm: MPI.Comm, params: LinkParams, repeats: int = 15, dtype: Any = "float32",
@@ -248,7 +268,7 @@ def calibrate(
         vals = c.bcast((alpha, beta, gamma, delta) if rank == 0 else None, root=0)
     finally:
         c.Free()
-    eager = eager_bytes()
+    eager = eager_bytes(comm)
     link = LinkParams(*vals, eager=eager, name=f"calibrated ({method})")
     if P >= 2:
         over = measure_overhead(comm, link)

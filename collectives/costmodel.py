@@ -275,12 +275,14 @@ def ring_from_times(P: int, nbytes: float, ks: Sequence[int], times: Sequence[fl
     """``(piece, ring_beta)`` that explain measured ring times ``times`` (seconds) at piece counts ``ks`` (at
     least two, pieces all above ``params.eager`` bytes) on one state of ``nbytes`` at ``P`` ranks: the least
     squares fit of ``t - overhead - (P + k - 3) delta = (P + k - 2)(u + nbytes b / k)`` over the points, then
-    ``piece = u - alpha`` and ``ring_beta = b``, each clamped at 0. Pure arithmetic."""
+    ``piece = u - alpha`` and ``ring_beta = b``, both >= 0 (where one would be negative it is 0 and the other
+    is fitted alone). Piece counts >= 2 (the pipelined ring's formula). Pure arithmetic."""
     if len(ks) != len(times) or len(ks) < 2 or len(set(ks)) != len(ks):
         raise ValueError(f"need two or more distinct piece counts with one time each, got {ks}, {times}")
-    if P < 2 or min(ks) < 1 or nbytes / max(ks) <= params.eager:
-        raise ValueError(f"need P >= 2 and pieces above eager ({params.eager:.0f} bytes), got P = {P}, "
-                         f"{nbytes / max(ks):.0f} bytes at k = {max(ks)}")
+    if P < 2 or min(ks) < 2 or nbytes / max(ks) <= params.eager:
+        raise ValueError(f"need P >= 2, piece counts >= 2 (one piece keeps beta + gamma) and pieces above eager "
+                         f"({params.eager:.0f} bytes), got P = {P}, k = {list(ks)}, {nbytes / max(ks):.0f} bytes "
+                         f"at k = {max(ks)}")
     rows, ys = [], []
     for k, t in zip(ks, times):
         stages = P + k - 2
@@ -296,7 +298,12 @@ def ring_from_times(P: int, nbytes: float, ks: Sequence[int], times: Sequence[fl
         raise ValueError(f"the piece counts {ks} do not separate the two terms")
     u = (y1 * s22 - y2 * s12) / det
     b = (s11 * y2 - s12 * y1) / det
-    return max(0.0, u - params.alpha), max(0.0, b)
+    a = params.alpha
+    if u < a:  # piece >= 0: fit b alone with u = alpha
+        u, b = a, (y2 - a * s12) / s22
+    if b < 0:  # ring_beta >= 0: fit u alone
+        u, b = max(a, y1 / s11), 0.0
+    return u - a, b
 
 
 def piece_from_times(P: int, nbytes: float, k1: int, t1: float, k2: int, t2: float, params: LinkParams) -> float:
@@ -439,8 +446,15 @@ def with_name(params: LinkParams, name: str) -> LinkParams:
 # --------------------------------------------------------------------------- two-level machines
 
 
-def _hop(p: LinkParams, piece: float) -> float:
-    return p.alpha + piece_cost(piece, p) + piece * p.beta
+def _hop(p: LinkParams, piece: float, k: int) -> float:
+    """One hop of a ring piece over ``p`` (with ``ring_beta``, for ``k > 1``: transfer and combine bytes)."""
+    per_byte = p.ring_beta if p.ring_beta > 0 and k > 1 else p.beta
+    return p.alpha + piece_cost(piece, p) + piece * per_byte
+
+
+def _combine(p: LinkParams, piece: float, k: int) -> float:
+    """One combine of a ring piece on ``p``'s device (its bytes are in ``ring_beta``'s hops when that is set)."""
+    return p.delta + (0.0 if p.ring_beta > 0 and k > 1 else piece * p.gamma)
 
 
 def predict_hier(
@@ -473,8 +487,8 @@ def predict_hier(
 
     def ring(k: int) -> float:
         piece = nbytes / k
-        first = n_intra * _hop(intra, piece) + n_inter * _hop(inter, piece) + (P - 2) * (cmb.delta + piece * cmb.gamma)
-        stage = _hop(inter, piece) + cmb.delta + piece * cmb.gamma
+        first = n_intra * _hop(intra, piece, k) + n_inter * _hop(inter, piece, k) + (P - 2) * _combine(cmb, piece, k)
+        stage = _hop(inter, piece, k) + _combine(cmb, piece, k)
         return intra.overhead + first + (k - 1) * stage
 
     if topology in ("ring", "serial"):

@@ -2,7 +2,7 @@
 
 Under ``mpiexec -n P``: for each size, the median (over repeats, then over ranks) seconds of one step of the
 shift every rank runs at once (send to rank+1, receive from rank-1), and the same per byte beyond the smallest
-size's step; then measure_piece's two ring times on its 2 MiB state. Prints a table on rank 0 and writes JSON
+size's step; then the ring on measure_ring's 2 MiB state at k = 4 .. 64. Prints a table on rank 0 and writes JSON
 (``--out``). A diagnostic of the cost model's ``beta`` against the message size (docs/benchmarks/network.md).
 """
 
@@ -36,7 +36,7 @@ def main() -> None:
     from collectives.scan import scan_start  # noqa: PLC0415
 
     V = 128
-    R = int(cal.PIECE_STATE_EAGERS * link.eager) // (4 * V)
+    R = cal.RING_STATE_BYTES // (4 * V)  # measure_ring's state (2 MiB)
     a = np.full((1, R), 0.5, dtype="float32")
     S = np.ones((1, R, V), dtype="float32")
     out = np.empty_like(S)
@@ -51,7 +51,7 @@ def main() -> None:
             print(f"{s:>10} {table[s] * 1e6:10.2f} {per * 1e9:18.3f} {1e-9 / per if per > 0 else float('nan'):8.2f}")
         print(link.describe() if hasattr(link, "describe") else link)
         base = LinkParams(link.alpha, link.beta, link.gamma, link.delta, link.overhead, name="no piece")
-        print(f"ring on {S.nbytes} B (measure_piece's state): k, measured ms, model ms (piece 0)")
+        print(f"ring on {S.nbytes} B (measure_ring's state): k, measured ms, model ms (piece 0)")
         for k, t in rings.items():
             print(f"{k:>4} {t * 1e3:9.3f} {ring_time(comm.size, S.nbytes, k, base) * 1e3:9.3f}")
         if args.out:

@@ -142,5 +142,5 @@ def test_measure_piece_is_collective_and_identical(comm):
         assert pc == 0.0
     p = calibrate(comm, sizes=(8, 65536), repeats=3)
     assert all(q == p for q in comm.allgather(p))
-    assert p.piece >= 0.0 and p.eager == eager_bytes() in (4096.0, cm.EAGER_DEFAULT)
+    assert p.piece >= 0.0 and p.eager == eager_bytes(comm) in (4096.0, cm.EAGER_DEFAULT)
     assert calibrate(comm, sizes=(8, 65536), repeats=2, piece=False).piece == 0.0

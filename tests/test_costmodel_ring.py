@@ -56,11 +56,29 @@ def test_ring_from_times_least_squares_and_checks(rng):
         cm.ring_time(P, 1 << 20, 27, SLOW), rel=0.1)
     # faster than the model's fixed terms allow: clamped at 0, not negative
     assert cm.ring_from_times(P, m, [8, 16], [1e-6, 1e-6], BASE) == (0.0, 0.0)
-    for ks_bad, ts in (([8], [1e-3]), ([8, 8], [1e-3, 2e-3]), ([8, 16], [1e-3]), ([8, 128], [1e-3, 2e-3])):
-        with pytest.raises(ValueError):
-            cm.ring_from_times(P, m, ks_bad, ts, BASE)  # one point, repeated k, missing time, pieces <= eager
+    for ks_bad, ts in (([8], [1e-3]), ([8, 8], [1e-3, 2e-3]), ([8, 16], [1e-3]), ([8, 128], [1e-3, 2e-3]),
+                       ([1, 8], [1e-3, 2e-3])):
+        with pytest.raises(ValueError):  # one point, repeated k, missing time, pieces <= eager, one piece
+            cm.ring_from_times(P, m, ks_bad, ts, BASE)
+    # a point set whose free fit has a negative per-piece cost: piece 0, ring_beta fitted alone
+    cheap = replace(BASE, ring_beta=1.5e-9)
+    ts = [cm.ring_time(P, m, k, cheap) - 2e-6 * (P + k - 2) for k in ks]  # stages 2 us cheaper than alpha allows
+    piece, ring_beta = cm.ring_from_times(P, m, ks, ts, BASE)
+    assert piece == 0.0 and 0 < ring_beta < 1.5e-9
+    y = [t - BASE.overhead - (P + k - 3) * BASE.delta - (P + k - 2) * BASE.alpha for k, t in zip(ks, ts)]
+    c = [(P + k - 2) * m / k for k in ks]
+    assert ring_beta == pytest.approx(sum(a * b for a, b in zip(c, y)) / sum(a * a for a in c), rel=1e-12)
     with pytest.raises(ValueError):
         cm.ring_from_times(1, m, [8, 16], [1e-3, 2e-3], BASE)
+
+
+def test_two_level_ring_follows_the_one_level_formula_with_the_stage_term():
+    m, K = 1 << 20, 128
+    for P in (8, 9, 16, 24):
+        for k in (1, 4, 16, 64):
+            flat = cm.ring_time(P, m, k, SLOW)
+            hier, _ = cm.predict_hier("ring", P, m, SLOW, SLOW, 8, blocks=k, K=K)
+            assert hier == pytest.approx(flat, rel=1e-12), (P, k)
 
 
 def test_old_results_without_the_key_and_the_text_form():

@@ -134,6 +134,32 @@ def test_cuda_branch_on_the_emulated_kernels(cuda_branch, rng, dtype):
         assert rel(x.grad, r.grad) < 5 * tol, (name, rel(x.grad, r.grad))
 
 
+def test_cuda_branch_backward_under_saved_tensor_hooks(cuda_branch, rng):
+    """Saved-tensor hooks that hand back copies (as checkpointing and save_on_cpu do): the backward runs on what
+    they give back and its gradients equal those of a plain call."""
+    B, T, H, K, V = 1, 70, 1, 12, 8
+    xs = [torch.from_numpy(rng.standard_normal((B, T, H, d))) for d in (K, K, V)]
+    xs.append(torch.from_numpy(rng.uniform(-1.0, 0.0, (B, T, H, K))))
+    do = torch.from_numpy(rng.standard_normal((B, T, H, V))).float()
+    seen = []
+
+    def unpack(t):
+        seen.append(t.data_ptr())
+        return t
+
+    def grads(hooks):
+        leaves = [x.float().requires_grad_() for x in xs]
+        with hooks:
+            o, _ = ht.chunk_gla(*(x * 1 for x in leaves))
+        return torch.autograd.grad(o, leaves, do)
+
+    plain = grads(contextlib.nullcontext())
+    moved = grads(torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), unpack))
+    assert len(seen) >= 4  # the backward asked for the saved tensors
+    for a, b in zip(moved, plain):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_branch_takes_cu_seqlens(cuda_branch, rng, dtype):
     """Packed documents on the CUDA branch (hpczeco.gpu.gla_varlen over the emulated kernels) equal each document

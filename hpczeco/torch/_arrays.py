@@ -133,7 +133,11 @@ class cuda_stream:  # noqa: N801 - used as a function: ``with cuda_stream(device
                 stream = _STREAMS[(self.device, ptr)] = cuda.ExternalStream(ptr)
         device = cuda.Device(self.device)
         device.__enter__()
-        stream.__enter__()
+        try:
+            stream.__enter__()
+        except BaseException:
+            device.__exit__(None, None, None)
+            raise
         self._entered = (device, stream)
 
     def __exit__(self, *exc: Any) -> bool:

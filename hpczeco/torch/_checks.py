@@ -29,7 +29,8 @@ def check_tensors(**tensors: torch.Tensor | None) -> tuple[torch.device, torch.d
             and q.dtype in CUDA_DTYPES and k.dtype is q.dtype and v.dtype is q.dtype and g.dtype is q.dtype
             and (h0 is None or (type(h0) is T and h0.dtype in (q.dtype, torch.float32)))):  # the common CUDA call
         d = q.get_device()
-        if k.get_device() == d and v.get_device() == d and g.get_device() == d and (h0 is None or h0.get_device() == d):
+        if (k.is_cuda and v.is_cuda and g.is_cuda and k.get_device() == d and v.get_device() == d
+                and g.get_device() == d and (h0 is None or (h0.is_cuda and h0.get_device() == d))):
             return q.device, q.dtype
     given = {n: t for n, t in tensors.items() if t is not None}
     for name, t in given.items():

@@ -240,6 +240,7 @@ def alone_breakdown(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype =
     }
     rt = gla_common.runtime()
     first: list[float] = []
+    own = vars(rt).get("launch")  # an instance attribute to put back, if the runtime has one
     launch = rt.launch
 
     def timed_launch(*args: Any, **kwargs: Any) -> None:
@@ -273,7 +274,10 @@ def alone_breakdown(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype =
             res[name] = {"gpu ms": statistics.median(gpu), "host to 1st launch ms": statistics.median(to_first),
                          "host ms": statistics.median(host)}
     finally:
-        del rt.launch  # the class's method again
+        if own is None:
+            del rt.launch  # the class's method again
+        else:
+            rt.launch = own
     return res
 
 

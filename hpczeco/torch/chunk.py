@@ -103,7 +103,8 @@ def _host_backward(q, k, v, g, h0, do, dht, scale, cu_seqlens, views=None):
 
 
 def _cuda_forward(q, k, v, g, h0, scale, want_final, cu_seqlens, views=None):
-    """``(o, final)``; ``views``: a list that receives the CuPy views of q, k, v, g (the backward reuses them)."""
+    """``(o, final)``; ``views``: a list that receives the CuPy views of q, k, v, g (the backward reuses those that
+    own a contiguous copy)."""
     fwd, _ = _cuda_functions()
     with cuda_stream(device_index(q.device)):
         extra = {} if cu_seqlens is None else {"cu_seqlens": to_device(cu_seqlens)}
@@ -117,11 +118,16 @@ def _cuda_forward(q, k, v, g, h0, scale, want_final, cu_seqlens, views=None):
 
 
 def _cuda_backward(q, k, v, g, h0, do, dht, scale, cu_seqlens, views=None):
-    """``(dq, dk, dv, dg, dh0)``; ``views``: the forward's CuPy views of q, k, v, g, else made anew."""
+    """``(dq, dk, dv, dg, dh0)``; ``views``: the forward's CuPy views of q, k, v, g (their copies reused)."""
     _, bwd = _cuda_functions()
     with cuda_stream(device_index(q.device)):
         extra = {} if cu_seqlens is None else {"cu_seqlens": to_device(cu_seqlens)}
-        arrays = list(views) if views else [to_device(x, cached=True) for x in (q, k, v, g)]
+        # views of the saved tensors (cached: a lookup): saved-tensor hooks (checkpointing, save_on_cpu) may give
+        # back other memory than the forward's; only the forward's copies of non-contiguous inputs, which their
+        # views own, are reused
+        views = views or (None,) * 4
+        arrays = [w if w is not None and not x.is_contiguous() else to_device(x, cached=True)
+                  for x, w in zip((q, k, v, g), views)]
         grads = bwd(*arrays, to_device(do, cached=True), scale=scale, chunk_size=_CHUNK,
                     initial_state=None if h0 is None else to_device(h0.to(torch.float32)),
                     dht=None if dht is None else to_device(dht.to(torch.float32)), **extra)
