@@ -28,7 +28,7 @@ Formulas (critical path; ``P`` ranks, ``k`` ring pieces, ``L = ceil(log2 P)``):
   ``eager``); 0 when not measured (presets, and runs calibrated before it existed), which is the
   model without it. ``eager`` defaults to 32 KiB (Open MPI's shared-memory BTL fragment size
   ``btl_vader_max_send_size``; an assumption, not measured); :func:`.calibrate.calibrate` sets it from the
-  library (:func:`.calibrate.eager_bytes`: 4 KiB under Open MPI, its ``btl_vader_eager_limit`` default,
+  library (:func:`.calibrate.eager_bytes`: 4 KiB under Open MPI on one node, its ``btl_vader_eager_limit`` default,
   above which a message waits for the receiver's handshake; read it with ``ompi_info --param btl vader
   --level 9``).
 
