@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,8 @@ from mpi4py import MPI
 from .costmodel import EAGER_DEFAULT, LinkParams, piece_from_times, ring_from_times
 from .kernels import axpy_rows
 
-__all__ = ["calibrate", "eager_bytes", "measure_combine", "measure_overhead", "measure_piece", "measure_ring"]
+__all__ = ["calibrate", "eager_bytes", "measure_combine", "measure_overhead", "measure_piece", "measure_ring",
+           "ring_times"]
 
 #: tags of the ping-pong and cyclic-shift messages (on the private duplicate)
 _PINGPONG_TAG, _SHIFT_TAG = 7, 9
@@ -123,6 +125,22 @@ def measure_overhead(comm: MPI.Comm, params: LinkParams, repeats: int = 30, dtyp
     return max(0.0, t - serial_time(comm.Get_size(), S.nbytes, params))
 
 
+def ring_times(comm: MPI.Comm, nbytes: int, blocks: Sequence[int], repeats: int = 15,
+               dtype: Any = "float32") -> tuple[int, list[float]]:
+    """``(state bytes, seconds per k)``: the ring on a ``[1, R, 128]`` state of about ``nbytes`` (at least one row
+    per piece) timed like the benchmark (:func:`_timed_max`) at each piece count of ``blocks``. Collective."""
+    from .scan import scan_start
+
+    V = 128
+    R = max(max(blocks), int(nbytes) // (np.dtype(dtype).itemsize * V))
+    a = np.full((1, R), 0.5, dtype=dtype)
+    S = np.ones((1, R, V), dtype=dtype)
+    out = np.empty_like(S)
+    t = [_timed_max(comm, lambda k=k: scan_start(a, S, comm, topology="ring", blocks=k, out=out).wait(), repeats)
+         for k in blocks]
+    return S.nbytes, t
+
+
 #: the piece counts :func:`measure_piece` times the ring at, on a state of ``PIECE_STATE_EAGERS * eager`` bytes
 #: (pieces of 4 and 4/3 times the eager size: both above it, and many enough that the difference is mostly
 #: pieces rather than pipelining)
@@ -137,20 +155,11 @@ def measure_piece(comm: MPI.Comm, params: LinkParams, repeats: int = 15, dtype: 
     piece counts ``blocks``, through :func:`piece_from_times` under ``params``. Holds the rendezvous
     handshake of every such message and the per-request work of the ring's Python loop. Collective;
     0 for one rank."""
-    from .scan import scan_start
-
     P = comm.Get_size()
     if P < 2:
         return 0.0
-    V = 128
-    item = np.dtype(dtype).itemsize
-    R = max(blocks[1], int(PIECE_STATE_EAGERS * params.eager) // (item * V))
-    a = np.full((1, R), 0.5, dtype=dtype)
-    S = np.ones((1, R, V), dtype=dtype)
-    out = np.empty_like(S)
-    t = [_timed_max(comm, lambda k=k: scan_start(a, S, comm, topology="ring", blocks=k, out=out).wait(), repeats)
-         for k in blocks]
-    return piece_from_times(P, S.nbytes, blocks[0], t[0], blocks[1], t[1], params)
+    m, t = ring_times(comm, int(PIECE_STATE_EAGERS * params.eager), blocks, repeats, dtype)
+    return piece_from_times(P, m, blocks[0], t[0], blocks[1], t[1], params)
 
 
 #: the piece counts :func:`measure_ring` times the ring at, on a state of ``RING_STATE_BYTES`` (pieces of 256,
@@ -191,20 +200,11 @@ def measure_ring(comm: MPI.Comm, params: LinkParams, repeats: int = 15, dtype: A
     benchmark at the piece counts ``blocks`` (all above ``params.eager``), fitted by
     :func:`~.costmodel.ring_from_times`: the per-stage cost beyond ``alpha`` and the per-byte cost of a stage
     as the ring itself pays them. Collective; ``(0, 0)`` for one rank."""
-    from .scan import scan_start
-
     P = comm.Get_size()
     if P < 2:
         return 0.0, 0.0
-    V = 128
-    item = np.dtype(dtype).itemsize
-    R = max(max(blocks), RING_STATE_BYTES // (item * V))
-    a = np.full((1, R), 0.5, dtype=dtype)
-    S = np.ones((1, R, V), dtype=dtype)
-    out = np.empty_like(S)
-    t = [_timed_max(comm, lambda k=k: scan_start(a, S, comm, topology="ring", blocks=k, out=out).wait(), repeats)
-         for k in blocks]
-    return ring_from_times(P, S.nbytes, list(blocks), t, params)
+    m, t = ring_times(comm, RING_STATE_BYTES, blocks, repeats, dtype)
+    return ring_from_times(P, m, list(blocks), t, params)
 
 
 def calibrate(

@@ -31,17 +31,9 @@ def main() -> None:
         mine = cal._median(cal._shift(comm, s, args.repeats, "float32"))
         table[s] = cal._median(comm.allgather(mine))
     link = cal.calibrate(comm, piece=False)
-    import numpy as np  # noqa: PLC0415
-
-    from collectives.scan import scan_start  # noqa: PLC0415
-
-    V = 128
-    R = cal.RING_STATE_BYTES // (4 * V)  # measure_ring's state (2 MiB)
-    a = np.full((1, R), 0.5, dtype="float32")
-    S = np.ones((1, R, V), dtype="float32")
-    out = np.empty_like(S)
-    rings = {k: cal._timed_max(comm, lambda k=k: scan_start(a, S, comm, topology="ring", blocks=k, out=out).wait(),
-                               15) for k in (4, 8, 16, 32, 48, 64)}
+    ks = (4, 8, 16, 32, 48, 64)
+    nbytes, times = cal.ring_times(comm, cal.RING_STATE_BYTES, ks)  # measure_ring's state (2 MiB)
+    rings = dict(zip(ks, times))
     if comm.rank == 0:
         a0 = table[sizes[0]]
         print(f"P={comm.size}  shift step (median of {args.repeats}, median over ranks)")
@@ -51,9 +43,9 @@ def main() -> None:
             print(f"{s:>10} {table[s] * 1e6:10.2f} {per * 1e9:18.3f} {1e-9 / per if per > 0 else float('nan'):8.2f}")
         print(link.describe() if hasattr(link, "describe") else link)
         base = LinkParams(link.alpha, link.beta, link.gamma, link.delta, link.overhead, name="no piece")
-        print(f"ring on {S.nbytes} B (measure_ring's state): k, measured ms, model ms (piece 0)")
+        print(f"ring on {nbytes} B (measure_ring's state): k, measured ms, model ms (piece 0)")
         for k, t in rings.items():
-            print(f"{k:>4} {t * 1e3:9.3f} {ring_time(comm.size, S.nbytes, k, base) * 1e3:9.3f}")
+            print(f"{k:>4} {t * 1e3:9.3f} {ring_time(comm.size, nbytes, k, base) * 1e3:9.3f}")
         if args.out:
             with open(args.out, "w") as fh:
                 json.dump({"P": comm.size, "shift_s": table, "link": link.__dict__ if hasattr(link, "__dict__")

@@ -173,17 +173,16 @@ def to_device(t: torch.Tensor | None, cached: bool = False) -> Any:
         n = t.numel()
         if n == 0:
             return cupy.empty(tuple(t.shape), dtype)
-        if cached:
-            key = (t.data_ptr(), dtype, t.shape, t.get_device())
-            view = _VIEWS.get(key)
-            if view is None:
+        key = (t.data_ptr(), dtype, t.shape, t.get_device())
+        view = _VIEWS.get(key) if cached else None
+        if view is None:
+            mem = cupy.cuda.MemoryPointer(unowned(key[0], n * dtype.itemsize, None if cached else t, key[3]), 0)
+            view = cupy.ndarray(tuple(t.shape), dtype, mem)  # C order: t is contiguous
+            if cached:
                 if len(_VIEWS) >= _VIEWS_MAX:
                     _VIEWS.clear()
-                mem = cupy.cuda.MemoryPointer(unowned(key[0], n * dtype.itemsize, None, key[3]), 0)
-                view = _VIEWS[key] = cupy.ndarray(tuple(t.shape), dtype, mem)
-            return view
-        mem = cupy.cuda.MemoryPointer(unowned(t.data_ptr(), n * dtype.itemsize, t, t.get_device()), 0)
-        return cupy.ndarray(tuple(t.shape), dtype, mem)  # C order: t is contiguous
+                _VIEWS[key] = view
+        return view
     t = t.detach()
     if t.dtype == torch.bfloat16:
         arr = cupy.from_dlpack(t.view(torch.int16))  # the consumer's stream is torch's current one: no event
