@@ -7,7 +7,8 @@ receives from the previous at once: the ring's steady state) or by ping-pong bet
 what a tiny serial scan costs beyond the model's hops (:func:`measure_overhead`); ``piece`` (the
 ring's cost per piece above the eager size) and ``ring_beta`` (the ring's cost per byte of a stage) by
 fitting the ring's own times at three piece counts (:func:`measure_ring`; :func:`measure_piece` is the
-per-piece term alone, from two). The messages run
+per-piece term alone, from two), and ``ring_beta_big`` (the same on a state too large for the caches) from
+the ring at two piece counts on a 16 MiB state (:func:`measure_ring_big`). The messages run
 on a private duplicate of the communicator. Knows nothing about attention.
 """
 
@@ -16,16 +17,25 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from .costmodel import EAGER_DEFAULT, LinkParams, piece_from_times, ring_from_times
+from .costmodel import (
+    EAGER_DEFAULT,
+    RING_BIG,
+    RING_BYTES,
+    LinkParams,
+    piece_from_times,
+    ring_beta_from_times,
+    ring_from_times,
+)
 from .kernels import axpy_rows
 
 __all__ = ["calibrate", "eager_bytes", "measure_combine", "measure_overhead", "measure_piece", "measure_ring",
-           "ring_times"]
+           "measure_ring_big", "ring_times"]
 
 #: tags of the ping-pong and cyclic-shift messages (on the private duplicate)
 _PINGPONG_TAG, _SHIFT_TAG = 7, 9
@@ -125,6 +135,12 @@ def measure_overhead(comm: MPI.Comm, params: LinkParams, repeats: int = 30, dtyp
     return max(0.0, t - serial_time(comm.Get_size(), S.nbytes, params))
 
 
+def _ring_state_bytes(nbytes: int, blocks: Sequence[int], dtype: Any) -> int:
+    """Bytes of :func:`ring_times`' ``[1, R, 128]`` state for about ``nbytes`` (at least one row per piece)."""
+    row = np.dtype(dtype).itemsize * 128
+    return max(max(blocks), int(nbytes) // row) * row
+
+
 def ring_times(comm: MPI.Comm, nbytes: int, blocks: Sequence[int], repeats: int = 15,
                dtype: Any = "float32") -> tuple[int, list[float]]:
     """``(state bytes, seconds per k)``: the ring on a ``[1, R, 128]`` state of about ``nbytes`` (at least one row
@@ -132,7 +148,7 @@ def ring_times(comm: MPI.Comm, nbytes: int, blocks: Sequence[int], repeats: int 
     from .scan import scan_start
 
     V = 128
-    R = max(max(blocks), int(nbytes) // (np.dtype(dtype).itemsize * V))
+    R = _ring_state_bytes(nbytes, blocks, dtype) // (np.dtype(dtype).itemsize * V)
     a = np.full((1, R), 0.5, dtype=dtype)
     S = np.ones((1, R, V), dtype=dtype)
     out = np.empty_like(S)
@@ -165,7 +181,11 @@ def measure_piece(comm: MPI.Comm, params: LinkParams, repeats: int = 15, dtype: 
 #: the piece counts :func:`measure_ring` times the ring at, on a state of ``RING_STATE_BYTES`` (pieces of 256,
 #: 128 and 43 KiB: above every eager size below, and enough of them that both terms show)
 RING_BLOCKS = (8, 16, 48)
-RING_STATE_BYTES = 2 << 20
+RING_STATE_BYTES = RING_BYTES
+#: the piece counts :func:`measure_ring_big` times the ring at on a state of ``RING_BIG`` bytes (pieces of 1 MiB
+#: and 341 KiB), and its repeats (each ring there takes milliseconds to tens of milliseconds)
+RING_BIG_BLOCKS = (16, 48)
+RING_BIG_REPEATS = 7
 
 
 _OMPI_EAGER_VARS = ("OMPI_MCA_btl_vader_eager_limit", "OMPI_MCA_btl_sm_eager_limit")
@@ -207,6 +227,19 @@ def measure_ring(comm: MPI.Comm, params: LinkParams, repeats: int = 15, dtype: A
     return ring_from_times(P, m, list(blocks), t, params)
 
 
+def measure_ring_big(comm: MPI.Comm, params: LinkParams, nbytes: int = RING_BIG, repeats: int = RING_BIG_REPEATS,
+                     dtype: Any = "float32", blocks: tuple[int, ...] = RING_BIG_BLOCKS) -> tuple[float, float]:
+    """``(ring_beta_big, state bytes)``: the ring on a ``[1, R, 128]`` state of about ``nbytes`` timed like the
+    benchmark at the piece counts ``blocks``, fitted by :func:`~.costmodel.ring_beta_from_times` with
+    ``params``' other terms (``piece`` from :func:`measure_ring` first): the per-byte stage cost once the
+    ranks' states no longer fit the caches. Collective; ``(0, nbytes)`` for one rank."""
+    P = comm.Get_size()
+    if P < 2:
+        return 0.0, float(nbytes)
+    m, t = ring_times(comm, nbytes, blocks, repeats, dtype)
+    return ring_beta_from_times(P, m, list(blocks), t, params), float(m)
+
+
 def calibrate(
     comm: MPI.Comm,
     sizes: tuple[int, ...] = (8, 4096, 1 << 20, 4 << 20),
@@ -214,6 +247,7 @@ def calibrate(
     dtype: Any = "float32",
     method: str = "shift",
     piece: bool = True,
+    ring_big: int = RING_BIG,
 ) -> LinkParams:
     """Measure ``LinkParams`` on the running machine (collective over ``comm``; same result on every rank).
 
@@ -231,11 +265,15 @@ def calibrate(
     size at the same time (memory bandwidth is shared); medians over ranks. ``overhead``:
     :func:`measure_overhead` on the user's communicator (``comm`` itself: the scans' contexts live
     there). ``eager``: :func:`eager_bytes`. ``piece`` and ``ring_beta`` (unless ``piece=False``):
-    :func:`measure_ring`, after the others. Rank 0's numbers are broadcast. One rank alone measures
+    :func:`measure_ring`, after the others; then ``ring_beta_big`` (unless ``piece=False`` or ``ring_big=0``):
+    :func:`measure_ring_big` on a state of ``ring_big`` bytes (more than ``RING_STATE_BYTES``; its ``P``
+    states and buffers must fit in memory). Rank 0's numbers are broadcast. One rank alone measures
     ``alpha = beta = 0`` (no link).
     """
     if method not in ("shift", "pingpong"):
         raise ValueError(f"method must be 'shift' or 'pingpong', got {method!r}")
+    if ring_big and ring_big <= RING_STATE_BYTES:
+        raise ValueError(f"ring_big must be 0 or more than {RING_STATE_BYTES} bytes, got {ring_big}")
     sizes = tuple(sorted(int(s) for s in sizes))
     if len(sizes) < 2 or sizes[0] <= 0:
         raise ValueError(f"sizes needs at least two positive sizes, got {sizes}")
@@ -276,4 +314,9 @@ def calibrate(
         if piece:
             pc, rb = comm.bcast(measure_ring(comm, link, repeats, dtype), root=0)
             link = LinkParams(*vals, overhead=link.overhead, piece=pc, eager=eager, ring_beta=rb, name=link.name)
+            if ring_big and rb > 0:
+                small = float(_ring_state_bytes(RING_STATE_BYTES, RING_BLOCKS, dtype))
+                rbb, big = comm.bcast(measure_ring_big(comm, link, ring_big, dtype=dtype), root=0)
+                if rbb > 0 and big > small:
+                    link = replace(link, ring_beta_big=rbb, ring_bytes=small, ring_big=big)
     return link

@@ -42,6 +42,13 @@ Formulas (critical path; ``P`` ranks, ``k`` ring pieces, ``L = ceil(log2 P)``):
   piece counts (:func:`ring_from_times`); 0 (presets, older runs): ``beta + gamma``. The serial relay
   (one piece, one pair of ranks at a time), tree, allgather and exscan keep ``beta`` and ``gamma``.
 
+  ``ring_beta_big`` (when set) is the same per-byte stage cost measured on a state of ``ring_big`` bytes
+  (:func:`.calibrate.measure_ring_big`, :func:`ring_beta_from_times`), ``ring_beta`` being the one of a
+  ``ring_bytes`` state: a stage costs more per byte once the ``P`` ranks' states, pieces and results no longer
+  fit the caches and every stage runs at the memory's bandwidth shared by all ``P`` ranks at once.
+  :func:`ring_beta_at` interpolates the two in ``log(m)`` and holds the nearer value outside
+  ``[ring_bytes, ring_big]`` (an assumption: no third regime beyond what was measured).
+
   Within each regime (pieces above / at most ``eager``) the time is convex in ``k`` and minimised at
   ``k* = sqrt(m ((P - 2) beta + (P - 3) gamma) / (alpha + pi + delta))`` -- the paper's
   ``sqrt((P - 2) m beta / alpha)`` when combines and pieces are free; :func:`best_blocks` takes the
@@ -105,6 +112,10 @@ __all__ = [
     "piece_cost",
     "piece_from_times",
     "ring_from_times",
+    "ring_beta_from_times",
+    "ring_beta_at",
+    "RING_BYTES",
+    "RING_BIG",
     "serial_time",
     "tree_time",
     "allgather_time",
@@ -117,11 +128,20 @@ __all__ = [
     "EAGER_DEFAULT",
 ]
 
+#: state bytes at which ``LinkParams.ring_beta`` and ``ring_beta_big`` are measured unless set (2 and 16 MiB)
+RING_BYTES = 2 << 20
+RING_BIG = 16 << 20
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):g} MiB"
+
+
 #: bytes above which a ring piece pays ``LinkParams.piece`` unless set (Open MPI vader's default fragment size)
 EAGER_DEFAULT = 32 << 10
 
 #: environment variable with the default link parameters: a preset name or
-#: "alpha,beta[,gamma[,delta[,overhead]]][,piece=S][,eager=BYTES][,ring_beta=S_PER_BYTE]"
+#: "alpha,beta[,gamma[,delta[,overhead]]][,piece=S][,eager=BYTES][,ring_beta=S_PER_BYTE][,ring_beta_big=...]"
 LINK_ENV = "HPCZECO_LINK"
 
 
@@ -130,9 +150,11 @@ class LinkParams:
     """``alpha`` s/message, ``beta`` s/byte, ``gamma`` s/state byte combined, ``delta`` s/combine call,
     ``overhead`` s per scan call, ``piece`` s per ring piece and stage for pieces above ``eager`` bytes,
     ``ring_beta`` s per byte of one ring stage (the piece's transfer and its combine together; 0: ``beta +
-    gamma``, what the shift and the combine alone measure).
+    gamma``, what the shift and the combine alone measure) on a state of ``ring_bytes``, ``ring_beta_big`` the
+    same on a state of ``ring_big`` bytes (0: ``ring_beta`` at every size; :func:`ring_beta_at`).
 
-    Results saved before ``piece``/``eager``/``ring_beta`` existed load with the defaults (none of those terms)."""
+    Results saved before ``piece``/``eager``/``ring_beta``/``ring_beta_big`` existed load with the defaults
+    (none of those terms)."""
 
     alpha: float
     beta: float
@@ -143,12 +165,20 @@ class LinkParams:
     eager: float = float(EAGER_DEFAULT)
     name: str = "custom"
     ring_beta: float = 0.0
+    ring_beta_big: float = 0.0
+    ring_bytes: float = float(RING_BYTES)
+    ring_big: float = float(RING_BIG)
 
     def __post_init__(self) -> None:
-        for k in ("alpha", "beta", "gamma", "delta", "overhead", "piece", "eager", "ring_beta"):
+        for k in ("alpha", "beta", "gamma", "delta", "overhead", "piece", "eager", "ring_beta", "ring_beta_big",
+                  "ring_bytes", "ring_big"):
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"LinkParams.{k} must be a finite number >= 0, got {v!r}")
+        if self.ring_beta_big > 0 and not (self.ring_beta > 0 and 0 < self.ring_bytes < self.ring_big):
+            raise ValueError(f"LinkParams.ring_beta_big needs ring_beta > 0 and 0 < ring_bytes < ring_big, got "
+                             f"ring_beta={self.ring_beta!r}, ring_bytes={self.ring_bytes!r}, "
+                             f"ring_big={self.ring_big!r}")
 
     def describe(self) -> str:
         bw = "inf" if self.beta <= 0 else (f"{1e-9 / self.beta:.1f} GB/s" if self.beta <= 1e-9 else
@@ -156,7 +186,9 @@ class LinkParams:
         return (f"{self.name}: alpha={self.alpha * 1e6:.2f} us, 1/beta={bw}, gamma={self.gamma * 1e12:.1f} ps/B, "
                 f"delta={self.delta * 1e6:.2f} us, overhead={self.overhead * 1e6:.1f} us"
                 + (f", piece={self.piece * 1e6:.1f} us above {self.eager / 1024:g} KiB" if self.piece > 0 else "")
-                + (f", ring stage {self.ring_beta * 1e9:.3f} ns/B" if self.ring_beta > 0 else ""))
+                + (f", ring stage {self.ring_beta * 1e9:.3f} ns/B" if self.ring_beta > 0 else "")
+                + (f" ({_mib(self.ring_bytes)}), {self.ring_beta_big * 1e9:.3f} ns/B ({_mib(self.ring_big)})"
+                   if self.ring_beta_big > 0 else ""))
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -186,12 +218,15 @@ def preset(name: str) -> LinkParams:
         raise ValueError(f"unknown link preset {name!r} (choose from {', '.join(PRESETS)})") from None
 
 
-_LINK_FORM = "'alpha,beta[,gamma[,delta[,overhead]]][,piece=S][,eager=BYTES][,ring_beta=S_PER_BYTE]'"
+_LINK_FORM = ("'alpha,beta[,gamma[,delta[,overhead]]][,piece=S][,eager=BYTES][,ring_beta=S_PER_BYTE]"
+              "[,ring_beta_big=S_PER_BYTE][,ring_bytes=BYTES][,ring_big=BYTES]'")
+_LINK_NAMED = ("piece", "eager", "ring_beta", "ring_beta_big", "ring_bytes", "ring_big")
 
 
 def parse_link(text: str) -> LinkParams:
-    """A preset name, or ``"alpha,beta[,gamma[,delta[,overhead]]][,piece=S][,eager=BYTES][,ring_beta=S]"``: two
-    to five numbers in seconds and seconds per byte, then optionally the ring's own terms by name."""
+    """A preset name, or ``"alpha,beta[,gamma[,delta[,overhead]]][,piece=S][,eager=BYTES][,ring_beta=S]..."``
+    (:data:`_LINK_FORM`): two to five numbers in seconds and seconds per byte, then optionally the ring's own
+    terms by name."""
     text = text.strip()
     if text in PRESETS:
         return PRESETS[text]
@@ -201,7 +236,7 @@ def parse_link(text: str) -> LinkParams:
         for item in text.split(","):
             key, eq, val = item.partition("=")
             if eq:
-                if key.strip() not in ("piece", "eager", "ring_beta") or key.strip() in named:
+                if key.strip() not in _LINK_NAMED or key.strip() in named:
                     raise ValueError(item)
                 named[key.strip()] = float(val)
             elif named:
@@ -253,6 +288,19 @@ def piece_cost(piece_bytes: float, params: LinkParams) -> float:
     return params.piece if piece_bytes > params.eager else 0.0
 
 
+def ring_beta_at(nbytes: float, params: LinkParams) -> float:
+    """The pipelined ring's cost per byte of a stage on a state of ``nbytes``: ``params.ring_beta`` up to
+    ``ring_bytes``, ``ring_beta_big`` from ``ring_big`` on, linear in ``log(nbytes)`` between (just
+    ``ring_beta`` without ``ring_beta_big``; 0 without either)."""
+    p = params
+    if p.ring_beta_big <= 0 or nbytes <= p.ring_bytes:
+        return p.ring_beta
+    if nbytes >= p.ring_big:
+        return p.ring_beta_big
+    w = math.log(nbytes / p.ring_bytes) / math.log(p.ring_big / p.ring_bytes)
+    return p.ring_beta + w * (p.ring_beta_big - p.ring_beta)
+
+
 def ring_time(P: int, nbytes: float, k: int, params: LinkParams) -> float:
     """Pipelined ring with ``k`` pieces (seconds)."""
     _check(P, nbytes)
@@ -262,7 +310,7 @@ def ring_time(P: int, nbytes: float, k: int, params: LinkParams) -> float:
         return 0.0
     p, m = params, float(nbytes)
     if p.ring_beta > 0 and k > 1:  # the pipelined ring's own per-byte stage cost (transfer and combine)
-        t = p.overhead + (P + k - 2) * (p.alpha + piece_cost(m / k, p) + m * p.ring_beta / k)
+        t = p.overhead + (P + k - 2) * (p.alpha + piece_cost(m / k, p) + m * ring_beta_at(m, p) / k)
         return t + ((P + k - 3) * p.delta if P > 2 else 0.0)
     t = p.overhead + (P + k - 2) * (p.alpha + piece_cost(m / k, p) + m * p.beta / k)
     if P > 2:
@@ -304,6 +352,26 @@ def ring_from_times(P: int, nbytes: float, ks: Sequence[int], times: Sequence[fl
     if b < 0:  # ring_beta >= 0: fit u alone
         u, b = max(a, y1 / s11), 0.0
     return u - a, b
+
+
+def ring_beta_from_times(P: int, nbytes: float, ks: Sequence[int], times: Sequence[float],
+                         params: LinkParams) -> float:
+    """The per-byte stage cost that explains measured ring times ``times`` (seconds) at piece counts ``ks``
+    (>= 2 each, at least one) on one state of ``nbytes`` at ``P`` ranks, with ``params``' other terms kept
+    (``alpha``, ``piece`` above ``eager``, ``delta``, ``overhead``): the least squares ``b`` of
+    ``t - overhead - (P + k - 3) delta - (P + k - 2)(alpha + pi) = (P + k - 2) nbytes b / k``, at least 0.
+    Pure arithmetic."""
+    if len(ks) != len(times) or not ks or min(ks) < 2 or P < 2:
+        raise ValueError(f"need P >= 2 and piece counts >= 2 with one time each, got P = {P}, {ks}, {times}")
+    num = den = 0.0
+    for k, t in zip(ks, times):
+        stages = P + k - 2
+        x = stages * nbytes / k
+        y = (t - params.overhead - ((P + k - 3) * params.delta if P > 2 else 0.0)
+             - stages * (params.alpha + piece_cost(nbytes / k, params)))
+        num += x * y
+        den += x * x
+    return max(0.0, num / den)
 
 
 def piece_from_times(P: int, nbytes: float, k1: int, t1: float, k2: int, t2: float, params: LinkParams) -> float:
@@ -446,9 +514,11 @@ def with_name(params: LinkParams, name: str) -> LinkParams:
 # --------------------------------------------------------------------------- two-level machines
 
 
-def _hop(p: LinkParams, piece: float, k: int) -> float:
-    """One hop of a ring piece over ``p`` (with ``ring_beta``, for ``k > 1``: transfer and combine bytes)."""
-    per_byte = p.ring_beta if p.ring_beta > 0 and k > 1 else p.beta
+def _hop(p: LinkParams, nbytes: float, k: int) -> float:
+    """One hop of one of ``k`` pieces of an ``nbytes`` state over ``p`` (with ``ring_beta``, for ``k > 1``:
+    transfer and combine bytes)."""
+    piece = nbytes / k
+    per_byte = ring_beta_at(nbytes, p) if p.ring_beta > 0 and k > 1 else p.beta
     return p.alpha + piece_cost(piece, p) + piece * per_byte
 
 
@@ -487,8 +557,9 @@ def predict_hier(
 
     def ring(k: int) -> float:
         piece = nbytes / k
-        first = n_intra * _hop(intra, piece, k) + n_inter * _hop(inter, piece, k) + (P - 2) * _combine(cmb, piece, k)
-        stage = _hop(inter, piece, k) + _combine(cmb, piece, k)
+        first = (n_intra * _hop(intra, nbytes, k) + n_inter * _hop(inter, nbytes, k)
+                 + (P - 2) * _combine(cmb, piece, k))
+        stage = _hop(inter, nbytes, k) + _combine(cmb, piece, k)
         return intra.overhead + first + (k - 1) * stage
 
     if topology in ("ring", "serial"):

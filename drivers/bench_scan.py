@@ -82,6 +82,9 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                     help="measure alpha/beta/gamma on this machine first; --no-calibrate: use --link instead")
     ap.add_argument("--calibrate-method", default="shift", choices=["shift", "pingpong"],
                     help="link measurement: cyclic shift (the ring's steady state) or pair ping-pong")
+    ap.add_argument("--ring-big", default="16M", type=lambda t: 0 if t.strip() == "0" else parse_size(t),
+                    help="state size of the calibration's second ring fit (the stage cost once states outgrow the "
+                         "caches; more than 2M), 0: skip it (slow links: it moves 16 MiB per hop)")
     ap.add_argument("--link", default="shm", help="link preset or 'alpha,beta[,gamma[,delta]]' without calibration")
     ap.add_argument("--max-gather-mib", type=float, default=1024.0,
                     help="skip allgather/exscan points whose P*state exceeds this per rank (memory)")
@@ -108,10 +111,28 @@ def machine_info() -> dict[str, Any]:
         "load": [round(x, 2) for x in os.getloadavg()],
         "cpu": cpu_model(),
     }
+    mca = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("OMPI_MCA_", "MPIR_CVAR_"))}
+    if mca:  # the MPI library's settings from the environment (mpirun's --mca lands here too)
+        info["mpi_env"] = mca
     if os.environ.get("NETNS_HOSTS"):  # inside tests/netns/netns.sh: one rank per namespace, TCP
         info["netns"] = {"hosts": os.environ["NETNS_HOSTS"], "mpi": os.environ.get("NETNS_MPI"),
                          "rate": os.environ.get("NETNS_RATE") or None, "delay": os.environ.get("NETNS_DELAY") or None}
     return info
+
+
+#: Open MPI's shared-memory single-copy setting (environment form of ``--mca btl_vader_single_copy_mechanism``)
+SINGLE_COPY_VARS = ("OMPI_MCA_btl_vader_single_copy_mechanism", "OMPI_MCA_btl_sm_single_copy_mechanism")
+
+
+def transport_note() -> str | None:
+    """A line for the user when Open MPI's shared memory copies every message twice (single copy off)."""
+    for var in SINGLE_COPY_VARS:
+        if os.environ.get(var, "").strip().lower() == "none":
+            return (f"note: {var}=none: on one node every message above the eager size is copied in and out "
+                    "of shared memory; where the kernel allows it, --mca btl_vader_single_copy_mechanism cma "
+                    "(one copy by the receiver) made the ring 2-3x faster at 1 MiB on 12 ranks "
+                    "(docs/benchmarks/network.md)")
+    return None
 
 
 def exscan_algorithm() -> str:
@@ -169,13 +190,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.calibrate:
         params = calibrate(comm, sizes=(8, 64 << 10, 1 << 20, 4 << 20), dtype=args.dtype,
-                           method=args.calibrate_method)
+                           method=args.calibrate_method, ring_big=args.ring_big)
     else:
         params = costmodel.parse_link(args.link)
     costmodel.set_default_params(params)  # blocks=None / "auto" use the same numbers as the predictions
     alg = exscan_algorithm()
     if rank == 0:
         print(f"bench scan: P={P} ranks, {args.dtype}, {params.describe()}, exscan modelled as {alg}", flush=True)
+        note = transport_note()
+        if note:
+            print(note, flush=True)
 
     rng = np.random.default_rng(1234 + rank)
     results: list[dict[str, Any]] = []
@@ -393,6 +417,11 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench scan") -> int
     args = build_parser(prog).parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         raise SystemExit("--repeats must be >= 1 and --warmup >= 0")
+    from hpczeco.collectives.calibrate import RING_STATE_BYTES
+
+    if args.ring_big and args.ring_big <= RING_STATE_BYTES:
+        raise SystemExit(f"--ring-big must be 0 or more than {fmt_size(RING_STATE_BYTES)}, "
+                         f"got {fmt_size(args.ring_big)}")
     from mpi4py import MPI
 
     data = run(args)

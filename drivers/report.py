@@ -192,7 +192,7 @@ def piece_md(runs: list[dict[str, Any]]) -> list[str]:
                 continue
             pairs = ", ".join(f"k={k1}/{k2} at {fmt_size(m)}" for _, m, k1, k2 in est[1])
             src, with_p = f"estimated from this run's ring ({pairs})", replace(cal, piece=est[0])
-        without = replace(with_p, piece=0.0, ring_beta=0.0)  # the model before either ring term
+        without = replace(with_p, piece=0.0, ring_beta=0.0, ring_beta_big=0.0)  # the model before the ring terms
 
         def rms(p: cm.LinkParams, pts: list = pts, alg: str = alg) -> float:
             res = costfit.residuals(pts, p, exscan_algorithm=alg)
@@ -205,6 +205,9 @@ def piece_md(runs: list[dict[str, Any]]) -> list[str]:
         K = next((r["shape"][1] for r in run["results"]), 128)
         ks = f"{cm.best_blocks(run['P'], 1 << 20, K, without)} -> {cm.best_blocks(run['P'], 1 << 20, K, with_p)}"
         stage = f"; ring stage {with_p.ring_beta * 1e9:.3f} ns/B" if with_p.ring_beta > 0 else ""
+        if with_p.ring_beta_big > 0:
+            stage += (f" at {fmt_size(with_p.ring_bytes)}, {with_p.ring_beta_big * 1e9:.3f} at "
+                      f"{fmt_size(with_p.ring_big)}")
         lines.append(f"| {run['P']} | {with_p.piece * 1e6:.1f} above {with_p.eager / 1024:g} KiB{stage} | {src} | "
                      f"{rms(without):.3f} -> {rms(with_p):.3f} | {cells or '-'} | {ks} |")
     return lines
