@@ -96,6 +96,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     return ap
 
 
+#: what Open MPI's launcher sets for its own processes (job ids, addresses, paths): not settings of the run
+_LAUNCHER_MCA = tuple(f"OMPI_MCA_{k}" for k in ("orte_", "ess", "pmix", "initial_wdir", "shmem_RUNTIME", "plm"))
+
+
 def machine_info() -> dict[str, Any]:
     from mpi4py import MPI
 
@@ -111,7 +115,8 @@ def machine_info() -> dict[str, Any]:
         "load": [round(x, 2) for x in os.getloadavg()],
         "cpu": cpu_model(),
     }
-    mca = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("OMPI_MCA_", "MPIR_CVAR_"))}
+    mca = {k: v for k, v in sorted(os.environ.items())
+           if k.startswith(("OMPI_MCA_", "MPIR_CVAR_")) and not k.startswith(_LAUNCHER_MCA)}
     if mca:  # the MPI library's settings from the environment (mpirun's --mca lands here too)
         info["mpi_env"] = mca
     if os.environ.get("NETNS_HOSTS"):  # inside tests/netns/netns.sh: one rank per namespace, TCP

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import replace
 
 import numpy as np
@@ -159,3 +160,20 @@ def test_bench_ring_big_option():
     assert ap.parse_args(["--ring-big", "32M"]).ring_big == 32 * MIB
     with pytest.raises(SystemExit, match="--ring-big must be 0 or more than 2 MiB"):
         bench_scan.main(["--ring-big", "1M"])
+
+
+def test_bench_records_the_mpi_settings_and_says_when_single_copy_is_off(monkeypatch):
+    from hpczeco.drivers import bench_scan
+
+    for var in list(os.environ):
+        if var.startswith(("OMPI_MCA_", "MPIR_CVAR_")):
+            monkeypatch.delenv(var)
+    assert bench_scan.transport_note() is None and "mpi_env" not in bench_scan.machine_info()
+    monkeypatch.setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+    monkeypatch.setenv("OMPI_MCA_orte_hnp_uri", "1.0;tcp://192.0.2.2:1")  # the launcher's own: not recorded
+    monkeypatch.setenv("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "1")
+    assert bench_scan.machine_info()["mpi_env"] == {"MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1",
+                                                    "OMPI_MCA_btl_vader_single_copy_mechanism": "none"}
+    assert "btl_vader_single_copy_mechanism cma" in bench_scan.transport_note()
+    monkeypatch.setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "cma")
+    assert bench_scan.transport_note() is None
