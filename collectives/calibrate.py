@@ -265,10 +265,10 @@ def calibrate(
     size at the same time (memory bandwidth is shared); medians over ranks. ``overhead``:
     :func:`measure_overhead` on the user's communicator (``comm`` itself: the scans' contexts live
     there). ``eager``: :func:`eager_bytes`. ``piece`` and ``ring_beta`` (unless ``piece=False``):
-    :func:`measure_ring`, after the others; then ``ring_beta_big`` (unless ``piece=False`` or ``ring_big=0``):
-    :func:`measure_ring_big` on a state of ``ring_big`` bytes (more than ``RING_STATE_BYTES``; its ``P``
-    states and buffers must fit in memory). Rank 0's numbers are broadcast. One rank alone measures
-    ``alpha = beta = 0`` (no link).
+    :func:`measure_ring`, after the others (``ring_k_min``: its fewest pieces); then ``ring_beta_big``
+    (unless ``piece=False`` or ``ring_big=0``): :func:`measure_ring_big` on a state of ``ring_big`` bytes (more
+    than ``RING_STATE_BYTES``; its ``P`` states and buffers must fit in memory). Rank 0's numbers are
+    broadcast. One rank alone measures ``alpha = beta = 0`` (no link).
     """
     if method not in ("shift", "pingpong"):
         raise ValueError(f"method must be 'shift' or 'pingpong', got {method!r}")
@@ -313,7 +313,8 @@ def calibrate(
         link = LinkParams(*vals, overhead=comm.bcast(over, root=0), eager=eager, name=link.name)
         if piece:
             pc, rb = comm.bcast(measure_ring(comm, link, repeats, dtype), root=0)
-            link = LinkParams(*vals, overhead=link.overhead, piece=pc, eager=eager, ring_beta=rb, name=link.name)
+            link = LinkParams(*vals, overhead=link.overhead, piece=pc, eager=eager, ring_beta=rb,
+                              ring_k_min=float(min(RING_BLOCKS)) if rb > 0 else 0.0, name=link.name)
             if ring_big and rb > 0:
                 small = float(_ring_state_bytes(RING_STATE_BYTES, RING_BLOCKS, dtype))
                 rbb, big = comm.bcast(measure_ring_big(comm, link, ring_big, dtype=dtype), root=0)

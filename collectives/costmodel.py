@@ -49,6 +49,13 @@ Formulas (critical path; ``P`` ranks, ``k`` ring pieces, ``L = ceil(log2 P)``):
   :func:`ring_beta_at` interpolates the two in ``log(m)`` and holds the nearer value outside
   ``[ring_bytes, ring_big]`` (an assumption: no third regime beyond what was measured).
 
+  ``ring_k_min`` (when set) is the fewest pieces the fits measured (8). With fewer, larger pieces the model
+  does not carry the fitted cost below what a whole message costs: a stage then pays per byte at least
+  ``beta`` (plus ``gamma`` where the ring combines, ``P > 2``), the shift's measure of whole messages, which
+  holds any large-message protocol of the MPI library (over TCP between two hosts, pieces of 512 KiB and more
+  moved at the whole-message rate, 2-3x slower per byte than the fitted pieces of 43-256 KiB). Where the fit is
+  the dearer one (shared memory) nothing changes. :func:`ring_stage_beta` is the per-byte cost a stage pays.
+
   Within each regime (pieces above / at most ``eager``) the time is convex in ``k`` and minimised at
   ``k* = sqrt(m ((P - 2) beta + (P - 3) gamma) / (alpha + pi + delta))`` -- the paper's
   ``sqrt((P - 2) m beta / alpha)`` when combines and pieces are free; :func:`best_blocks` takes the
@@ -114,6 +121,7 @@ __all__ = [
     "ring_from_times",
     "ring_beta_from_times",
     "ring_beta_at",
+    "ring_stage_beta",
     "RING_BYTES",
     "RING_BIG",
     "serial_time",
@@ -151,7 +159,8 @@ class LinkParams:
     ``overhead`` s per scan call, ``piece`` s per ring piece and stage for pieces above ``eager`` bytes,
     ``ring_beta`` s per byte of one ring stage (the piece's transfer and its combine together; 0: ``beta +
     gamma``, what the shift and the combine alone measure) on a state of ``ring_bytes``, ``ring_beta_big`` the
-    same on a state of ``ring_big`` bytes (0: ``ring_beta`` at every size; :func:`ring_beta_at`).
+    same on a state of ``ring_big`` bytes (0: ``ring_beta`` at every size; :func:`ring_beta_at`), ``ring_k_min``
+    the fewest pieces those fits measured (0: no floor for fewer; :func:`ring_stage_beta`).
 
     Results saved before ``piece``/``eager``/``ring_beta``/``ring_beta_big`` existed load with the defaults
     (none of those terms)."""
@@ -168,10 +177,11 @@ class LinkParams:
     ring_beta_big: float = 0.0
     ring_bytes: float = float(RING_BYTES)
     ring_big: float = float(RING_BIG)
+    ring_k_min: float = 0.0
 
     def __post_init__(self) -> None:
         for k in ("alpha", "beta", "gamma", "delta", "overhead", "piece", "eager", "ring_beta", "ring_beta_big",
-                  "ring_bytes", "ring_big"):
+                  "ring_bytes", "ring_big", "ring_k_min"):
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"LinkParams.{k} must be a finite number >= 0, got {v!r}")
@@ -188,7 +198,9 @@ class LinkParams:
                 + (f", piece={self.piece * 1e6:.1f} us above {self.eager / 1024:g} KiB" if self.piece > 0 else "")
                 + (f", ring stage {self.ring_beta * 1e9:.3f} ns/B" if self.ring_beta > 0 else "")
                 + (f" ({_mib(self.ring_bytes)}), {self.ring_beta_big * 1e9:.3f} ns/B ({_mib(self.ring_big)})"
-                   if self.ring_beta_big > 0 else ""))
+                   if self.ring_beta_big > 0 else "")
+                + (f", at least beta below k = {self.ring_k_min:g}" if self.ring_beta > 0 and self.ring_k_min > 0
+                   else ""))
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -219,8 +231,8 @@ def preset(name: str) -> LinkParams:
 
 
 _LINK_FORM = ("'alpha,beta[,gamma[,delta[,overhead]]][,piece=S][,eager=BYTES][,ring_beta=S_PER_BYTE]"
-              "[,ring_beta_big=S_PER_BYTE][,ring_bytes=BYTES][,ring_big=BYTES]'")
-_LINK_NAMED = ("piece", "eager", "ring_beta", "ring_beta_big", "ring_bytes", "ring_big")
+              "[,ring_beta_big=S_PER_BYTE][,ring_bytes=BYTES][,ring_big=BYTES][,ring_k_min=K]'")
+_LINK_NAMED = ("piece", "eager", "ring_beta", "ring_beta_big", "ring_bytes", "ring_big", "ring_k_min")
 
 
 def parse_link(text: str) -> LinkParams:
@@ -301,6 +313,17 @@ def ring_beta_at(nbytes: float, params: LinkParams) -> float:
     return p.ring_beta + w * (p.ring_beta_big - p.ring_beta)
 
 
+def ring_stage_beta(P: int, nbytes: float, k: int, params: LinkParams) -> float:
+    """Seconds per byte one stage of the pipelined ring (``k > 1``, ``params.ring_beta`` set) pays on a state of
+    ``nbytes`` at ``P`` ranks, transfer and combine together: :func:`ring_beta_at`, and for fewer pieces than
+    ``params.ring_k_min`` at least ``beta`` (plus ``gamma`` for ``P > 2``)."""
+    p = params
+    b = ring_beta_at(nbytes, p)
+    if 0 < k < p.ring_k_min:
+        b = max(b, p.beta + (p.gamma if P > 2 else 0.0))
+    return b
+
+
 def ring_time(P: int, nbytes: float, k: int, params: LinkParams) -> float:
     """Pipelined ring with ``k`` pieces (seconds)."""
     _check(P, nbytes)
@@ -310,7 +333,7 @@ def ring_time(P: int, nbytes: float, k: int, params: LinkParams) -> float:
         return 0.0
     p, m = params, float(nbytes)
     if p.ring_beta > 0 and k > 1:  # the pipelined ring's own per-byte stage cost (transfer and combine)
-        t = p.overhead + (P + k - 2) * (p.alpha + piece_cost(m / k, p) + m * ring_beta_at(m, p) / k)
+        t = p.overhead + (P + k - 2) * (p.alpha + piece_cost(m / k, p) + m * ring_stage_beta(P, m, k, p) / k)
         return t + ((P + k - 3) * p.delta if P > 2 else 0.0)
     t = p.overhead + (P + k - 2) * (p.alpha + piece_cost(m / k, p) + m * p.beta / k)
     if P > 2:
@@ -514,11 +537,11 @@ def with_name(params: LinkParams, name: str) -> LinkParams:
 # --------------------------------------------------------------------------- two-level machines
 
 
-def _hop(p: LinkParams, nbytes: float, k: int) -> float:
-    """One hop of one of ``k`` pieces of an ``nbytes`` state over ``p`` (with ``ring_beta``, for ``k > 1``:
-    transfer and combine bytes)."""
+def _hop(p: LinkParams, P: int, nbytes: float, k: int) -> float:
+    """One hop of one of ``k`` pieces of an ``nbytes`` state over ``p`` at ``P`` ranks (with ``ring_beta``, for
+    ``k > 1``: transfer and combine bytes)."""
     piece = nbytes / k
-    per_byte = ring_beta_at(nbytes, p) if p.ring_beta > 0 and k > 1 else p.beta
+    per_byte = ring_stage_beta(P, nbytes, k, p) if p.ring_beta > 0 and k > 1 else p.beta
     return p.alpha + piece_cost(piece, p) + piece * per_byte
 
 
@@ -557,9 +580,9 @@ def predict_hier(
 
     def ring(k: int) -> float:
         piece = nbytes / k
-        first = (n_intra * _hop(intra, nbytes, k) + n_inter * _hop(inter, nbytes, k)
+        first = (n_intra * _hop(intra, P, nbytes, k) + n_inter * _hop(inter, P, nbytes, k)
                  + (P - 2) * _combine(cmb, piece, k))
-        stage = _hop(inter, nbytes, k) + _combine(cmb, piece, k)
+        stage = _hop(inter, P, nbytes, k) + _combine(cmb, piece, k)
         return intra.overhead + first + (k - 1) * stage
 
     if topology in ("ring", "serial"):

@@ -1,7 +1,7 @@
 """The ring's stage cost on states too large for the caches (``LinkParams.ring_beta_big``): the interpolation in
 ``log(m)``, its place in ``ring_time``/``predict_hier``/``best_blocks``, the fit to measured ring times
 (``ring_beta_from_times``), the checks, old results, the text form, its calibration (``measure_ring_big``) and
-the benchmark's ``--ring-big``."""
+the benchmark's ``--ring-big``; and the floor below the fewest pieces the fits measured (``ring_k_min``)."""
 
 from __future__ import annotations
 
@@ -130,6 +130,47 @@ def test_report_shows_both_stage_costs():
     assert "ring stage 0.500 ns/B at 2 MiB, 1.100 at 16 MiB" in text, text
 
 
+# what the CPU box's veths between two namespaces calibrate (network.md §6): whole messages 0.8 ns/B, the fitted
+# pieces of 43-256 KiB 0.36 ns/B
+TCP2 = cm.LinkParams(alpha=6.6e-6, beta=0.8e-9, gamma=1.1e-10, delta=1.2e-6, overhead=50e-6, ring_beta=0.36e-9,
+                     ring_k_min=8.0)
+
+
+def test_fewer_pieces_than_the_fit_measured_pay_at_least_a_whole_message():
+    for P in (2, 3, 12):
+        for p in (TCP2, replace(TCP2, ring_beta=2e-9), replace(BIG, ring_k_min=8.0)):
+            for m in (MIB, 4 * MIB, 32 * MIB):
+                whole = p.beta + (p.gamma if P > 2 else 0.0)
+                for k in range(2, 8):
+                    assert cm.ring_stage_beta(P, m, k, p) == max(cm.ring_beta_at(m, p), whole), (P, k)
+                for k in (8, 9, 64):
+                    assert cm.ring_stage_beta(P, m, k, p) == cm.ring_beta_at(m, p)
+                    assert cm.ring_time(P, m, k, p) == cm.ring_time(P, m, k, replace(p, ring_k_min=0.0))
+                for k in (2, 5):  # the formula with the floored per-byte cost; one piece keeps beta and gamma
+                    fixed = replace(p, ring_k_min=0.0, ring_beta_big=0.0, ring_beta=cm.ring_stage_beta(P, m, k, p))
+                    assert cm.ring_time(P, m, k, p) == pytest.approx(cm.ring_time(P, m, k, fixed), rel=1e-13)
+                assert cm.ring_time(P, m, 1, p) == cm.ring_time(P, m, 1, replace(p, ring_k_min=0.0))
+                hier, _ = cm.predict_hier("ring", P + 8, m, p, p, 8, blocks=4)
+                assert hier == pytest.approx(cm.ring_time(P + 8, m, 4, p), rel=1e-12)
+    # where the fit is the dearer cost (shared memory) the floor changes nothing
+    shm = replace(BIG, ring_k_min=8.0)
+    for k in range(2, 8):
+        assert cm.ring_time(12, 4 * MIB, k, shm) == cm.ring_time(12, 4 * MIB, k, BIG)
+
+
+def test_the_floor_keeps_the_model_off_large_pieces_it_never_measured():
+    # without the floor the model takes k = 2 at P = 2 (the fitted per-byte cost is below a whole message's);
+    # measured over TCP that is 2-3x slower than k >= 8 (network.md §6)
+    assert cm.best_blocks(2, MIB, 128, replace(TCP2, ring_k_min=0.0)) == 2
+    for m in (MIB, 2 * MIB, 4 * MIB):
+        k = cm.best_blocks(2, m, 128, TCP2)
+        assert k >= 8
+        assert cm.ring_time(2, m, k, TCP2) == min(cm.ring_time(2, m, j, TCP2) for j in range(1, 129))
+    assert "at least beta below k = 8" in TCP2.describe() and "below k" not in SMALL.describe()
+    q = cm.parse_link("6.6e-6,8e-10,1.1e-10,1.2e-6,5e-5,ring_beta=3.6e-10,ring_k_min=8")
+    assert q == replace(TCP2, name="custom")
+
+
 @pytest.mark.mpi
 def test_measure_ring_big_is_collective_and_calibrate_records_it(comm):
     from hpczeco.collectives.calibrate import calibrate, measure_ring_big
@@ -146,6 +187,7 @@ def test_measure_ring_big_is_collective_and_calibrate_records_it(comm):
     assert all(q == p for q in comm.allgather(p))
     if p.ring_beta_big > 0:
         assert p.ring_beta > 0 and (p.ring_bytes, p.ring_big) == (2 * MIB, 3 * MIB)
+    assert p.ring_k_min == (8.0 if p.ring_beta > 0 else 0.0)
     assert calibrate(comm, sizes=(8, 65536), repeats=2, ring_big=0).ring_beta_big == 0.0
     with pytest.raises(ValueError, match="ring_big"):
         calibrate(comm, sizes=(8, 65536), repeats=2, ring_big=MIB)  # checked before any message: every rank
