@@ -180,11 +180,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from hpczeco.collectives.names import TOPOLOGIES
     from mpi4py import MPI
 
-    from .console import warn_oversubscribed
+    from .console import warn_core_sharing, warn_oversubscribed
 
     comm = MPI.COMM_WORLD
     P, rank = comm.Get_size(), comm.Get_rank()
     over = warn_oversubscribed(comm, "hpczeco bench scan")  # collective; rank 0 warns once
+    # collective; when not oversubscribed, other work on the ranks' cores (another job bound to them)
+    shared = warn_core_sharing(comm, "hpczeco bench scan") if over is None else None
     dtype = np.dtype(args.dtype)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     topos = [t.strip() for t in args.topologies.split(",") if t.strip()]
@@ -217,6 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": args.dtype,
             "oversubscribed": over is not None,
             "oversubscription": None if over is None else {**asdict(over), "describe": over.describe()},
+            "core_sharing": None if shared is None else {**asdict(shared), "describe": shared.describe()},
             "machine": machine_info(),
             "load_at_start": started["load"],
             "params": params.as_dict(),
@@ -348,7 +351,7 @@ def print_table(data: dict[str, Any]) -> None:
     labels = list(dict.fromkeys(r["label"] for r in res))
     sizes = sorted({r["nbytes"] for r in res})
     by = {(r["label"], r["nbytes"]): r for r in res}
-    over = ", OVERSUBSCRIBED" if data.get("oversubscribed") else ""
+    over = ", OVERSUBSCRIBED" if data.get("oversubscribed") else (", CORES SHARED" if data.get("core_sharing") else "")
     print(f"\nscan time, P={data['P']} ({data['dtype']}{over}), median of max-over-ranks; ms measured / model")
     head = f"{'state':>9s} " + " ".join(f"{lab:>19s}" for lab in labels)
     print(head)

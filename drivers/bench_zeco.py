@@ -82,11 +82,12 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench zeco") -> int
 
     from hpczeco import ZeCOGLA
 
-    from .console import compile_notice, warn_oversubscribed
+    from .console import compile_notice, warn_core_sharing, warn_oversubscribed
 
     comm = MPI.COMM_WORLD
     P, rank = comm.Get_size(), comm.Get_rank()
     over = warn_oversubscribed(comm, prog)  # collective
+    shared = warn_core_sharing(comm, prog) if over is None else None  # collective: other work on the cores
     compile_notice(rank)
     dt = np.dtype(args.dtype)
     rng = np.random.default_rng(args.seed + rank)
@@ -155,7 +156,8 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench zeco") -> int
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": platform.node(),
             "machine": cpu_model(), "cpus": os.cpu_count(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "args": vars(args),
-            "oversubscription": None if over is None else over.describe()}
+            "oversubscription": None if over is None else over.describe(),
+            "core_sharing": None if shared is None else shared.describe()}
     (out / f"zeco_P{P}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     with open(out / f"zeco_P{P}.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))

@@ -6,6 +6,8 @@ oversubscription warning and progress lines for long phases.
   new ``NUMBA_CACHE_DIR``), so a first step that sits at 0% says why.
 - :func:`warn_oversubscribed`: collective; rank 0 prints one warning per process when ranks oversubscribe
   the cores of a node (:func:`hpczeco.drivers.mpienv.core_oversubscription`).
+- :func:`warn_core_sharing`: collective; rank 0 warns when some rank's core also runs other busy work
+  (:func:`hpczeco.drivers.mpienv.core_sharing`).
 - :class:`Progress`: ``label: 8/32 (12 s)`` lines, at most one every few seconds, for phases that would
   otherwise be silent (plain lines, readable in batch logs and through ``mpiexec``).
 """
@@ -18,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["COMPILE_NOTICE", "KERNEL_MODULES", "Progress", "compile_notice", "kernels_cached",
-           "warn_oversubscribed"]
+           "warn_oversubscribed", "warn_core_sharing"]
 
 #: the modules whose ``@njit(cache=True)`` kernels the CPU GLA path (chunk_gla, ZeCOGLA, train) compiles
 KERNEL_MODULES = ("hpczeco.gla._kernels", "hpczeco.gla._kernels_grad", "hpczeco.gla._pairwise")
@@ -70,6 +72,17 @@ def warn_oversubscribed(comm, prog: str, say: Callable[[str], Any] | None = None
         _warned.add(over.describe())
         (say or (lambda s: print(s, flush=True)))(f"{prog}: warning: {over.describe()}")
     return over
+
+
+def warn_core_sharing(comm, prog: str, say: Callable[[str], Any] | None = None):
+    """Collective: :func:`~hpczeco.drivers.mpienv.core_sharing` of ``comm`` (a 50 ms spin on every rank at once);
+    rank 0 prints ``warning: ...`` when some rank lost its core to other work. The result (or ``None``)."""
+    from .mpienv import core_sharing
+
+    shared = core_sharing(comm)
+    if shared is not None and comm.Get_rank() == 0:
+        (say or (lambda s: print(s, flush=True)))(f"{prog}: warning: {shared.describe()}")
+    return shared
 
 
 class Progress:

@@ -1,7 +1,8 @@
 """The MPI launch environment: settings for oversubscribed runs as root, the ``srun --mpi`` plugin that
 fits the library mpi4py loaded, whether that library is the one ``mpicc`` builds against, and a
-launcher/library mismatch (the launcher started N processes, MPI sees 1), and whether the ranks
-oversubscribe the cores of their node (:func:`core_oversubscription`).
+launcher/library mismatch (the launcher started N processes, MPI sees 1), whether the ranks
+oversubscribe the cores of their node (:func:`core_oversubscription`), and whether other work runs on the ranks'
+cores (:func:`core_sharing`).
 
 Used by the Makefile, ``tests/run_suite.py``, ``hpczeco report`` (its short bench), ``hpczeco info``,
 ``hpczeco train`` and ``jobs/lib.sh``. Command line::
@@ -38,6 +39,8 @@ __all__ = [
     "mpicc_mismatch",
     "launcher_mismatch",
     "CoreOversubscription",
+    "CoreSharing",
+    "core_sharing",
     "core_oversubscription",
 ]
 
@@ -354,6 +357,56 @@ def core_oversubscription(comm) -> CoreOversubscription | None:
         return None
     host, ranks, cores = max(over, key=lambda n: n[1] / max(1, n[2]))
     return CoreOversubscription(host, ranks, cores, len(over))
+
+
+@dataclass(frozen=True)
+class CoreSharing:
+    """Ranks of ``comm`` that lost a share ``lost`` (the worst) of a ``probe_s`` spin to other work on their cores,
+    in gaps of ``gap_ms`` (the median gap: the kernel's time slice of the other work)."""
+
+    ranks: tuple[int, ...]
+    lost: float
+    gap_ms: float
+    probe_s: float
+
+    def describe(self) -> str:
+        more = f" and {len(self.ranks) - 8} more" if len(self.ranks) > 8 else ""
+        shown = ", ".join(map(str, self.ranks[:8])) + more
+        return (f"rank(s) {shown} lost up to {self.lost:.0%} of a {self.probe_s * 1e3:.0f} ms spin to other work on "
+                f"their cores, in gaps of {self.gap_ms:.1f} ms: another job or process runs on the same cores (two "
+                "`mpirun --bind-to core` jobs on one node both bind to cores 0, 1, ...), so every wait for a rank "
+                "that is off its core lasts until the kernel switches back, and small scans cost multiples of "
+                "that gap")
+
+
+def _probe_gaps(seconds: float, floor: float) -> list[float]:
+    """Spin ``seconds``; the gaps longer than ``floor`` seconds in which this process did not run."""
+    import time
+
+    gaps: list[float] = []
+    t0 = last = time.perf_counter()
+    while last - t0 < seconds:
+        t = time.perf_counter()
+        if t - last > floor:
+            gaps.append(t - last)
+        last = t
+    return gaps
+
+
+def core_sharing(comm, seconds: float = 0.05, floor: float = 5e-4, threshold: float = 0.05) -> CoreSharing | None:
+    """Collective (the same answer on every rank): every rank of ``comm`` spins ``seconds`` at once and sums the
+    gaps longer than ``floor`` in which it did not run; a :class:`CoreSharing` naming the ranks that lost more
+    than ``threshold`` of the spin, ``None`` when none did. A bound rank whose core also runs other busy work
+    alternates with it in the kernel's time slices (4 ms on the machines measured, docs/benchmarks/network.md)."""
+    comm.Barrier()
+    gaps = _probe_gaps(seconds, floor)
+    every = comm.allgather((sum(gaps) / seconds, sorted(gaps)[len(gaps) // 2] if gaps else 0.0))
+    hit = [r for r, (lost, _) in enumerate(every) if lost > threshold]
+    if not hit:
+        return None
+    worst = max(every[r][0] for r in hit)
+    gap = sorted(every[r][1] for r in hit)[len(hit) // 2]
+    return CoreSharing(tuple(hit), min(1.0, worst), gap * 1e3, seconds)
 
 
 # ------------------------------------------------------------------------------------------- command line

@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,58 @@ def test_core_oversubscription_agrees_with_the_affinities(comm):
         assert got is not None and (got.ranks, got.cores) == (ranks, cores)
     else:
         assert got is None or got.host != socket.gethostname()  # (another node may be oversubscribed)
+
+
+# ------------------------------------------------------------------------------------------- core sharing
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity (Linux)")
+def test_core_sharing_sees_a_busy_process_on_this_core():
+    """A busy process pinned to this process's one core takes about half of a spin, in the kernel's slices."""
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(hog.pid, {cpu})
+        os.sched_setaffinity(0, {cpu})
+        time.sleep(0.05)  # the hog is running
+        got = mpienv.core_sharing(MPI.COMM_SELF, seconds=0.2)
+    finally:
+        os.sched_setaffinity(0, before)
+        hog.kill()
+        hog.wait()
+    assert got is not None and got.ranks == (0,) and 0.2 < got.lost <= 1.0, got
+    assert 0.5 <= got.gap_ms <= 100.0 and got.probe_s == 0.2
+    assert "rank(s) 0 lost up to" in got.describe() and "--bind-to core" in got.describe()
+
+
+def test_core_sharing_warning_and_record(monkeypatch, capsys):
+    monkeypatch.setattr(mpienv, "_probe_gaps", lambda seconds, floor: [])
+    said: list[str] = []
+    assert console.warn_core_sharing(MPI.COMM_SELF, "hpczeco bench scan", said.append) is None and said == []
+    monkeypatch.setattr(mpienv, "_probe_gaps", lambda seconds, floor: [4e-3] * 5)  # 20 ms of a 50 ms spin
+    got = console.warn_core_sharing(MPI.COMM_SELF, "hpczeco bench scan", said.append)
+    assert got is not None and got.ranks == (0,) and got.probe_s == 0.05
+    assert (got.lost, got.gap_ms) == (pytest.approx(0.4), pytest.approx(4.0))
+    assert said == [f"hpczeco bench scan: warning: {got.describe()}"] and "lost up to 40%" in said[0]
+    assert "in gaps of 4.0 ms" in said[0]
+    data = _scan_result(2, False)
+    data["core_sharing"] = {"describe": got.describe()}
+    bench_scan.print_table(data)
+    assert "CORES SHARED" in capsys.readouterr().out
+
+
+@pytest.mark.mpi
+def test_core_sharing_names_the_same_ranks_on_every_rank(comm, monkeypatch):
+    rank, P = comm.Get_rank(), comm.Get_size()
+    lost_rank = P - 1
+    monkeypatch.setattr(mpienv, "_probe_gaps",
+                        lambda seconds, floor: [8e-3] * 3 if comm.Get_rank() == lost_rank else [])
+    got = mpienv.core_sharing(comm, seconds=0.05)
+    answers = comm.allgather(got)
+    assert all(a == answers[0] for a in answers)
+    assert got is not None and got.ranks == (lost_rank,) and got.gap_ms == pytest.approx(8.0)
+    assert got.lost == pytest.approx(0.48) and rank in range(P)
 
 
 def _scan_result(P: int, oversubscribed: bool, calibrated: bool = True) -> dict:
