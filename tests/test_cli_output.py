@@ -195,11 +195,13 @@ def test_core_sharing_sees_a_busy_process_on_this_core():
     """A busy process pinned to this process's one core takes about half of a spin, in the kernel's slices."""
     before = os.sched_getaffinity(0)
     cpu = min(before)
-    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    hog = subprocess.Popen([sys.executable, "-c", "print('spinning', flush=True)\nwhile True: pass"],
+                           stdout=subprocess.PIPE, text=True)
     try:
         os.sched_setaffinity(hog.pid, {cpu})
+        assert hog.stdout is not None and hog.stdout.readline().strip() == "spinning"  # it runs from here on
         os.sched_setaffinity(0, {cpu})
-        time.sleep(0.05)  # the hog is running
+        time.sleep(0.01)
         got = mpienv.core_sharing(MPI.COMM_SELF, seconds=0.2)
     finally:
         os.sched_setaffinity(0, before)
