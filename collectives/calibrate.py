@@ -35,7 +35,7 @@ from .costmodel import (
 from .kernels import axpy_rows
 
 __all__ = ["calibrate", "eager_bytes", "measure_combine", "measure_overhead", "measure_piece", "measure_ring",
-           "measure_ring_big", "ring_times"]
+           "measure_ring_big", "check_ring_big", "ring_times"]
 
 #: tags of the ping-pong and cyclic-shift messages (on the private duplicate)
 _PINGPONG_TAG, _SHIFT_TAG = 7, 9
@@ -227,6 +227,15 @@ def measure_ring(comm: MPI.Comm, params: LinkParams, repeats: int = 15, dtype: A
     return ring_from_times(P, m, list(blocks), t, params)
 
 
+def check_ring_big(ring_big: int, dtype: Any = "float32") -> None:
+    """Raise ``ValueError`` unless ``ring_big`` is 0 or a state larger than :func:`measure_ring`'s by at least one
+    ``[., 128]`` row of ``dtype`` (pure: the same verdict on every rank)."""
+    if ring_big and (_ring_state_bytes(ring_big, RING_BIG_BLOCKS, dtype)
+                     <= _ring_state_bytes(RING_STATE_BYTES, RING_BLOCKS, dtype)):
+        raise ValueError(f"ring_big must be 0 or more than {RING_STATE_BYTES} bytes (2 MiB, by at least one state "
+                         f"row), got {ring_big}")
+
+
 def measure_ring_big(comm: MPI.Comm, params: LinkParams, nbytes: int = RING_BIG, repeats: int = RING_BIG_REPEATS,
                      dtype: Any = "float32", blocks: tuple[int, ...] = RING_BIG_BLOCKS) -> tuple[float, float]:
     """``(ring_beta_big, state bytes)``: the ring on a ``[1, R, 128]`` state of about ``nbytes`` timed like the
@@ -272,8 +281,7 @@ def calibrate(
     """
     if method not in ("shift", "pingpong"):
         raise ValueError(f"method must be 'shift' or 'pingpong', got {method!r}")
-    if ring_big and ring_big <= RING_STATE_BYTES:
-        raise ValueError(f"ring_big must be 0 or more than {RING_STATE_BYTES} bytes, got {ring_big}")
+    check_ring_big(ring_big, dtype)
     sizes = tuple(sorted(int(s) for s in sizes))
     if len(sizes) < 2 or sizes[0] <= 0:
         raise ValueError(f"sizes needs at least two positive sizes, got {sizes}")

@@ -47,7 +47,9 @@ Formulas (critical path; ``P`` ranks, ``k`` ring pieces, ``L = ceil(log2 P)``):
   ``ring_bytes`` state: a stage costs more per byte once the ``P`` ranks' states, pieces and results no longer
   fit the caches and every stage runs at the memory's bandwidth shared by all ``P`` ranks at once.
   :func:`ring_beta_at` interpolates the two in ``log(m)`` and holds the nearer value outside
-  ``[ring_bytes, ring_big]`` (an assumption: no third regime beyond what was measured).
+  ``[ring_bytes, ring_big]`` (an assumption: no third regime beyond what was measured). Both are measured at
+  the calibration's ``P``; since what leaves the caches is the ``P`` ranks' data together, using them at another
+  ``P`` (a saved calibration, ``--link``) is an extrapolation.
 
   ``ring_k_min`` (when set) is the fewest pieces the fits measured (8). With fewer, larger pieces the model
   does not carry the fitted cost below what a whole message costs: a stage then pays per byte at least
@@ -149,7 +151,7 @@ def _mib(n: float) -> str:
 EAGER_DEFAULT = 32 << 10
 
 #: environment variable with the default link parameters: a preset name or
-#: "alpha,beta[,gamma[,delta[,overhead]]][,piece=S][,eager=BYTES][,ring_beta=S_PER_BYTE][,ring_beta_big=...]"
+#: "alpha,beta[,gamma[,delta[,overhead]]][,piece=S][,eager=BYTES][,ring_beta=S_PER_BYTE]..." (``_LINK_FORM``)
 LINK_ENV = "HPCZECO_LINK"
 
 
@@ -384,8 +386,14 @@ def ring_beta_from_times(P: int, nbytes: float, ks: Sequence[int], times: Sequen
     (``alpha``, ``piece`` above ``eager``, ``delta``, ``overhead``): the least squares ``b`` of
     ``t - overhead - (P + k - 3) delta - (P + k - 2)(alpha + pi) = (P + k - 2) nbytes b / k``, at least 0.
     Pure arithmetic."""
-    if len(ks) != len(times) or not ks or min(ks) < 2 or P < 2:
-        raise ValueError(f"need P >= 2 and piece counts >= 2 with one time each, got P = {P}, {ks}, {times}")
+    if len(ks) != len(times) or not ks or min(ks) < 2 or P < 2 or not nbytes > 0:
+        raise ValueError(f"need P >= 2, nbytes > 0 and piece counts >= 2 with one time each, got P = {P}, "
+                         f"nbytes = {nbytes}, {ks}, {times}")
+    if min(ks) < params.ring_k_min:
+        raise ValueError(f"piece counts below params.ring_k_min ({params.ring_k_min:g}) pay the whole-message floor, "
+                         f"not the fitted cost; got {list(ks)}")
+    if not all(math.isfinite(t) for t in times):
+        raise ValueError(f"ring times must be finite, got {times}")
     num = den = 0.0
     for k, t in zip(ks, times):
         stages = P + k - 2

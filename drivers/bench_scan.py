@@ -44,6 +44,17 @@ def parse_size(text: str) -> int:
     return val
 
 
+def parse_size_or_zero(text: str) -> int:
+    """:func:`parse_size`, and 0 for any form of zero (``0``, ``0M``)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B").rstrip("KMG")
+    try:
+        if float(t) == 0:
+            return 0
+    except ValueError:
+        pass
+    return parse_size(text)
+
+
 def fmt_size(n: float) -> str:
     for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= div:
@@ -82,7 +93,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                     help="measure alpha/beta/gamma on this machine first; --no-calibrate: use --link instead")
     ap.add_argument("--calibrate-method", default="shift", choices=["shift", "pingpong"],
                     help="link measurement: cyclic shift (the ring's steady state) or pair ping-pong")
-    ap.add_argument("--ring-big", default="16M", type=lambda t: 0 if t.strip() == "0" else parse_size(t),
+    ap.add_argument("--ring-big", default="16M", type=parse_size_or_zero,
                     help="state size of the calibration's second ring fit (the stage cost once states outgrow the "
                          "caches; more than 2M), 0: skip it (slow links: it moves 16 MiB per hop)")
     ap.add_argument("--link", default="shm", help="link preset or 'alpha,beta[,gamma[,delta]]' without calibration")
@@ -97,7 +108,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
 
 #: what Open MPI's launcher sets for its own processes (job ids, addresses, paths): not settings of the run
-_LAUNCHER_MCA = tuple(f"OMPI_MCA_{k}" for k in ("orte_", "ess", "pmix", "initial_wdir", "shmem_RUNTIME", "plm"))
+_LAUNCHER_MCA = tuple(f"OMPI_MCA_{k}" for k in ("orte_ess_", "orte_hnp_", "orte_local_daemon_", "orte_jobfam_",
+                                                  "orte_top_session_", "orte_tmpdir_", "orte_launch",
+                                                  "orte_app_num", "orte_num_nodes", "orte_precondition_",
+                                                  "orte_bound_at_launch", "ess", "pmix", "initial_wdir",
+                                                  "shmem_RUNTIME"))
 
 
 def machine_info() -> dict[str, Any]:
@@ -133,8 +148,9 @@ def transport_note() -> str | None:
     """A line for the user when Open MPI's shared memory copies every message twice (single copy off)."""
     for var in SINGLE_COPY_VARS:
         if os.environ.get(var, "").strip().lower() == "none":
+            mca = var.removeprefix("OMPI_MCA_")
             return (f"note: {var}=none: on one node every message above the eager size is copied in and out "
-                    "of shared memory; where the kernel allows it, --mca btl_vader_single_copy_mechanism cma "
+                    f"of shared memory; where the kernel allows it, --mca {mca} cma "
                     "(one copy by the receiver) made the ring 2-3x faster at 1 MiB on 12 ranks "
                     "(docs/benchmarks/network.md)")
     return None
@@ -425,11 +441,12 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench scan") -> int
     args = build_parser(prog).parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         raise SystemExit("--repeats must be >= 1 and --warmup >= 0")
-    from hpczeco.collectives.calibrate import RING_STATE_BYTES
+    from hpczeco.collectives.calibrate import check_ring_big
 
-    if args.ring_big and args.ring_big <= RING_STATE_BYTES:
-        raise SystemExit(f"--ring-big must be 0 or more than {fmt_size(RING_STATE_BYTES)}, "
-                         f"got {fmt_size(args.ring_big)}")
+    try:
+        check_ring_big(args.ring_big, args.dtype)
+    except ValueError:
+        raise SystemExit(f"--ring-big must be 0 or more than 2 MiB, got {args.ring_big} bytes") from None
     from mpi4py import MPI
 
     data = run(args)

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco demo") -> int:
     _say(comm, "3/4 ring vs tree (and allgather / serial / exscan) scans of 16 KiB and 1 MiB states")
     sizes = "16K" if args.quick else "16K,1M"
     rc = bench_scan.main(["--sizes", sizes, "--repeats", "5", "--warmup", "1", "--time-limit", "1",
-                          "--blocks", "4", "--out", str(out / "scan")])
+                          "--blocks", "4", "--ring-big", "0", "--out", str(out / "scan")])
     if rc:
         return rc
 

@@ -376,7 +376,7 @@ class CoreSharing:
                 f"their cores, in gaps of {self.gap_ms:.1f} ms: another job or process runs on the same cores (two "
                 "`mpirun --bind-to core` jobs on one node both bind to cores 0, 1, ...), so every wait for a rank "
                 "that is off its core lasts until the kernel switches back, and small scans cost multiples of "
-                "that gap")
+                "that gap (on a VM, the hypervisor taking the CPU looks the same)")
 
 
 def _probe_gaps(seconds: float, floor: float) -> list[float]:
@@ -398,6 +398,9 @@ def core_sharing(comm, seconds: float = 0.05, floor: float = 5e-4, threshold: fl
     gaps longer than ``floor`` in which it did not run; a :class:`CoreSharing` naming the ranks that lost more
     than ``threshold`` of the spin, ``None`` when none did. A bound rank whose core also runs other busy work
     alternates with it in the kernel's time slices (4 ms on the machines measured, docs/benchmarks/network.md)."""
+    if not (seconds > 0 and floor > 0 and 0 < threshold < 1):
+        raise ValueError(f"core_sharing needs seconds > 0, floor > 0 and 0 < threshold < 1, got {seconds}, {floor}, "
+                         f"{threshold}")
     comm.Barrier()
     gaps = _probe_gaps(seconds, floor)
     every = comm.allgather((sum(gaps) / seconds, sorted(gaps)[len(gaps) // 2] if gaps else 0.0))

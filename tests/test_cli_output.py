@@ -195,12 +195,18 @@ def test_core_sharing_sees_a_busy_process_on_this_core():
     """A busy process pinned to this process's one core takes about half of a spin, in the kernel's slices."""
     before = os.sched_getaffinity(0)
     cpu = min(before)
+    import select
+
     hog = subprocess.Popen([sys.executable, "-c", "print('spinning', flush=True)\nwhile True: pass"],
                            stdout=subprocess.PIPE, text=True)
     try:
-        os.sched_setaffinity(hog.pid, {cpu})
-        assert hog.stdout is not None and hog.stdout.readline().strip() == "spinning"  # it runs from here on
-        os.sched_setaffinity(0, {cpu})
+        try:
+            os.sched_setaffinity(hog.pid, {cpu})
+            os.sched_setaffinity(0, {cpu})
+        except PermissionError as exc:
+            pytest.skip(f"CPU affinity cannot be set here: {exc}")
+        assert hog.stdout is not None and select.select([hog.stdout], [], [], 60)[0], "the busy process did not start"
+        assert hog.stdout.readline().strip() == "spinning"  # it runs from here on
         time.sleep(0.01)
         got = mpienv.core_sharing(MPI.COMM_SELF, seconds=0.2)
     finally:
@@ -210,6 +216,12 @@ def test_core_sharing_sees_a_busy_process_on_this_core():
     assert got is not None and got.ranks == (0,) and 0.2 < got.lost <= 1.0, got
     assert 0.5 <= got.gap_ms <= 100.0 and got.probe_s == 0.2
     assert "rank(s) 0 lost up to" in got.describe() and "--bind-to core" in got.describe()
+
+
+def test_core_sharing_checks_its_arguments():
+    for bad in ({"seconds": 0}, {"floor": 0}, {"threshold": 0}, {"threshold": 1.5}):
+        with pytest.raises(ValueError, match="core_sharing needs"):
+            mpienv.core_sharing(MPI.COMM_SELF, **bad)
 
 
 def test_core_sharing_warning_and_record(monkeypatch, capsys):
@@ -230,15 +242,15 @@ def test_core_sharing_warning_and_record(monkeypatch, capsys):
 
 @pytest.mark.mpi
 def test_core_sharing_names_the_same_ranks_on_every_rank(comm, monkeypatch):
-    rank, P = comm.Get_rank(), comm.Get_size()
-    lost_rank = P - 1
+    lost_rank = comm.Get_size() - 1
     monkeypatch.setattr(mpienv, "_probe_gaps",
                         lambda seconds, floor: [8e-3] * 3 if comm.Get_rank() == lost_rank else [])
     got = mpienv.core_sharing(comm, seconds=0.05)
     answers = comm.allgather(got)
     assert all(a == answers[0] for a in answers)
     assert got is not None and got.ranks == (lost_rank,) and got.gap_ms == pytest.approx(8.0)
-    assert got.lost == pytest.approx(0.48) and rank in range(P)
+    assert got.lost == pytest.approx(0.48)
+    assert f"rank(s) {lost_rank} lost up to 48%" in got.describe()
 
 
 def _scan_result(P: int, oversubscribed: bool, calibrated: bool = True) -> dict:

@@ -88,6 +88,12 @@ def test_ring_beta_from_times_recovers_the_stage_cost(P, rng):
             cm.ring_beta_from_times(P, 16 * MIB, *bad, SMALL)
     with pytest.raises(ValueError):
         cm.ring_beta_from_times(1, 16 * MIB, [16], [1.0], SMALL)
+    with pytest.raises(ValueError, match="nbytes"):
+        cm.ring_beta_from_times(P, 0, [16], [1.0], SMALL)
+    with pytest.raises(ValueError, match="finite"):
+        cm.ring_beta_from_times(P, 16 * MIB, [16, 48], [1e-3, float("nan")], SMALL)
+    with pytest.raises(ValueError, match="ring_k_min"):  # such points pay the floor, not the fitted cost
+        cm.ring_beta_from_times(P, 16 * MIB, [4, 16], [1e-3, 1e-3], replace(SMALL, ring_k_min=8.0))
 
 
 def test_checks_old_results_and_the_text_form():
@@ -194,7 +200,18 @@ def test_measure_ring_big_is_collective_and_calibrate_records_it(comm):
 
 
 def test_bench_ring_big_option():
+    from hpczeco.collectives.calibrate import check_ring_big
     from hpczeco.drivers import bench_scan
+
+    check_ring_big(0)
+    check_ring_big(3 * MIB)
+    check_ring_big(2 * MIB + 512)  # one float32 row more
+    for bad in (MIB, 2 * MIB, 2 * MIB + 100):  # 2 MiB + 100 B rounds down to the 2 MiB state
+        with pytest.raises(ValueError, match="ring_big must be 0 or more than"):
+            check_ring_big(bad)
+    with pytest.raises(ValueError):
+        check_ring_big(2 * MIB + 512, "float64")  # a float64 row is 1 KiB
+    assert bench_scan.parse_size_or_zero("0M") == 0 and bench_scan.parse_size_or_zero("0") == 0
 
     ap = bench_scan.build_parser("hpczeco bench scan")
     assert ap.parse_args([]).ring_big == 16 * MIB
@@ -219,3 +236,5 @@ def test_bench_records_the_mpi_settings_and_says_when_single_copy_is_off(monkeyp
     assert "btl_vader_single_copy_mechanism cma" in bench_scan.transport_note()
     monkeypatch.setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "cma")
     assert bench_scan.transport_note() is None
+    monkeypatch.setenv("OMPI_MCA_btl_sm_single_copy_mechanism", "none")  # Open MPI 5's name
+    assert "--mca btl_sm_single_copy_mechanism cma" in bench_scan.transport_note()
