@@ -8,24 +8,14 @@ of the gaps (> 0.1 ms) in which it did not run: the other one's time slices.
 from __future__ import annotations
 
 import sys
-import time
+
+from hpczeco.drivers.mpienv import spin_gaps
 
 SECONDS = 3.0
 
 
-def gaps(seconds: float = SECONDS, floor: float = 1e-4) -> list[float]:
-    out: list[float] = []
-    t0 = last = time.perf_counter()
-    while last - t0 < seconds:
-        t = time.perf_counter()
-        if t - last > floor:
-            out.append(t - last)
-        last = t
-    return sorted(out)
-
-
 def main() -> None:
-    g = gaps()
+    g = sorted(spin_gaps(SECONDS, 1e-4))
     tag = sys.argv[1] if len(sys.argv) > 1 else ""
     if not g:
         print(f"{tag} no gaps above 0.1 ms (the core was not shared)")

@@ -41,6 +41,7 @@ __all__ = [
     "CoreOversubscription",
     "CoreSharing",
     "core_sharing",
+    "spin_gaps",
     "core_oversubscription",
 ]
 
@@ -379,7 +380,7 @@ class CoreSharing:
                 "that gap (on a VM, the hypervisor taking the CPU looks the same)")
 
 
-def _probe_gaps(seconds: float, floor: float) -> list[float]:
+def spin_gaps(seconds: float, floor: float) -> list[float]:
     """Spin ``seconds``; the gaps longer than ``floor`` seconds in which this process did not run."""
     import time
 
@@ -402,7 +403,7 @@ def core_sharing(comm, seconds: float = 0.05, floor: float = 5e-4, threshold: fl
         raise ValueError(f"core_sharing needs seconds > 0, floor > 0 and 0 < threshold < 1, got {seconds}, {floor}, "
                          f"{threshold}")
     comm.Barrier()
-    gaps = _probe_gaps(seconds, floor)
+    gaps = spin_gaps(seconds, floor)
     every = comm.allgather((sum(gaps) / seconds, sorted(gaps)[len(gaps) // 2] if gaps else 0.0))
     hit = [r for r, (lost, _) in enumerate(every) if lost > threshold]
     if not hit:

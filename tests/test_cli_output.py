@@ -225,10 +225,10 @@ def test_core_sharing_checks_its_arguments():
 
 
 def test_core_sharing_warning_and_record(monkeypatch, capsys):
-    monkeypatch.setattr(mpienv, "_probe_gaps", lambda seconds, floor: [])
+    monkeypatch.setattr(mpienv, "spin_gaps", lambda seconds, floor: [])
     said: list[str] = []
     assert console.warn_core_sharing(MPI.COMM_SELF, "hpczeco bench scan", said.append) is None and said == []
-    monkeypatch.setattr(mpienv, "_probe_gaps", lambda seconds, floor: [4e-3] * 5)  # 20 ms of a 50 ms spin
+    monkeypatch.setattr(mpienv, "spin_gaps", lambda seconds, floor: [4e-3] * 5)  # 20 ms of a 50 ms spin
     got = console.warn_core_sharing(MPI.COMM_SELF, "hpczeco bench scan", said.append)
     assert got is not None and got.ranks == (0,) and got.probe_s == 0.05
     assert (got.lost, got.gap_ms) == (pytest.approx(0.4), pytest.approx(4.0))
@@ -243,7 +243,7 @@ def test_core_sharing_warning_and_record(monkeypatch, capsys):
 @pytest.mark.mpi
 def test_core_sharing_names_the_same_ranks_on_every_rank(comm, monkeypatch):
     lost_rank = comm.Get_size() - 1
-    monkeypatch.setattr(mpienv, "_probe_gaps",
+    monkeypatch.setattr(mpienv, "spin_gaps",
                         lambda seconds, floor: [8e-3] * 3 if comm.Get_rank() == lost_rank else [])
     got = mpienv.core_sharing(comm, seconds=0.05)
     answers = comm.allgather(got)
