@@ -6,6 +6,8 @@ These checks are local. Anything that runs before communication wraps them with
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -70,3 +72,37 @@ def check_same_dtype(**arrays: Any) -> None:
     if len(set(dts.values())) > 1:
         desc = ", ".join(f"{k}={d}" for k, d in dts.items())
         raise TypeError(f"arrays must share one dtype, got {desc}")
+
+
+#: the largest chunk size of the GPU GLA kernels (``hpczeco.gpu.gla``)
+GPU_MAX_CHUNK = 64
+
+
+def check_chunk_size(chunk_size: Any, device: bool = False) -> int:
+    """The one rule for ``chunk_size``: an int >= 1, and <= :data:`GPU_MAX_CHUNK` when the arrays are on a GPU.
+
+    ``TypeError`` for a non-int (bools too), ``ValueError`` out of range. Returns it as an int.
+    """
+    if isinstance(chunk_size, (bool, np.bool_)) or not isinstance(chunk_size, numbers.Integral):
+        raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
+    if int(chunk_size) < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if device and int(chunk_size) > GPU_MAX_CHUNK:
+        raise ValueError(f"chunk_size must be in [1, {GPU_MAX_CHUNK}] on the GPU, got {chunk_size}")
+    return int(chunk_size)
+
+
+def check_scale(scale: Any, K: int | None = None) -> float | None:
+    """The one rule for ``scale``: None (meaning ``K ** -0.5``) or a positive finite real number.
+
+    Returns the value to use: ``K ** -0.5`` for None when ``K`` is given, else ``scale`` as a float
+    (None stays None while ``K`` is not known yet). ``TypeError`` for bools, strings and other
+    non-numbers; ``ValueError`` for zero, negative, NaN or infinite values.
+    """
+    if scale is None:
+        return None if K is None else float(K) ** -0.5
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a positive number or None, got {type(scale).__name__} {scale!r}")
+    if not (math.isfinite(float(scale)) and float(scale) > 0):
+        raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
+    return float(scale)
