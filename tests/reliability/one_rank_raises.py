@@ -1,4 +1,4 @@
-"""Helper for tests/test_reliability2.py: a library user's script in which one rank raises while the others
+"""Helper for tests/test_job_faults.py: a library user's script in which one rank raises while the others
 wait in a collective, guarded by ``hpczeco.collectives.abort_on_error``.
 
 Usage: mpiexec -n 3 python one_rank_raises.py KIND

@@ -1,4 +1,4 @@
-"""Helper for tests/test_reliability2.py: one rank stalls around ``ZeCOGLA``; the others must end the job
+"""Helper for tests/test_job_faults.py: one rank stalls around ``ZeCOGLA``; the others must end the job
 within ``$HPCZECO_COLLECTIVE_TIMEOUT`` with a message naming it.
 
 Usage: mpiexec -n 3 python zeco_stall.py MODE

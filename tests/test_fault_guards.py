@@ -1,7 +1,8 @@
-"""Reliability, round two (issue 16), in-process checks: agreement on the backward's ``do``, options equal in
-value but not in type, option checks, the agreed collective timeout and the timed collectives, the
-prefill's agreement and limits, the checkpoint loader's bounds and the writer's clean-up. The ``mpi``
-ones run at every rank count of the suite (a disagreement is raised on one rank, checked on all)."""
+"""The guards against single-rank faults, in process: agreement on the backward's ``do``, options equal in value
+but not in type, option checks, the agreed collective timeout and the timed collectives, the prefill's agreement
+and limits, the checkpoint loader's bounds and the writer's clean-up (the same faults in whole launched jobs:
+test_job_faults.py). The ``mpi`` ones run at every rank count of the suite (a disagreement is raised on one rank,
+checked on all)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from mpi4py import MPI
 
 from hpczeco import ZeCOGLA
 
-# --------------------------------------------------------------------------------------------- 1: backward's do
+# --------------------------------------------------------------------------------------------- the backward's do
 
 
 def _layer_and_inputs(comm, rng, dtype=np.float32):
@@ -53,7 +54,7 @@ def test_backward_do_disagreement_raises_on_every_rank(comm, rng, bad):
     assert all(np.isfinite(x).all() for x in grads[:4])
 
 
-# --------------------------------------------------------------------------------------------- 8: values and types
+# --------------------------------------------------------------------------------------------- values and types
 
 
 @pytest.mark.mpi
@@ -110,7 +111,7 @@ def test_agree_fast_flags_are_the_maximum(comm):
     assert got == (1, P - 1, 0)
 
 
-# --------------------------------------------------------------------------------------------- 6: the agreed timeout
+# --------------------------------------------------------------------------------------------- the agreed timeout
 
 
 @pytest.mark.mpi
@@ -182,7 +183,7 @@ def test_timed_collectives_equal_mpi(comm, rng, with_timeout):
             os.environ[TIMEOUT_ENV] = old
 
 
-# --------------------------------------------------------------------------------------------- 7, 8: prefill
+# --------------------------------------------------------------------------------------------- prefill
 
 
 @pytest.mark.mpi
@@ -257,7 +258,7 @@ def test_prefill_estimate_grows_with_tokens_and_global_share():
     assert m.estimate(20_000, 0, 0, 4, "heads").bytes_per_rank < b.bytes_per_rank
 
 
-# --------------------------------------------------------------------------------------------- 2, 8: train options
+# --------------------------------------------------------------------------------------------- train options
 
 
 @pytest.mark.parametrize("opt", ["--lr", "--weight-decay", "--clip", "--eps"])
@@ -288,7 +289,7 @@ def test_cli_one_rank_reports_errors(tmp_path, capsys, monkeypatch):
     assert "hpczeco train: error: RuntimeError: fault injection: rank 0 raises in step 2 (internal error" in err
 
 
-# --------------------------------------------------------------------------------------------- 3, 4, 5, 8: checkpoints
+# --------------------------------------------------------------------------------------------- checkpoints
 
 
 def _good(tmp_path: Path, step: int = 1) -> Path:
@@ -371,7 +372,7 @@ def test_leftover_temporaries_removed_by_the_next_write(tmp_path):
 
 
 def test_disk_full_write_is_a_clean_error(tmp_path, monkeypatch):
-    """os.pwrite failing with ENOSPC half-way (simulated: the tmpfs test in test_reliability2.py does it for
+    """os.pwrite failing with ENOSPC half-way (simulated: the tmpfs test in test_job_faults.py does it for
     real): a CheckpointError naming the folder and the bytes needed, the temporary removed."""
     _good(tmp_path, 1)
     real = os.pwrite

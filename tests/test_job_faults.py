@@ -1,8 +1,8 @@
-"""Reliability, round two (issue 16): no hang from any single-rank failure, checkpoints checked before they
-are chosen, bounded inputs. Every test here launches its own job (``mpiexec`` with 2-3 ranks, or one
-process) and is bounded twice -- ``MPIEXEC_TIMEOUT`` for the launcher and ``timeout=`` for the
-subprocess -- so a regression fails instead of hanging. Serial stage only. The times to exit printed
-here (``-s``) are the figures of docs/RELIABILITY.md.
+"""Faults in whole launched jobs: no hang from any single-rank failure, checkpoints checked before they are
+chosen, bounded inputs (the same guards in process: test_fault_guards.py). Every test here launches its own job
+(``mpiexec`` with 2-3 ranks, or one process) and is bounded twice -- ``MPIEXEC_TIMEOUT`` for the launcher and
+``timeout=`` for the subprocess -- so a regression fails instead of hanging. Serial stage only. The times to
+exit printed here (``-s``) are the figures of docs/RELIABILITY.md.
 
 ``HPCZECO_TEST_MPIEXEC`` / ``MPIEXEC`` pick the launcher (the tests also ran under Debian's MPICH and
 Open MPI with an mpi4py built against each: docs/RELIABILITY.md).
@@ -127,7 +127,7 @@ def test_library_script_under_abort_on_error(kind):
     assert exit_s < 60
 
 
-# --------------------------------------------------------------------------------------------- 2: output paths
+# --------------------------------------------------------------------------------------------- output paths
 
 
 @pytest.mark.parametrize("where", ["missing-folder", "directory", "ckpt-dir-is-a-file"])
@@ -148,7 +148,7 @@ def test_bad_output_path_is_one_clean_error(tmp_path, text_file, where):
     print(f"bad output path [{where}]: {lines[0]!r}, job ended after {took:.2f} s")
 
 
-# --------------------------------------------------------------------------------------------- 3, 4: resume checks
+# --------------------------------------------------------------------------------------------- resume checks
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +245,7 @@ def test_resume_skips_a_checkpoint_that_fails_any_check(tmp_path, text_file, two
     print(f"resume[{case}]: {m.group(2)[:110]!r} ({took:.1f} s)")
 
 
-# --------------------------------------------------------------------------------------------- 5: disk full
+# --------------------------------------------------------------------------------------------- disk full
 
 
 @pytest.fixture
@@ -285,7 +285,7 @@ def test_disk_full_is_a_clean_checkpoint_error(tiny_tmpfs, text_file, n):
     print(f"disk full (n={n}): clean error after {took:.1f} s: needs {m.group(2)} B, {m.group(3)} B free")
 
 
-# --------------------------------------------------------------------------------------------- 6: timeouts
+# --------------------------------------------------------------------------------------------- timeouts
 
 
 @pytest.mark.parametrize("mode, message", [
@@ -341,7 +341,7 @@ def test_timeout_set_on_one_rank_is_a_configuration_mismatch():
     assert "did not call" not in text
 
 
-# --------------------------------------------------------------------------------------------- 7: prefill limits
+# --------------------------------------------------------------------------------------------- prefill limits
 
 
 def test_prefill_refuses_a_text_above_the_token_limit(tmp_path):
