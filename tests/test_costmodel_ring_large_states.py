@@ -17,7 +17,7 @@ from hpczeco.collectives import costmodel as cm
 MIB = 1 << 20
 SMALL = cm.LinkParams(alpha=4e-6, beta=4e-10, gamma=1.5e-10, delta=3e-6, overhead=90e-6, piece=30e-6, eager=4096.0,
                       ring_beta=0.5e-9)
-BIG = replace(SMALL, ring_beta_big=1.1e-9)  # what the GPU machine's host cores give under CMA (network.md §4)
+BIG = replace(SMALL, ring_beta_big=1.1e-9)  # what the GPU machine's host cores give under CMA (network.md §5)
 
 
 def test_interpolation_in_log_size_and_clamped_outside():
@@ -136,7 +136,7 @@ def test_report_shows_both_stage_costs():
     assert "ring stage 0.500 ns/B at 2 MiB, 1.100 at 16 MiB" in text, text
 
 
-# what the CPU box's veths between two namespaces calibrate (network.md §6): whole messages 0.8 ns/B, the fitted
+# what the CPU box's veths between two namespaces calibrate (network.md §5): whole messages 0.8 ns/B, the fitted
 # pieces of 43-256 KiB 0.36 ns/B
 TCP2 = cm.LinkParams(alpha=6.6e-6, beta=0.8e-9, gamma=1.1e-10, delta=1.2e-6, overhead=50e-6, ring_beta=0.36e-9,
                      ring_k_min=8.0)
@@ -166,7 +166,7 @@ def test_fewer_pieces_than_the_fit_measured_pay_at_least_a_whole_message():
 
 def test_the_floor_keeps_the_model_off_large_pieces_it_never_measured():
     # without the floor the model takes k = 2 at P = 2 (the fitted per-byte cost is below a whole message's);
-    # measured over TCP that is 2-3x slower than k >= 8 (network.md §6)
+    # measured over TCP that is 2-3x slower than k >= 8 (network.md §5)
     assert cm.best_blocks(2, MIB, 128, replace(TCP2, ring_k_min=0.0)) == 2
     for m in (MIB, 2 * MIB, 4 * MIB):
         k = cm.best_blocks(2, m, 128, TCP2)
