@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hpczeco.drivers import checkpoint as ck
 from hpczeco.drivers.checkpoint import CheckpointError, CheckpointWriter, list_checkpoints, load_latest
+from hpczeco.drivers.checkpoint import write as ck_write
 
 
 def _arrays(rng, scale: float = 1.0) -> dict[str, np.ndarray]:
@@ -92,7 +93,7 @@ def test_atomic_write_failure_leaves_previous_newest(tmp_path, rng, monkeypatch)
     def broken_replace(src, dst):
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(ck.os, "replace", broken_replace)
+    monkeypatch.setattr(ck_write.os, "replace", broken_replace)
     with pytest.raises(CheckpointError, match="disk full"):
         w.save(2, {"w": np.full(3, 2.0)}, {"config": {"a": 1}})
     monkeypatch.undo()
