@@ -1,6 +1,7 @@
-"""Optional dependencies: the library (``hpczeco``, ``.collectives``, ``.gpu``, ``.base``) needs only numpy, numba
-and mpi4py; h5py, tqdm and matplotlib are the ``drivers`` extra (pyproject.toml), and a command of the CLI that
-lacks one says so in one line naming ``pip install 'hpczeco[drivers]'``, without a traceback.
+"""Packaging (pyproject.toml): every package folder is installed; the library (``hpczeco``, ``.collectives``,
+``.gpu``, ``.base``) needs only numpy, numba and mpi4py; h5py, tqdm and matplotlib are the ``drivers`` extra,
+and a command of the CLI that lacks one says so in one line naming ``pip install 'hpczeco[drivers]'``, without
+a traceback.
 
 A missing package is simulated with ``sys.modules[name] = None`` (every ``import name`` then fails with
 ``ModuleNotFoundError``), in a child process where a whole import is tried.
@@ -37,6 +38,23 @@ def test_the_extra_is_what_pyproject_declares():
     drivers = {d.split(">")[0].strip() for d in meta["optional-dependencies"]["drivers"]}
     assert drivers == set(EXTRA) == set(cli.DRIVERS_EXTRA)
     assert "hpczeco[drivers]" in meta["optional-dependencies"]["test"]  # `make test` / `make run` install it
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists its packages one by one: a new package folder (``__init__.py`` in it and in every
+    folder above it) must be among them, or a wheel (a non-editable install) lacks it."""
+    tomllib = pytest.importorskip("tomllib")
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = set()
+    for pkg, folder in tool["package-dir"].items():
+        root = REPO / folder
+        for init in root.rglob("__init__.py"):
+            rel = init.parent.relative_to(root)
+            if all((root.joinpath(*rel.parts[:i]) / "__init__.py").is_file() for i in range(len(rel.parts))):
+                found.add(".".join([pkg, *rel.parts]))
+    assert "hpczeco.drivers.checkpoint" in found
+    missing = sorted(found - set(tool["packages"]))
+    assert not missing, f"package folders missing from pyproject.toml's packages: {missing}"
 
 
 def test_the_library_never_imports_the_extra():
