@@ -55,6 +55,8 @@ ifeq ($(MPI),system)
 else
 	$(VPY) -m pip install -q mpich mpi4py
 endif
+	@# the package with its test extra, which includes the drivers extra (h5py, tqdm, matplotlib: the programs need
+	@# them; the library needs only numpy, numba, mpi4py)
 	$(VPY) -m pip install -q -e '.[test]'
 	@# PyTorch for the tests of the optional torch extra, pinned here only (2.13.0 is a local CPU build on these
 	@# machines; another version would download a multi-GB CUDA build); where it is missing those tests skip
@@ -93,7 +95,11 @@ $(PHDF5_STAMP): $(STAMP)
 
 phdf5: $(PHDF5_STAMP)
 
+# the parallel h5py must still be there (tests/test_checkpoint_mpio.py skips without it): the drivers extra's h5py
+# requirement is met by it, so `pip install -e '.[test]'` keeps it, and a rebuilt $(STAMP) rebuilds $(PHDF5_STAMP)
 test-phdf5: $(PHDF5_STAMP) check-mpi
+	@$(VPY) -c "import h5py, sys; h5py.get_config().mpi or sys.exit('make test-phdf5: the h5py in $(VENV) has no' \
+	  ' parallel HDF5 (replaced since make phdf5?): rm $(PHDF5_STAMP) and run make phdf5 again')"
 	HPCZECO_TEST_RANKS="2 3 4" $(VPY) tests/run_suite.py tests/test_checkpoint.py tests/test_checkpoint_mpio.py
 
 # on a GPU machine (CuPy + a CUDA GPU): the GPU tests, then the 2-rank device tests

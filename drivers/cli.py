@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 # subcommand -> (driver module, one-line help)
@@ -37,15 +38,72 @@ BENCHES: dict[str, tuple[str, str]] = {
 }
 
 
-def _run_module(module: str, argv: list[str], prog: str) -> int:
+#: the modules of the ``drivers`` extra: the programs need them, the library (hpczeco, .collectives, .gpu, .base)
+#: never imports them
+DRIVERS_EXTRA = ("h5py", "tqdm", "matplotlib")
+INSTALL_DRIVERS = "pip install 'hpczeco[drivers]'"
+#: what of the extra a command always needs, checked before it starts; a command that needs one only with some
+#: options (``model --out``, ``bench scan`` without ``--no-plot``) reports it when it imports it
+NEEDS: dict[str, tuple[str, ...]] = {
+    "demo": DRIVERS_EXTRA,
+    "train": ("h5py", "tqdm"),
+    "report": ("matplotlib",),
+    "bench gla": ("matplotlib",),
+    "bench zeco": ("matplotlib",),
+    "bench daaf": ("matplotlib",),
+    "bench gpu-daaf": ("matplotlib",),
+}
+
+
+class MissingExtraError(ImportError):
+    """A command needs modules of the ``drivers`` extra that are not installed (a one-line user error)."""
+
+    def __init__(self, missing: list[str]):
+        verb = "is" if len(missing) == 1 else "are"
+        super().__init__(f"{', '.join(missing)} {verb} not installed (the drivers extra): {INSTALL_DRIVERS}")
+        self.missing = list(missing)
+
+
+def missing_modules(names: tuple[str, ...]) -> list[str]:
+    """The ones of ``names`` that cannot be imported (looked up, not imported)."""
+    missing = []
+    for name in names:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a parent that fails, or sys.modules[name] = None
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def _extra_of(exc: ModuleNotFoundError) -> MissingExtraError | None:
+    top = (exc.name or "").partition(".")[0]
+    return MissingExtraError([top]) if top in DRIVERS_EXTRA else None
+
+
+def _run_module(module: str, argv: list[str], prog: str, needs: tuple[str, ...] = ()) -> int:
+    if not {"-h", "--help"} & set(argv):
+        missing = missing_modules(needs)
+        if missing:
+            raise MissingExtraError(missing)
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as exc:
         if exc.name and module.startswith(exc.name):
             print(f"{prog}: not available in this build ({module} is missing)", file=sys.stderr)
             return 2
+        extra = _extra_of(exc)
+        if extra is not None:
+            raise extra from None
         raise
-    return int(mod.main(argv, prog=prog) or 0)
+    try:
+        return int(mod.main(argv, prog=prog) or 0)
+    except ModuleNotFoundError as exc:
+        extra = _extra_of(exc)
+        if extra is not None:
+            raise extra from None
+        raise
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +124,7 @@ def is_user_error(exc: BaseException) -> bool:
     """Errors whose message says what is wrong (bad options, inputs, files, checkpoints, the collective
     validation's errors): reported in one line; anything else -- a ``TypeError`` too, unless the collective
     validation raised it -- is an internal error and gets its traceback."""
-    if isinstance(exc, (ValueError, OSError, FloatingPointError, MemoryError, KeyboardInterrupt)):
+    if isinstance(exc, (ValueError, OSError, FloatingPointError, MemoryError, KeyboardInterrupt, MissingExtraError)):
         return True
     ck = sys.modules.get("hpczeco.drivers.checkpoint")
     return ck is not None and isinstance(exc, ck.CheckpointError)
@@ -125,10 +183,10 @@ def dispatch(argv: list[str] | None = None) -> int:
             print("usage: hpczeco bench {" + ",".join(BENCHES) + "} [--help]", file=sys.stderr)
             return 0 if rest and rest[0] in ("-h", "--help") else 2
         module, _ = BENCHES[rest[0]]
-        return _run_module(module, rest[1:], f"hpczeco bench {rest[0]}")
+        return _run_module(module, rest[1:], f"hpczeco bench {rest[0]}", NEEDS.get(f"bench {rest[0]}", ()))
     if cmd not in COMMANDS:
         parser.error(f"unknown command {cmd!r} (choose from {', '.join(list(COMMANDS) + ['bench'])})")
-    return _run_module(COMMANDS[cmd][0], rest, f"hpczeco {cmd}")
+    return _run_module(COMMANDS[cmd][0], rest, f"hpczeco {cmd}", NEEDS.get(cmd, ()))
 
 
 if __name__ == "__main__":

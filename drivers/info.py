@@ -125,10 +125,20 @@ def transports(gpus: int, cuda_aware: bool) -> dict[str, str]:
     return out
 
 
+def checkpoint_mode() -> tuple[str, bool]:
+    """``(how checkpoints are written, parallel HDF5?)``; without h5py (the ``drivers`` extra) a line saying
+    how to install it."""
+    try:
+        from hpczeco.drivers.checkpoint import hdf5_mode, parallel_hdf5
+    except ImportError as exc:
+        why = "h5py is not installed" if getattr(exc, "name", None) == "h5py" else f"h5py is not importable ({exc})"
+        return f"none: {why}; checkpoints need it: pip install 'hpczeco[drivers]'", False
+    return hdf5_mode(), parallel_hdf5()
+
+
 def collect(comm=None) -> dict[str, Any]:
     """Everything ``hpczeco info`` reports (collective over ``comm``: gathers every rank's host/GPUs)."""
     import mpi4py
-    from hpczeco.drivers.checkpoint import hdf5_mode, parallel_hdf5
     from mpi4py import MPI
 
     import hpczeco
@@ -155,6 +165,7 @@ def collect(comm=None) -> dict[str, Any]:
     lib_version = MPI.Get_library_version().replace("\x00", "").strip()
     mismatch = launcher_mismatch(size)
     over = core_oversubscription(comm)
+    mode, parallel = checkpoint_mode()
     info = {
         "hpczeco": hpczeco.__version__,
         "python": f"{platform.python_version()} ({sys.executable})",
@@ -182,8 +193,8 @@ def collect(comm=None) -> dict[str, Any]:
         "gpus": gpus,
         "transports": transports(gpus["count"], cuda_aware),
         "versions": {"numpy": _version("numpy"), "numba": _version("numba"), **h5, "tqdm": _version("tqdm")},
-        "hdf5_mode": hdf5_mode(),
-        "hdf5_parallel": parallel_hdf5(),
+        "hdf5_mode": mode,
+        "hdf5_parallel": parallel,
     }
     return info
 

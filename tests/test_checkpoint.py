@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 from hpczeco.drivers import checkpoint as ck
 from hpczeco.drivers.checkpoint import CheckpointError, CheckpointWriter, list_checkpoints, load_latest
+from hpczeco.drivers.checkpoint import write as ck_write
 
 
 def _arrays(rng, scale: float = 1.0) -> dict[str, np.ndarray]:
@@ -74,6 +76,71 @@ def test_roundtrip_contents_and_checksums(tmp_path, rng):
         assert set(manifest) == set(arrays)
 
 
+def _sha256_v1(a: np.ndarray) -> str:
+    """The format's array checksum, computed here without the checkpoint code: dtype, shape, C-order bytes."""
+    return hashlib.sha256(a.dtype.str.encode() + repr(tuple(a.shape)).encode() + a.tobytes()).hexdigest()
+
+
+#: attributes of each kind of the format, with their kinds
+_V1_ATTRS = {"config": ({"d_model": 8, "dims": [1, 2]}, "json"), "note": ("hello", "str"), "lr": (0.5, "float"),
+             "n": (3, "int"), "flag": (True, "bool"), "hist": (np.arange(3.0), "array")}
+
+
+def _v1_manifest(arrays: dict[str, np.ndarray]) -> dict:
+    return {n: {"shape": list(a.shape), "dtype": a.dtype.str, "sha256": _sha256_v1(a)} for n, a in arrays.items()}
+
+
+def _v1_attrs_digest() -> str:
+    items = [[k, kind, _sha256_v1(v) if kind == "array" else v] for k, (v, kind) in sorted(_V1_ATTRS.items())]
+    return hashlib.sha256(json.dumps(items, sort_keys=True).encode()).hexdigest()
+
+
+def test_the_format_on_disk_is_version_1(tmp_path, rng):
+    """The writer's file is the documented format, checked with h5py, json and hashlib alone (not the checkpoint
+    code): the root attributes, one sha256 per dataset, the manifest, the attribute kinds and their checksum."""
+    arrays = {"params/w": rng.standard_normal((3, 4)), "t": np.array(7, np.int64), "m": rng.random(5) > 0.5}
+    path = CheckpointWriter(tmp_path).save(4, arrays, {k: v for k, (v, _) in _V1_ATTRS.items()})
+    with h5py.File(path, "r") as f:
+        assert set(f.attrs) == {"format", "format_version", "step", "nranks", "created", "_manifest", "_attr_kinds",
+                                "_attrs_sha256", *_V1_ATTRS}
+        assert f.attrs["format"] == "hpczeco-checkpoint" and int(f.attrs["format_version"]) == 1
+        assert int(f.attrs["step"]) == 4 and int(f.attrs["nranks"]) == 1
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", f.attrs["created"])
+        assert json.loads(f.attrs["_manifest"]) == _v1_manifest(arrays)
+        assert json.loads(f.attrs["_attr_kinds"]) == {k: kind for k, (_, kind) in _V1_ATTRS.items()}
+        assert f.attrs["_attrs_sha256"] == _v1_attrs_digest()
+        assert json.loads(f.attrs["config"]) == _V1_ATTRS["config"][0] and f.attrs["note"] == "hello"
+        np.testing.assert_array_equal(f.attrs["hist"], _V1_ATTRS["hist"][0])
+        for name, a in arrays.items():
+            ds = f[name]
+            assert dict(ds.attrs) == {"sha256": _sha256_v1(a)} and ds.dtype == a.dtype
+            np.testing.assert_array_equal(ds[()], a)
+
+
+def test_a_version_1_file_built_by_hand_loads(tmp_path, rng):
+    """A checkpoint made by other code that follows the format (here: h5py, json, hashlib) loads: the files
+    of earlier versions of this code load as long as the format is version 1."""
+    arrays = {"params/w": rng.standard_normal((3, 4)).astype(np.float32), "t": np.array(7, np.int64)}
+    with h5py.File(tmp_path / "ckpt_00000006.h5", "w") as f:
+        for name, a in arrays.items():
+            f.create_dataset(name, data=a).attrs["sha256"] = _sha256_v1(a)
+        f.attrs.update({"format": "hpczeco-checkpoint", "format_version": np.int64(1), "step": np.int64(6),
+                        "nranks": np.int64(3), "created": "2026-01-01T00:00:00Z",
+                        "_manifest": json.dumps(_v1_manifest(arrays)),
+                        "_attr_kinds": json.dumps({k: kind for k, (_, kind) in _V1_ATTRS.items()}),
+                        "_attrs_sha256": _v1_attrs_digest()})
+        for k, (v, kind) in _V1_ATTRS.items():
+            f.attrs[k] = json.dumps(v) if kind == "json" else v
+    step, got, attrs = load_latest(tmp_path, expect_config=_V1_ATTRS["config"][0])
+    assert step == 6 and attrs["step"] == 6 and attrs["nranks"] == 3 and sorted(got) == sorted(arrays)
+    for name, a in arrays.items():
+        assert got[name].dtype == a.dtype
+        np.testing.assert_array_equal(got[name], a)
+    np.testing.assert_array_equal(attrs["hist"], _V1_ATTRS["hist"][0])
+    for k, (v, kind) in _V1_ATTRS.items():
+        assert kind == "array" or (attrs[k] == v and type(attrs[k]) is type(v)), k
+
+
 def test_keep_last_n_and_list(tmp_path, rng):
     w = CheckpointWriter(tmp_path, keep=2)
     for step in (1, 2, 10, 3):
@@ -92,7 +159,7 @@ def test_atomic_write_failure_leaves_previous_newest(tmp_path, rng, monkeypatch)
     def broken_replace(src, dst):
         raise OSError("disk full (simulated)")
 
-    monkeypatch.setattr(ck.os, "replace", broken_replace)
+    monkeypatch.setattr(ck_write.os, "replace", broken_replace)
     with pytest.raises(CheckpointError, match="disk full"):
         w.save(2, {"w": np.full(3, 2.0)}, {"config": {"a": 1}})
     monkeypatch.undo()

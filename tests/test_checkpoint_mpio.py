@@ -136,11 +136,12 @@ def test_mpio_refuses_before_writing_when_the_space_is_short(comm, shared_dir, r
     space first: every rank gets the same CheckpointError, no temporary is left, the previous checkpoint
     stays."""
     from hpczeco.drivers import checkpoint as ck
+    from hpczeco.drivers.checkpoint import write as ck_write
 
     arrays = comm.bcast(_arrays(rng), root=0)
     w = CheckpointWriter(shared_dir, comm=comm, parallel=True)
     w.save(1, arrays, {})
-    monkeypatch.setattr(ck, "_free_bytes", lambda folder: 1000)  # rank 0 decides; the others take its answer
+    monkeypatch.setattr(ck_write, "_free_bytes", lambda folder: 1000)  # rank 0 decides; the others take its answer
     with pytest.raises(ck.CheckpointError, match=r"cannot write checkpoint ckpt_00000002\.h5 into .*: no space "
                        r"left on the device \(checked before writing, parallel HDF5\): it needs [\d,]+ bytes, "
                        r"1,000 bytes are free there; the previous checkpoints are kept"):

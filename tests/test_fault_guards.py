@@ -18,8 +18,8 @@ from hpczeco.collectives import agree_fast, collective_check, timed
 from hpczeco.collectives.agree import canonical
 from hpczeco.collectives.context import get_context
 from hpczeco.collectives.watchdog import TIMEOUT_ENV
-from hpczeco.drivers import checkpoint as ck
 from hpczeco.drivers.checkpoint import CheckpointError, CheckpointWriter, array_sha256, load_checkpoint, load_latest
+from hpczeco.drivers.checkpoint import guarded_file as ck_guarded
 from mpi4py import MPI
 
 from hpczeco import ZeCOGLA
@@ -384,7 +384,7 @@ def test_disk_full_write_is_a_clean_error(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, data[: max(1, len(data) // 2)], offset)
 
-    monkeypatch.setattr(ck.os, "pwrite", full)
+    monkeypatch.setattr(ck_guarded.os, "pwrite", full)
     with pytest.raises(CheckpointError, match=r"cannot write checkpoint ckpt_00000002\.h5 into .*: no space left on "
                                               r"the device \(No space left on device\): it needs [\d,]+ bytes"):
         _good(tmp_path, 2)

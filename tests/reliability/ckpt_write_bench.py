@@ -23,7 +23,8 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-from hpczeco.drivers.checkpoint import CheckpointWriter, GuardedFile, _fsync_path, array_sha256
+from hpczeco.drivers.checkpoint import CheckpointWriter, GuardedFile, array_sha256
+from hpczeco.drivers.checkpoint.write import _fsync_path
 
 
 def _arrays(total_bytes: int, n: int = 24) -> dict[str, np.ndarray]:
