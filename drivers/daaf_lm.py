@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import sysconfig
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -141,28 +142,42 @@ class Corpus:
     info: dict = field(default_factory=dict)
 
 
-def load_corpus_split(max_bytes: int | None = None, heldout_every: int = 20) -> Corpus:
+def load_corpus_split(max_bytes: int | None = None, heldout_every: int = 20, min_bytes: int = 4 << 20) -> Corpus:
     """The standard-library corpus of :func:`hpczeco.drivers.data.iter_corpus_files` (its fixed file order),
     read until ``max_bytes`` (None: all), every ``heldout_every``-th file (index ``i % heldout_every ==
-    heldout_every // 2``) held out. ``ValueError`` if either part is empty."""
+    heldout_every // 2``) held out. When the stdlib sources hold fewer than ``min_bytes`` (an image that strips
+    them), the ``*.py`` files of ``site-packages`` follow. ``ValueError`` if either part is empty."""
     if heldout_every < 2:
         raise ValueError(f"heldout_every must be >= 2, got {heldout_every}")
-    train, held, total, n_files = [], [], 0, 0
-    for i, path in enumerate(iter_corpus_files()):
+    train, held, total, n_files, roots = [], [], 0, 0, ["stdlib"]
+    stdlib = iter_corpus_files()
+    extra = None
+    i = 0
+    while True:
+        path = next(stdlib, None)
+        if path is None:
+            if extra is None and total < min_bytes:
+                purelib = sysconfig.get_paths().get("purelib")
+                extra = iter_corpus_files(purelib) if purelib and Path(purelib).is_dir() else iter(())
+                roots.append(str(purelib))
+                stdlib = extra
+                continue
+            break
         try:
             b = path.read_bytes()
         except OSError:
             continue
         (held if i % heldout_every == heldout_every // 2 else train).append(b)
+        i += 1
         total += len(b)
         n_files += 1
         if max_bytes is not None and total >= max_bytes:
             break
     if not train or not held:
-        raise ValueError("the standard-library corpus is empty here (no *.py files found)")
+        raise ValueError("no *.py sources found here (standard library, site-packages): no corpus")
     tr = np.frombuffer(b"".join(train), dtype=np.uint8).copy()
     he = np.frombuffer(b"".join(held), dtype=np.uint8).copy()
-    info = {"files": n_files, "train_bytes": int(tr.size), "heldout_bytes": int(he.size),
+    info = {"files": n_files, "roots": roots, "train_bytes": int(tr.size), "heldout_bytes": int(he.size),
             "train_sha": corpus_id(tr), "heldout_sha": corpus_id(he), "heldout_every": heldout_every}
     return Corpus(tr, he, info)
 
@@ -340,8 +355,9 @@ def apply_rope(x, cos, sin):
 class DecoderLM(nn.Module):
     """The decoder of the module docstring; weights drawn from ``gen`` (a CPU ``torch.Generator``), float32.
 
-    ``forward(tokens [B, T], attn=None, last_only=False) -> logits [B, T, vocab]`` (``[B, vocab]`` with
-    ``last_only``); ``attn(layer, q, k, v) -> o`` on ``[B, T, H, D]`` (q, k after RoPE), None: exact SDPA."""
+    ``forward(tokens [B, T], attn=None, last_only=False, keep_from=0) -> logits [B, T - keep_from, vocab]``
+    (``[B, vocab]`` with ``last_only``); ``attn(layer, q, k, v) -> o`` on ``[B, T, H, D]`` (q, k after RoPE),
+    None: exact SDPA."""
 
     def __init__(self, cfg: LMConfig, gen: torch.Generator):
         super().__init__()
@@ -388,7 +404,7 @@ class DecoderLM(nn.Module):
     def norm(self, x, w):
         return F.rms_norm(x, (x.shape[-1],), w.to(x.dtype), self.cfg.norm_eps)
 
-    def forward(self, tokens, attn: Callable | None = None, last_only: bool = False):
+    def forward(self, tokens, attn: Callable | None = None, last_only: bool = False, keep_from: int = 0):
         B, T = tokens.shape
         H, D = self.cfg.n_heads, self.cfg.head_dim
         x = self.embed(tokens)
@@ -404,6 +420,8 @@ class DecoderLM(nn.Module):
             x = x + blk.wd(F.silu(g) * u)
         if last_only:
             x = x[:, -1]
+        elif keep_from:
+            x = x[:, keep_from:]
         with torch.autocast(x.device.type, enabled=False):  # the head in float32, also under autocast
             return self.head(self.norm(x.float(), self.norm_f))
 
@@ -450,7 +468,8 @@ def train(model, corpus: np.ndarray, cfg: TrainConfig, device: str = "cpu",
     model.train()
     t0 = time.perf_counter()
     step, tokens, last_log = 0, 0, t0
-    curve, phase_tokens, phase_time = [], {"short": 0, "long": 0}, {"short": 0.0, "long": 0.0}
+    curve, phase_tokens = [], {"short": 0, "long": 0}
+    switch: tuple[float, int] | None = None  # (seconds, tokens) when the long phase began
     loss_v = float("nan")
 
     def progress() -> float:
@@ -461,22 +480,36 @@ def train(model, corpus: np.ndarray, cfg: TrainConfig, device: str = "cpu",
             p = max(p, (time.perf_counter() - t0) / cfg.seconds)
         return p
 
+    long_ok = True
     while (p := progress()) < 1.0:
-        long = p >= 1.0 - cfg.long_frac and cfg.long_seq > cfg.seq
+        long = long_ok and p >= 1.0 - cfg.long_frac and cfg.long_seq > cfg.seq
         seq = cfg.long_seq if long else cfg.seq
         seq = min(seq, corpus.size - 2)
         batch = max(1, cfg.batch_tokens // seq)
-        ts = time.perf_counter()
+        if long and switch is None:
+            if cuda:
+                torch.cuda.synchronize()
+            switch = (time.perf_counter() - t0, tokens)
         arr = torch.from_numpy(training_batch(corpus, seq, batch, rng, cfg.kv_prob))
         arr = arr.pin_memory().to(device, non_blocking=True) if cuda else arr
         lr = lr_at(p, cfg)
         for g in opt.param_groups:
             g["lr"] = lr
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            logits = model(arr[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), arr[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+                logits = model(arr[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), arr[:, 1:].reshape(-1))
+            loss.backward()
+        except torch.cuda.OutOfMemoryError:
+            if not long:
+                raise
+            logits = loss = None
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            long_ok = False
+            log(f"out of memory at seq {seq}: the rest of the run stays at seq {cfg.seq}")
+            continue
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         step += 1
@@ -492,15 +525,16 @@ def train(model, corpus: np.ndarray, cfg: TrainConfig, device: str = "cpu",
             log(f"train step {step:5d}  seq {seq:6d}  loss {loss_v:.4f} ({loss_v / math.log(2):.3f} bits/byte)  "
                 f"lr {lr:.2e}  {tokens / (now - t0):,.0f} tokens/s")
             last_log = now
-        phase_time[name] += time.perf_counter() - ts
     if cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     model.eval()
+    rates = {"short": tokens / max(wall, 1e-9)} if switch is None else {
+        "short": switch[1] / max(switch[0], 1e-9), "long": (tokens - switch[1]) / max(wall - switch[0], 1e-9)}
     return {"steps": step, "tokens": tokens, "seconds": round(wall, 2), "tokens_per_s": tokens / max(wall, 1e-9),
             "final_loss": loss_v, "curve": curve,
-            "tokens_per_s_by_phase": {k: phase_tokens[k] / phase_time[k] for k in phase_tokens if phase_time[k] > 0},
-            "tokens_by_phase": phase_tokens, "config": asdict(cfg),
+            "tokens_per_s_by_phase": rates,
+            "tokens_by_phase": phase_tokens, "config": asdict(cfg), "long_phase_oom": not long_ok,
             "bound_by": "steps" if cfg.steps is not None and step >= cfg.steps else "seconds"}
 
 

@@ -217,6 +217,11 @@ def dense_masked_attention(q, k, v, global_mask, local_window: int, scale: float
     ``global_mask`` bool ``[T]`` (numpy or torch); query ``t`` attends to ``j <= t`` iff ``t - j <=
     local_window`` or ``j`` or ``t`` is global (:func:`hpczeco.daaf.allowed_mask`), per query block of
     ``block`` rows. float64 inputs stay float64; other dtypes compute in float32."""
+    with torch.autocast(q.device.type, enabled=False):
+        return _dense_masked(q, k, v, global_mask, local_window, scale, block)
+
+
+def _dense_masked(q, k, v, global_mask, local_window: int, scale: float | None, block: int):
     B, T, H, D = q.shape
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     scale = D**-0.5 if scale is None else float(scale)
@@ -241,6 +246,11 @@ def oracle_mass(q, k, rows: np.ndarray, C: int, local_window: int, scale: float 
     """Exact attention weight each context key ``j < C`` receives from the query ``rows`` (sorted positions):
     ``sum_{t, h} softmax_j(scale q_t . k_j) [j <= t, t - j > local_window]`` ``[C]`` float64 (one layer;
     ``q, k: [1, T, H, D]`` torch)."""
+    with torch.autocast(q.device.type, enabled=False):
+        return _oracle_mass(q, k, rows, C, local_window, scale, chunk)
+
+
+def _oracle_mass(q, k, rows, C: int, local_window: int, scale: float | None, chunk: int) -> np.ndarray:
     T, D = q.shape[1], q.shape[-1]
     scale = D**-0.5 if scale is None else float(scale)
     dt = torch.float64 if q.device.type == "cpu" else torch.float32
@@ -301,11 +311,11 @@ class Runner:
         return run
 
     @torch.no_grad()
-    def logits(self, tokens: np.ndarray, mp: MethodPlan, oracle_rows: np.ndarray | None = None, C: int = 0,
-               local_window: int = 128) -> tuple[torch.Tensor, np.ndarray | None]:
-        """``(logits [T, vocab] float32 on the CPU, oracle scores [C] or None)`` of ``tokens`` ``[T]`` under
-        ``mp`` (on CUDA: bf16 autocast, as in training); ``oracle_rows`` (exact only): collect
-        :func:`oracle_mass` over every layer."""
+    def logits(self, tokens: np.ndarray, mp: MethodPlan, keep_from: int = 0, oracle_rows: np.ndarray | None = None,
+               C: int = 0, local_window: int = 128) -> tuple[torch.Tensor, np.ndarray | None]:
+        """``(logits [T - keep_from, vocab] float32 on the CPU, oracle scores [C] or None)`` of ``tokens`` ``[T]``
+        under ``mp`` (rows ``keep_from..T-1``; on CUDA: bf16 autocast, as in training); ``oracle_rows`` (exact
+        only): collect :func:`oracle_mass` over every layer."""
         tok = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=self.device)[None]
         mass = np.zeros(C, dtype=np.float64) if oracle_rows is not None else None
         fn = None if mp.plan is None else self.planned(mp.plan)
@@ -318,7 +328,7 @@ class Runner:
             return fn(q, k, v)
 
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=tok.device.type == "cuda"):
-            out = self.model(tok, attn=attn)
+            out = self.model(tok, attn=attn, keep_from=keep_from)
         return out[0].float().cpu(), mass
 
 
@@ -369,25 +379,27 @@ def make_docs(heldout: np.ndarray, T: int, s: DaafSettings, n_text: int, n_retri
 
 
 def _doc_metrics(logits: torch.Tensor, doc: Doc, exact_argmax: torch.Tensor | None, fmt: KVFormat) -> dict:
-    rows = torch.as_tensor(doc.scored_rows())
+    """Metrics of one document from ``logits`` of rows ``C - 1 .. T - 1`` (row ``C - 1 + i`` at index ``i``)."""
+    C = doc.C
     tok = torch.as_tensor(doc.tokens)
     am = logits.argmax(-1)
     m: dict[str, Any] = {"argmax": am}
     if doc.kind == "text":
-        lp = torch.log_softmax(logits[rows], dim=-1)
-        m["nll_sum"] = float(-lp.gather(1, tok[rows + 1][:, None]).sum())
-        m["n"] = int(rows.numel())
+        n = doc.T - C  # rows C-1 .. T-2 predict tokens C .. T-1
+        lp = torch.log_softmax(logits[:n], dim=-1)
+        m["nll_sum"] = float(-lp.gather(1, tok[C:][:, None]).sum())
+        m["n"] = n
         if exact_argmax is not None:
-            m["top1_same"] = int((am[rows] == exact_argmax[rows]).sum())
-            m["first_same"] = [bool(am[doc.C - 1] == exact_argmax[doc.C - 1])]
+            m["top1_same"] = int((am[:n] == exact_argmax[:n]).sum())
+            m["first_same"] = [bool(am[0] == exact_argmax[0])]
     else:
         correct, first = [], []
         for qd in doc.queries:
-            a = qd["ask_value"]
-            r = torch.arange(a - 1, a - 1 + fmt.val_len)
-            correct.append(bool((am[r] == tok[r + 1]).all()))
+            a = qd["ask_value"]  # rows a-1 .. a+val_len-2 predict the value
+            i = torch.arange(a - C, a - C + fmt.val_len)
+            correct.append(bool((am[i] == tok[i + C]).all()))
             if exact_argmax is not None:
-                first.append(bool(am[a - 1] == exact_argmax[a - 1]))
+                first.append(bool(am[a - C] == exact_argmax[a - C]))
         m["correct"] = correct
         if exact_argmax is not None:
             m["first_same"] = first
@@ -402,8 +414,8 @@ def evaluate(runner: Runner, docs: list[Doc], s: DaafSettings, methods: tuple[st
     ``first_same``). ``exact`` is computed once per document (budget None), with the oracle's scores."""
     recs = []
     for di, doc in enumerate(docs):
-        exact_logits, scores = runner.logits(doc.tokens, MethodPlan("exact", None), doc.scored_rows(), doc.C,
-                                             s.local_window)
+        exact_logits, scores = runner.logits(doc.tokens, MethodPlan("exact", None), doc.C - 1, doc.scored_rows(),
+                                             doc.C, s.local_window)
         ex = _doc_metrics(exact_logits, doc, None, fmt)
         ex_am = ex.pop("argmax")
         total = float(scores.sum())
@@ -416,7 +428,7 @@ def evaluate(runner: Runner, docs: list[Doc], s: DaafSettings, methods: tuple[st
                                  tuple(m for m in methods if m != "exact"), budget)
             in_daaf = _in_daaf(doc, daaf_context_plan(doc.tokens[: doc.C], s, budget).global_mask, fmt)
             for name, mp in plans.items():
-                lg, _ = runner.logits(doc.tokens, mp)
+                lg, _ = runner.logits(doc.tokens, mp, doc.C - 1)
                 met = _doc_metrics(lg, doc, ex_am, fmt)
                 met.pop("argmax")
                 g = mp.plan.global_mask[: doc.C]

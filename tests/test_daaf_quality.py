@@ -55,6 +55,24 @@ def test_tiny_training_is_deterministic(corpus):
     assert a["tokens_by_phase"]["long"] > 0 and a["tokens_by_phase"]["short"] > 0  # both phases ran
 
 
+def test_corpus_split_by_file_and_fallback_to_site_packages(tmp_path, monkeypatch):
+    full = lm.load_corpus_split(300_000, 4)
+    assert full.info["roots"] == ["stdlib"] and full.heldout.size > 0 and full.train.size > 3 * full.heldout.size
+    # an image without the stdlib's sources: the *.py files of site-packages follow
+    for name in ("a.py", "b.py", "c.py", "d.py"):
+        (tmp_path / name).write_bytes(name.encode() * 50)
+    real = lm.iter_corpus_files
+    monkeypatch.setattr(lm, "iter_corpus_files", lambda root=None: iter(()) if root is None else real(root))
+    monkeypatch.setattr(lm.sysconfig, "get_paths", lambda: {"purelib": str(tmp_path)})
+    c = lm.load_corpus_split(None, 4, min_bytes=1)
+    assert c.info["roots"] == ["stdlib", str(tmp_path)] and c.info["files"] == 4
+    assert c.heldout.tobytes() == b"c.py" * 50  # file index 2 of every 4
+    assert c.train.tobytes() == b"a.py" * 50 + b"b.py" * 50 + b"d.py" * 50
+    monkeypatch.setattr(lm.sysconfig, "get_paths", lambda: {"purelib": str(tmp_path / "none")})
+    with pytest.raises(ValueError, match="no corpus"):
+        lm.load_corpus_split(None, 4)
+
+
 def test_save_and_load_round_trip(tmp_path):
     model = lm.build_model(TINY.model, 3)
     path = lm.save_weights(model, tmp_path / "m", {"train": {"steps": 0}})
