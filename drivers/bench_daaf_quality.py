@@ -521,7 +521,8 @@ def table(tables: dict, info: dict) -> str:
                      f"{r['params_M']:.2f}M parameters, byte-level")
         if r.get("steps") is not None:
             lines.append(f"trained: {r['steps']} steps, {r['tokens'] / 1e6:.1f}M tokens in {r['seconds']:.0f} s "
-                         f"({r['tokens_per_s']:,.0f} tokens/s; by phase {r.get('tokens_per_s_by_phase', {})}), "
+                         f"({r['tokens_per_s']:,.0f} tokens/s; by phase "
+                         f"{', '.join(f'{k} {v:,.0f}' for k, v in (r.get('tokens_per_s_by_phase') or {}).items())}), "
                          f"final loss {_f(r['final_loss'], '.3f')} nats/byte, bound by {r['bound_by']}")
     lines.append(f"DAAF attention backend: {info.get('backend')} (impl {info.get('impl')})"
                  + (f"; FELL BACK: {info['fallback']}" if info.get("fallback") else ""))
@@ -581,7 +582,8 @@ def table(tables: dict, info: dict) -> str:
                      f"{_f(r['ppl_increase_pct'], '+7.2f')} "
                      f"{_f(r['top1_agree'], '6.3f')} {_f(r['first_token_agree'], '6.3f')} "
                      f"{_f(r['retrieval_acc'], '6.3f')} {_f(r['retrieval_acc_in'], '.3f'):>5} ({r['n_in']:>3}) "
-                     f"{_f(r['retrieval_acc_out'], '.3f'):>5} ({r['n_out']:>3}) {_f(r['mass_recall'], '6.3f')}  {note}")
+                     f"{_f(r['retrieval_acc_out'], '.3f'):>5} ({r['n_out']:>3}) "
+                     f"{_f(r['mass_recall'], '6.3f'):>6}  {note}")
     return "\n".join(lines)
 
 
@@ -592,6 +594,9 @@ def plot(tables: dict, out: Path) -> str | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
+    from matplotlib.ticker import FuncFormatter  # noqa: PLC0415
+
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
 
     curve = [r for r in tables.get("curve", []) if "method" in r and r["method"] != "exact"]
     main = _main_rows(tables)
@@ -618,10 +623,13 @@ def plot(tables: dict, out: Path) -> str | None:
         for a in ax[:2]:
             a.set_xlabel("global tokens (% of the context; DAAF's budget for every method)")
             a.set_xscale("log")
+            a.xaxis.set_major_formatter(plain)
+            a.xaxis.set_minor_formatter(plain)
             a.grid(alpha=0.3)
             a.legend(fontsize=8)
         ax[0].set_ylabel("perplexity increase (%)")
         ax[0].set_yscale("symlog", linthresh=1.0)
+        ax[0].yaxis.set_major_formatter(plain)
         ax[1].set_ylabel("accuracy (all value bytes right)")
     if main:
         for m in _methods():
@@ -632,7 +640,9 @@ def plot(tables: dict, out: Path) -> str | None:
             ax[2].plot([r["T"] for r in rs], [r["ppl_increase_pct"] for r in rs], marker=mk, color=c, lw=lw, label=m)
         ax[2].axhline(TARGET_PPL_PCT, color="k", ls=":", lw=1, label=f"target {TARGET_PPL_PCT:.0f}%")
         ax[2].set_xscale("log", base=2)
+        ax[2].xaxis.set_major_formatter(plain)
         ax[2].set_yscale("symlog", linthresh=1.0)
+        ax[2].yaxis.set_major_formatter(plain)
         ax[2].set_xlabel("T (tokens)")
         ax[2].set_ylabel("perplexity increase over exact (%)")
         ax[2].set_title("seed settings, same budget: perplexity increase by length")

@@ -252,6 +252,9 @@ def kv_training_sequence(src: np.ndarray, n_tokens: int, rng: np.random.Generato
     """``n_tokens`` bytes (uint8) of ``src`` at a random offset with 4..24 key-value definitions (one block, or
     scattered over the first 70 %) and their questions later: all together near the end, or each at a random
     line start at least ``min_gap`` bytes after its definition."""
+    if n_tokens < 4 * fmt.line_len:  # too short for a definition and its question: plain text
+        off = int(rng.integers(0, src.size - n_tokens + 1))
+        return src[off : off + n_tokens].copy()
     n = int(rng.integers(4, 25))
     n = max(1, min(n, n_tokens // (4 * fmt.line_len)))
     body = n_tokens - 2 * n * fmt.line_len
