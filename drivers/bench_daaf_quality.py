@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from . import benchkit
+from .helpfmt import HelpFormatter, split_doc
 
 STEM = "daaf_quality"
 DEFAULT_LENGTHS = "4096,8192,16384,32768"
@@ -50,19 +51,20 @@ def _csv_floats(text: str) -> list[float]:
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    description, epilog = split_doc(__doc__)
+    p = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, formatter_class=HelpFormatter)
     m = p.add_argument_group("model and training")
     m.add_argument("--preset", choices=("gpu", "tiny"), default=None,
                    help="model + recipe (default: gpu on CUDA, tiny on the CPU)")
-    m.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    m.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="where the model trains and runs (auto: cuda when torch sees a GPU)")
     m.add_argument("--train-seconds", type=float, default=None, help="training wall-clock budget (preset's)")
     m.add_argument("--steps", type=int, default=None, help="training steps (with no --train-seconds: by steps only)")
     m.add_argument("--seq", type=int, default=None, help="training length of the first phase")
     m.add_argument("--long-seq", type=int, default=None, help="training length of the last phase")
     m.add_argument("--long-frac", type=float, default=None, help="share of the run at --long-seq")
     m.add_argument("--batch-tokens", type=int, default=None, help="tokens per step")
-    m.add_argument("--lr", type=float, default=None)
+    m.add_argument("--lr", type=float, default=None, help="peak learning rate (preset's: gpu 1.5e-3, tiny 3e-3)")
     m.add_argument("--max-bytes", type=int, default=None, help="corpus bytes read (preset's; 0: all)")
     m.add_argument("--seed", type=int, default=0, help="weights, data order, documents, random regions")
     m.add_argument("--save", default=None, help="save the trained weights here (.npz + .json; e.g. under runs/)")
@@ -74,7 +76,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     e.add_argument("--pairs", default=None,
                    help="key-value pairs per retrieval document: in one block, scattered (gpu 8,8; tiny 2,2)")
     e.add_argument("--window", type=int, default=None, help="entropy window (gpu 512, tiny 64)")
-    e.add_argument("--threshold", type=float, default=0.8)
+    e.add_argument("--threshold", type=float, default=0.8, help="DAAF's entropy threshold (the seed's)")
     e.add_argument("--local-window", type=int, default=None, help="local window W (gpu 128, tiny 16)")
     e.add_argument("--fallback-budget", type=float, default=0.25, help="the budget fallback's token share")
     e.add_argument("--global-layers", type=int, default=2, help="exact layers of the daaf-gl row (the first ones)")
@@ -90,7 +92,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                         "CUDA with CuPy, else cpu)")
     e.add_argument("--impl", default="auto", help="GPU DAAF kernel (hpczeco.gpu.daaf impl=)")
     e.add_argument("--no-ttft", action="store_true", help="skip the GPU time to first token")
-    e.add_argument("--ttft-reps", type=int, default=5)
+    e.add_argument("--ttft-reps", type=int, default=5, help="timed prefills per side (median)")
     e.add_argument("--deadline", type=float, default=None,
                    help="seconds since the start after which the remaining sections are skipped (with a note)")
     p.add_argument("--out", default="runs/daaf_quality", help="output folder")
