@@ -23,7 +23,9 @@ from the same plan, and says so).
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import subprocess
 import sys
 import threading
 import time
@@ -186,9 +188,10 @@ def run(args, prog: str = "hpczeco bench daaf-quality") -> int:
     torch.manual_seed(args.seed)
     np.random.seed(args.seed % (2**32))
 
-    prebuild = _start_prebuild(say) if backend == "gpu" and args.impl == "auto" else None
-
     preset = cfg["preset"]
+    background = None  # with --load the model's shape is known only once it is loaded
+    if backend == "gpu" and not args.load:
+        background = _start_background(say, args.impl, preset.model.n_heads, preset.model.head_dim)
     max_bytes = preset.max_bytes if args.max_bytes is None else (args.max_bytes or None)
     corpus = lm.load_corpus_split(max_bytes, preset.heldout_every)
     rec.info["corpus"] = corpus.info
@@ -223,8 +226,10 @@ def run(args, prog: str = "hpczeco bench daaf-quality") -> int:
 
     impl = args.impl
     if backend == "gpu":
-        impl = _finish_prebuild(prebuild, impl, say)
-        backend, impl = _probe_gpu(impl, say, rec, model.cfg.n_heads, model.cfg.head_dim)
+        if background is None:
+            background = _start_background(say, impl, model.cfg.n_heads, model.cfg.head_dim)
+        backend, impl = _choose_kernel(background, impl, say, rec, model.cfg.n_heads, model.cfg.head_dim,
+                                       wait=120.0 if not args.load else 400.0)
     rec.info["backend"], rec.info["impl"] = backend, impl
     runner = dq.Runner(model, device, backend, impl, log=say)
     methods = tuple(m for m in args.methods.split(",") if m)
@@ -309,63 +314,80 @@ def _hopper_groups(D: int) -> list[int]:
     return sorted(groups)
 
 
-def _start_prebuild(say) -> dict:
-    """Build the Hopper cubins ``impl="auto"`` may pick (bf16, D=64) in spawned processes while the model trains."""
-    state: dict[str, Any] = {"done": False, "error": None}
+def _start_background(say, impl: str, H: int, D: int) -> dict:
+    """While the model trains (a thread): build the Hopper cubins ``impl="auto"`` may pick (bf16, head dim ``D``) in
+    spawned processes, then check the GPU DAAF kernels in a child process (:func:`probe_main`), so that a kernel
+    that faults cannot take this process's CUDA context (and the trained model) with it."""
+    state: dict[str, Any] = {"done": False}
 
     def work():
-        try:
-            from hpczeco.gpu import daaf_hopper as dh  # noqa: PLC0415
+        cands = [impl, "tc2"]
+        if impl == "auto":
+            try:
+                from hpczeco.gpu import daaf_hopper as dh  # noqa: PLC0415
 
-            groups = _hopper_groups(64)
-            t0 = time.perf_counter()
-            built = dh.prebuild(groups, workers=max(1, len(groups)))
-            state["built"] = [(g, how, round(s, 1)) for g, _, how, s in built]
-            state["seconds"] = round(time.perf_counter() - t0, 1)
-        except Exception as exc:  # noqa: BLE001 - reported when the kernels are needed
-            state["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                groups = _hopper_groups(D)
+                t0 = time.perf_counter()
+                built = dh.prebuild(groups, workers=max(1, len(groups)))
+                state["prebuild"] = {"built": [(g, how, round(sec, 1)) for g, _, how, sec in built],
+                                     "seconds": round(time.perf_counter() - t0, 1)}
+            except Exception as exc:  # noqa: BLE001 - then the mma kernel only
+                state["prebuild"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                cands = ["tc2"]
+        try:
+            res = subprocess.run([sys.executable, "-c", _PROBE_CODE, json.dumps({"impls": list(dict.fromkeys(cands)),
+                                                                                 "H": H, "D": D})],
+                                 capture_output=True, text=True, timeout=300)
+            lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+            state["probe"] = json.loads(lines[-1]) if lines else {
+                "error": f"probe process exited {res.returncode}: {(res.stderr or res.stdout)[-400:]}"}
+        except Exception as exc:  # noqa: BLE001
+            state["probe"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         state["done"] = True
 
     th = threading.Thread(target=work, daemon=True)
     th.start()
     state["thread"] = th
-    say("building the Hopper DAAF cubins in the background")
+    say("in the background: " + ("Hopper cubins, then " if impl == "auto" else "") + "the GPU kernel check "
+        "(a child process)")
     return state
 
 
-def _finish_prebuild(state: dict | None, impl: str, say, wait: float = 90.0) -> str:
-    if state is None:
-        return impl
-    state["thread"].join(wait)
-    if not state["done"]:
-        say(f"the Hopper cubins were not built within {wait:.0f} s more: impl 'tc2' (gpu/daaf.py's mma kernel)")
-        return "tc2"
-    if state["error"]:
-        say(f"Hopper cubin build failed ({state['error']}): impl 'tc2'")
-        return "tc2"
-    say(f"Hopper cubins ready ({state.get('built')}, {state.get('seconds')} s)")
-    return impl
+_PROBE_CODE = ("import json, sys; from hpczeco.drivers.bench_daaf_quality import probe_main; "
+               "probe_main(json.loads(sys.argv[1]))")
 
 
-def _probe_gpu(impl: str, say, rec, H: int, D: int) -> tuple[str, str]:
-    """Check the GPU DAAF kernel (``impl``, then ``tc2``) against the dense masked attention on random bf16 inputs
-    ``[1, 1000, H, D]`` under the kinds of plan the evaluation runs (key regions, the window alone, a wide
-    window, every token global); returns the backend and kernel to use (``dense`` when neither passes)."""
+def probe_main(cfg: dict) -> None:
+    """The child process of :func:`_start_background`: :func:`probe_kernels` on ``cfg`` (``impls``, ``H``, ``D``),
+    printed as one JSON line."""
+    records, ok = probe_kernels(cfg["impls"], int(cfg["H"]), int(cfg["D"]))
+    print(json.dumps({"records": records, "ok": ok}), flush=True)
+
+
+def probe_kernels(impls: list[str], H: int, D: int) -> tuple[list[dict], str | None]:
+    """Each of ``impls`` (in order, until one passes) through ``attention_torch`` against the dense masked
+    attention on random bf16 inputs ``[1, 1000, H, D]`` under the kinds of plan the evaluation runs (key regions,
+    the window alone, a wide window, every token global). Returns the records and the first kernel that passed
+    (max relative error <= 2e-2 on every plan), or None."""
     import torch  # noqa: PLC0415
 
     from hpczeco.daaf.planner import plan_from_mask  # noqa: PLC0415
 
     from .daaf_quality import dense_masked_attention  # noqa: PLC0415
 
-    gen = torch.Generator(device="cuda").manual_seed(1234)
     T = 1000
-    q, k, v = (torch.randn(1, T, H, D, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(1234)
+        q, k, v = (torch.randn(1, T, H, D, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(3))
+    except Exception as exc:  # noqa: BLE001 - no usable CUDA device
+        return [{"impl": None, "error": f"{type(exc).__name__}: {exc}"[:300]}], None
     g = np.zeros(T, bool)
     g[100:300] = True
     g[650:700] = True
     plans = {"regions": plan_from_mask(g, 128), "window": plan_from_mask(np.zeros(T, bool), 128),
              "wide": plan_from_mask(np.zeros(T, bool), 300), "all": plan_from_mask(np.ones(T, bool), 128)}
-    for cand in dict.fromkeys([impl, "tc2"]):
+    records = []
+    for cand in dict.fromkeys(impls):
         try:
             from hpczeco.gpu import daaf as gd  # noqa: PLC0415
 
@@ -375,17 +397,47 @@ def _probe_gpu(impl: str, say, rec, H: int, D: int) -> tuple[str, str]:
                 ref = dense_masked_attention(q.float(), k.float(), v.float(), p.global_mask, p.local_window)
                 worst = max(worst, float((o - ref).abs().max() / ref.abs().max()))
             torch.cuda.synchronize()
-            ok = worst <= 2e-2
-            rec.info.setdefault("gpu_probe", []).append({"impl": cand, "max_rel_err": worst, "ok": ok})
-            say(f"GPU DAAF kernel impl={cand!r}: max rel. error vs dense masked {worst:.2e} ({'ok' if ok else 'FAIL'})")
-            if ok:
-                return "gpu", cand
+            records.append({"impl": cand, "max_rel_err": worst, "ok": worst <= 2e-2})
+            if worst <= 2e-2:
+                return records, cand
         except Exception as exc:  # noqa: BLE001
-            why = f"{type(exc).__name__}: {exc}"[:300]
-            rec.info.setdefault("gpu_probe", []).append({"impl": cand, "error": why})
-            say(f"GPU DAAF kernel impl={cand!r} failed: {why}")
-    say("no GPU DAAF kernel passed the probe: the dense masked attention (same plans) is used")
-    return "dense", impl
+            records.append({"impl": cand, "error": f"{type(exc).__name__}: {exc}"[:300]})
+    return records, None
+
+
+def _choose_kernel(state: dict, impl: str, say, rec, H: int, D: int, wait: float = 120.0) -> tuple[str, str]:
+    """The backend and kernel of the evaluation: the child's verdict (then one check here, of that kernel only),
+    or, when the child did not answer, the check here of ``impl`` and ``tc2``; ``dense`` when no kernel passes."""
+    state["thread"].join(wait)
+    pre = state.get("prebuild")
+    if pre is not None:
+        rec.info["hopper_prebuild"] = pre
+        say(f"Hopper cubins: {pre}")
+    probe = state.get("probe") if state["done"] else None
+    if probe is None:
+        say(f"the background kernel check did not finish within {wait:.0f} s more: checking here")
+        cands = [impl, "tc2"]
+    elif "error" in probe:
+        rec.info["gpu_probe_child"] = probe
+        say(f"the background kernel check failed ({probe['error']}): checking here")
+        cands = [impl, "tc2"] if "prebuild" not in state or "error" not in state["prebuild"] else ["tc2"]
+    else:
+        rec.info["gpu_probe_child"] = probe["records"]
+        say(f"background kernel check: {probe['records']}")
+        if probe["ok"] is not None:
+            cands = [probe["ok"]]
+        elif any(r.get("impl") is None for r in probe["records"]):  # the child could not set up: check here
+            cands = [impl, "tc2"]
+        else:
+            say("no GPU DAAF kernel passed: the dense masked attention (same plans) is used")
+            return "dense", impl
+    records, ok = probe_kernels(cands, H, D)
+    rec.info["gpu_probe"] = records
+    say(f"GPU DAAF kernel check here: {records}")
+    if ok is None:
+        say("no GPU DAAF kernel passed: the dense masked attention (same plans) is used")
+        return "dense", impl
+    return "gpu", ok
 
 
 def _ttft(model, heldout: np.ndarray, T: int, s, impl: str | None, args, n_block: int, n_scatter: int, say) -> dict:

@@ -259,3 +259,36 @@ def test_bench_command_end_to_end(tmp_path, capsys):
     first = {r["method"]: r["ppl"] for r in res["quality"]}
     assert {r["method"] for r in again["quality"]} == {"exact", "daaf"}
     assert abs(again["quality"][0]["ppl"] - first["exact"]) / first["exact"] < 1e-9
+
+
+def test_gpu_kernel_choice_falls_back_with_reasons(monkeypatch):
+    import threading
+
+    from hpczeco.drivers import bench_daaf_quality as bq
+
+    class Rec:
+        info: dict = {}
+
+    notes = []
+    done = threading.Thread(target=lambda: None)
+    done.start()
+    # no CUDA here: the check in this process records why, and the dense masked attention takes over
+    records, ok = bq.probe_kernels(["auto", "tc2"], 2, 16)
+    assert ok is None and records[0]["error"]
+    state = {"done": True, "thread": done, "probe": {"error": "probe process exited 1: boom"}}
+    assert bq._choose_kernel(state, "auto", notes.append, Rec(), 2, 16) == ("dense", "auto")
+    assert any("boom" in n for n in notes) and Rec.info["gpu_probe"] == records
+    # the child's verdict: nothing passed -> dense without another check; a kernel passed -> checked here once
+    state = {"done": True, "thread": done, "probe": {"records": [{"impl": "auto", "ok": False}], "ok": None}}
+    assert bq._choose_kernel(state, "auto", notes.append, Rec(), 2, 16) == ("dense", "auto")
+    asked = []
+    monkeypatch.setattr(bq, "probe_kernels", lambda impls, H, D: (asked.append(list(impls)) or [], impls[0]))
+    state = {"done": True, "thread": done, "probe": {"records": [], "ok": "tc2"},
+             "prebuild": {"error": "no nvcc"}}
+    assert bq._choose_kernel(state, "auto", notes.append, Rec(), 2, 16) == ("gpu", "tc2") and asked == [["tc2"]]
+    state = {"done": True, "thread": done, "probe": {"records": [{"impl": None, "error": "no device"}], "ok": None}}
+    assert bq._choose_kernel(state, "auto", notes.append, Rec(), 2, 16) == ("gpu", "auto")  # set-up failed there
+    assert asked[-1] == ["auto", "tc2"]
+    state = {"done": False, "thread": done}  # the child never answered: both kernels checked here
+    assert bq._choose_kernel(state, "auto", notes.append, Rec(), 2, 16, wait=0.01) == ("gpu", "auto")
+    assert asked[-1] == ["auto", "tc2"]
