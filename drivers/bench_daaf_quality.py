@@ -361,7 +361,27 @@ def probe_main(cfg: dict) -> None:
     """The child process of :func:`_start_background`: :func:`probe_kernels` on ``cfg`` (``impls``, ``H``, ``D``),
     printed as one JSON line."""
     records, ok = probe_kernels(cfg["impls"], int(cfg["H"]), int(cfg["D"]))
-    print(json.dumps({"records": records, "ok": ok}), flush=True)
+    print(json.dumps({"records": records, "ok": ok, "planner": probe_planner()}), flush=True)
+
+
+def probe_planner(T: int = 4096) -> dict:
+    """The device planner (seed's settings, budget fallback) against the CPU planner on random bytes; compiles
+    (and caches) its kernels for the TTFT step."""
+    try:
+        import torch  # noqa: PLC0415
+
+        from hpczeco.daaf import device_planner as dpl  # noqa: PLC0415
+        from hpczeco.daaf.planner import plan  # noqa: PLC0415
+
+        tok = np.random.default_rng(5).integers(0, 96, T)
+        tok[1024:1536] = np.random.default_rng(6).integers(0, 256, 512)
+        dp = dpl.plan_torch(torch.from_numpy(tok).cuda(), 512, 0.8, 128, policy="budget", fallback_budget=0.25,
+                            vocab_size=256)
+        cpu = plan(tok, 512, 0.8, 128, policy="budget", fallback_budget=0.25, vocab_size=256)
+        same = bool(np.array_equal(dpl.host_plan(dp).global_mask, cpu.global_mask))
+        return {"ok": same, "policy": dp.info.get("policy"), "n_global": dp.n_global}
+    except Exception as exc:  # noqa: BLE001
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
 def probe_kernels(impls: list[str], H: int, D: int) -> tuple[list[dict], str | None]:
@@ -423,7 +443,8 @@ def _choose_kernel(state: dict, impl: str, say, rec, H: int, D: int, wait: float
         cands = [impl, "tc2"] if "prebuild" not in state or "error" not in state["prebuild"] else ["tc2"]
     else:
         rec.info["gpu_probe_child"] = probe["records"]
-        say(f"background kernel check: {probe['records']}")
+        rec.info["device_planner_check"] = probe.get("planner")
+        say(f"background kernel check: {probe['records']}; device planner: {probe.get('planner')}")
         if probe["ok"] is not None:
             cands = [probe["ok"]]
         elif any(r.get("impl") is None for r in probe["records"]):  # the child could not set up: check here
