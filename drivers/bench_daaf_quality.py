@@ -130,7 +130,9 @@ class _Clock:
         return self.deadline is not None and self.elapsed() > self.deadline
 
 
-def _resolve(args, prog: str) -> dict[str, Any]:
+def _resolve(args) -> dict[str, Any]:
+    """Device, preset, backend and the evaluation's sizes (the preset's defaults where an option is unset);
+    ``ValueError`` for options that cannot work."""
     import torch  # noqa: PLC0415
 
     from .daaf_lm import PRESETS  # noqa: PLC0415
@@ -153,15 +155,31 @@ def _resolve(args, prog: str) -> dict[str, Any]:
             backend = "cpu"
     if backend == "gpu" and device != "cuda":
         raise ValueError("--backend gpu needs --device cuda")
-    return {"device": device, "preset_name": preset_name, "preset": preset, "backend": backend,
-            "backend_note": why, "lengths": _csv_ints(args.lengths or ("512,1024" if tiny else DEFAULT_LENGTHS)),
-            "docs": args.docs if args.docs is not None else (2 if tiny else 8),
-            "retrieval_docs": args.retrieval_docs if args.retrieval_docs is not None else (1 if tiny else 8),
-            "window": args.window or (64 if tiny else 512), "local_window": args.local_window or (16 if tiny else 128),
-            "continuation": args.continuation or (128 if tiny else 1024),
-            "pairs": _csv_ints(args.pairs or ("2,2" if tiny else "8,8")),
-            "curve_docs": args.curve_docs if args.curve_docs is not None else (1 if tiny else 4),
-            "curve_length": args.curve_length if args.curve_length is not None else (1024 if tiny else 16384)}
+    cfg = {"device": device, "preset_name": preset_name, "preset": preset, "backend": backend,
+           "backend_note": why, "lengths": _csv_ints(args.lengths or ("512,1024" if tiny else DEFAULT_LENGTHS)),
+           "docs": args.docs if args.docs is not None else (2 if tiny else 8),
+           "retrieval_docs": args.retrieval_docs if args.retrieval_docs is not None else (1 if tiny else 8),
+           "window": args.window or (64 if tiny else 512), "local_window": args.local_window or (16 if tiny else 128),
+           "continuation": args.continuation or (128 if tiny else 1024),
+           "pairs": _csv_ints(args.pairs or ("2,2" if tiny else "8,8")),
+           "curve_docs": args.curve_docs if args.curve_docs is not None else (1 if tiny else 4),
+           "curve_length": args.curve_length if args.curve_length is not None else (1024 if tiny else 16384)}
+    _check(cfg, args)
+    return cfg
+
+
+def _check(cfg: dict, args) -> None:
+    if len(cfg["pairs"]) != 2 or min(cfg["pairs"]) < 0 or sum(cfg["pairs"]) < 1:
+        raise ValueError(f"--pairs must be two counts (block, scattered) with at least one pair, got {args.pairs!r}")
+    lengths = cfg["lengths"] + ([cfg["curve_length"]] if cfg["curve_length"] else [])
+    if not cfg["lengths"] or min(lengths) <= cfg["continuation"]:
+        raise ValueError(f"every length must exceed --continuation ({cfg['continuation']}), got {lengths}")
+    if cfg["window"] < 1 or cfg["local_window"] < 0 or min(cfg["docs"], cfg["retrieval_docs"], cfg["curve_docs"]) < 0:
+        raise ValueError("--window must be >= 1, --local-window and the document counts >= 0")
+    if not (0 <= args.threshold <= 1 and 0 <= args.fallback_budget <= 1) or args.global_layers < 0:
+        raise ValueError("--threshold and --fallback-budget must lie in [0, 1], --global-layers >= 0")
+    if any(not 0 < b <= 1 for b in _csv_floats(args.budgets)):
+        raise ValueError(f"--budgets must lie in (0, 1], got {args.budgets!r}")
 
 
 def run(args, prog: str = "hpczeco bench daaf-quality") -> int:
@@ -171,7 +189,7 @@ def run(args, prog: str = "hpczeco bench daaf-quality") -> int:
     from . import daaf_quality as dq  # noqa: PLC0415
 
     clock = _Clock(args.deadline)
-    cfg = _resolve(args, prog)
+    cfg = _resolve(args)
     device, backend = cfg["device"], cfg["backend"]
     libs = ("numpy", "torch") + (("cupy",) if device == "cuda" else ())
     rec = benchkit.Recorder(args.out, STEM, info=benchkit.environment(libs, gpu=device == "cuda"))

@@ -261,6 +261,16 @@ def test_bench_command_end_to_end(tmp_path, capsys):
     assert abs(again["quality"][0]["ppl"] - first["exact"]) / first["exact"] < 1e-9
 
 
+def test_bench_refuses_options_that_cannot_work(capsys):
+    from hpczeco.drivers import bench_daaf_quality as bq
+
+    assert bq._methods() == dq.METHODS  # the parser's list (no torch import for --help) is the evaluation's
+    for argv, msg in ((["--pairs", "3"], "--pairs must be two counts"), (["--lengths", "100"], "must exceed"),
+                      (["--budgets", "0,0.5"], "--budgets must lie"), (["--threshold", "2"], "--threshold")):
+        with pytest.raises(ValueError, match=msg):
+            bq.main(["--device", "cpu", *argv])
+
+
 def test_gpu_kernel_choice_falls_back_with_reasons(monkeypatch):
     import threading
 
