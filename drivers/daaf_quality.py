@@ -409,9 +409,10 @@ def _doc_metrics(logits: torch.Tensor, doc: Doc, exact_argmax: torch.Tensor | No
 def evaluate(runner: Runner, docs: list[Doc], s: DaafSettings, methods: tuple[str, ...] = METHODS,
              budgets: tuple[float | None, ...] = (None,), seed: int = 0, fmt: KVFormat = KV,
              log: Callable[[str], Any] | None = None) -> list[dict]:
-    """One record per (document, budget, method): the plan's facts (global tokens, pairs, mass recall) and the
-    metrics (text: ``nll_sum``, ``n``, ``top1_same``; retrieval: per question ``correct``, ``in_daaf``; both:
-    ``first_same``). ``exact`` is computed once per document (budget None), with the oracle's scores."""
+    """One record per (document, budget, method): the plan's facts (global tokens, query-key pairs per layer
+    averaged over the layers, mass recall) and the metrics (text: ``nll_sum``, ``n``, ``top1_same``; retrieval:
+    per question ``correct``, ``in_daaf``; both: ``first_same``). ``exact`` is computed once per document (budget
+    None), with the oracle's scores."""
     recs = []
     for di, doc in enumerate(docs):
         exact_logits, scores = runner.logits(doc.tokens, MethodPlan("exact", None), doc.C - 1, doc.scored_rows(),
@@ -432,7 +433,10 @@ def evaluate(runner: Runner, docs: list[Doc], s: DaafSettings, methods: tuple[st
                 met = _doc_metrics(lg, doc, ex_am, fmt)
                 met.pop("argmax")
                 g = mp.plan.global_mask[: doc.C]
-                rec = {**base, "budget": budget, "method": name, "n_global": int(g.sum()), "pairs": mp.plan.pairs,
+                L = runner.model.cfg.n_layers
+                e = min(mp.exact_layers, L)  # pairs per layer, averaged over the layers (exact ones: dense)
+                pairs = (e * mp.plan.dense + (L - e) * mp.plan.pairs) / L
+                rec = {**base, "budget": budget, "method": name, "n_global": int(g.sum()), "pairs": pairs,
                        "dense_pairs": mp.plan.dense, "exact_layers": mp.exact_layers,
                        "mass_recall": (float(scores[g].sum()) / total if total > 0 else float("nan"))
                        if name not in ("window-wide", "exact-lib") else float("nan"), **met}
