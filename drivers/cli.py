@@ -34,6 +34,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "daaf": ("hpczeco.drivers.bench_daaf", "DAAF time to first token, work saved, quality, scheduling"),
     "gpu-gla": ("hpczeco.drivers.bench_gpu_gla", "GLA GPU kernels vs flash-linear-attention (one GPU)"),
     "gpu-daaf": ("hpczeco.drivers.bench_gpu_daaf", "DAAF GPU kernels vs FlexAttention, time to first token"),
+    "daaf-quality": ("hpczeco.drivers.bench_daaf_quality", "DAAF on a trained LM: quality vs same-budget baselines"),
     "gpu-multi": ("hpczeco.drivers.bench_gpu_multi", "device transports, scans and ZeCO on GPUs (under mpirun)"),
 }
 
