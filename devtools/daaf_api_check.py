@@ -12,8 +12,7 @@ two ways:
 
 plus ``host_ms``: wall time per call of the back-to-back loop. Ratios are against ``prepared`` (the same
 launch from ``prepare(...)``). Then the device planner (:func:`hpczeco.daaf.device_planner.plan`, one host read
-included) against the former Numba planner (``daaf_numba.threshold_plan`` + ``device_plan``) at each T, both
-checked against the CPU planner. B=1, H=16, D=128, bf16 (raw bits for the CuPy forms; float16 for
+included) at each T, checked against the CPU planner. B=1, H=16, D=128, bf16 (raw bits for the CuPy forms; float16 for
 ``hpczeco.daaf.attention``, which needs a floating CuPy dtype). Writes ``daaf_api_check.json`` to ``--out``,
 else ``$HPCZECO_RESULTS``, else ``$OUT``, else the current folder.
 """
@@ -172,9 +171,8 @@ def synthetic_tokens(T: int, rng: np.random.Generator, vocab: int = 2**17) -> np
 
 
 def time_planners(T: int, reps: int = 20, seed: int = 0) -> list[dict]:
-    """The device planner (one read back included) and the former Numba planner at ``T`` tokens."""
+    """The device planner (one read back included) at ``T`` tokens."""
     import cupy
-    from hpczeco.gpu import daaf as gd
 
     from hpczeco.daaf import device_planner as dpl
     from hpczeco.daaf import planner
@@ -187,13 +185,7 @@ def time_planners(T: int, reps: int = 20, seed: int = 0) -> list[dict]:
     def new():
         return dpl.plan(tok_d, 512, 0.8, W, vocab_size=2**17)
 
-    def old():
-        from hpczeco.gpu import daaf_numba as dn
-
-        tp = dn.threshold_plan(tok_d, 512, 0.8, W, vocab_size=2**17)
-        return gd.device_plan(tp["global_idx"], W, T, tp["global_mask"], validate=False)
-
-    for name, fn in (("device_planner.plan (CuPy kernels)", new), ("daaf_numba.threshold_plan + device_plan", old)):
+    for name, fn in (("device_planner.plan (CuPy kernels)", new),):
         try:
             t = time_calls(fn, reps)
             dp = fn()

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     lib = ctypes.CDLL(a.libnvrtc)
     prog = ctypes.c_void_p()
-    if lib.nvrtcCreateProgram(ctypes.byref(prog), dh.kernel_source().encode(), dh.KERNEL_SOURCE.name.encode(), 0,
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), dh.KERNELS.source().encode(), dh.KERNEL_SOURCE.name.encode(), 0,
                               None, None) != 0:
         print("nvrtcCreateProgram failed")
         return 1
