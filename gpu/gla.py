@@ -32,7 +32,7 @@ too (from :mod:`hpczeco.gpu.gla_zeco`): :func:`decay_cumsum`, :func:`state_corre
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..base.checks import check_chunk_size, check_scale
 from .gla_bwd_tc import BwdTC
@@ -84,6 +84,9 @@ __all__ = [
     "KERNELS",
     "RUNTIME",
 ]
+
+if TYPE_CHECKING:
+    from .gla_numba import NumbaBackward, NumbaForward
 
 #: accepted ``impl`` values of the forward and of the backward
 FORWARD_IMPLS = ("auto", "tc-chunk", "simt", "numba")
@@ -193,7 +196,7 @@ class GLAForward:
 
 def chunk_gla_prepare(
     q: Any, k: Any, v: Any, g: Any, scale: float | None = None, chunk_size: int = 64, *, impl: str = "auto"
-) -> GLAForward:
+) -> GLAForward | NumbaForward:
     """The local pass of the forward (chunk or segment states from a zero start); see :class:`GLAForward`.
 
     ``q, k, g: [B, T, H, K]``, ``v: [B, T, H, V]`` CuPy arrays (T >= 1). ``impl`` as :func:`chunk_gla`.
@@ -322,7 +325,7 @@ class GLABackward:
 def chunk_gla_bwd_prepare(
     q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None = None, chunk_size: int = 64, *,
     impl: str = "auto", fwd: GLAForward | None = None,
-) -> GLABackward:  # fmt: skip
+) -> GLABackward | NumbaBackward:  # fmt: skip
     """The state passes of the backward (zero-start chunk states and d-states; simt: also the intra-chunk scores).
 
     Shapes as :func:`chunk_gla_bwd` (T >= 1); ``impl``: "auto" | "tc-chunk" | "simt" | "numba". ``fwd``: the
