@@ -2,7 +2,7 @@
 
 Windows of ``window`` tokens start every ``stride`` tokens (default: ``window``, back to back); when the last
 regular window ends before ``T``, one more window is aligned to the end (start ``T - window``). Used by the
-CPU planner (:mod:`hpczeco.daaf.planner`), the device planner and the Numba kernels (``gpu/daaf_numba.py``).
+CPU planner (:mod:`hpczeco.daaf.planner`) and the device planner.
 """
 
 from __future__ import annotations

@@ -37,9 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args(argv)
     Path(a.out).mkdir(parents=True, exist_ok=True)
-    rt = gemu.EmuRuntime(dh.kernel_source(), list(dh.GROUPS))
+    rt = gemu.EmuRuntime(dh.KERNELS.source(), list(dh.GROUPS))
     rt.xp = cupy
-    dh._set_runtime(rt)
+    dh.RUNTIME.set(rt)
     H.probe_cases = lambda quick: SMALL_CASES
     rec = H.Recorder(Path(a.out) / "dryrun.jsonl")
     t0 = time.perf_counter()

@@ -39,6 +39,7 @@ import gla_device_check as H  # noqa: E402
 from hpczeco.gpu import emu as gemu  # noqa: E402
 from hpczeco.gpu import gla as G  # noqa: E402
 from hpczeco.gpu import gla_tc_states as st  # noqa: E402
+from hpczeco.gpu.runtime import kernel_source  # noqa: E402
 
 _GROUP = H.NvrtcRuntime.group
 
@@ -78,10 +79,10 @@ def main() -> int:
     H.cuda_time = lambda cp, fn, reps=20, warmup=3, sets=2: (fn(0), 1.0)[1]
     names = ["gla_chunk_outer<bf16>", "gla_state_scan", "gla_bwd_scores<bf16>", "gla_bwd_dqdk<bf16>",
              "gla_bwd_dv<bf16>", "seg_chunk_sum<float>", "seg_carry", "seg_finish<float, bf16>",
-             "gla_tc_seg_state<bf16, true>", "gla_tc_seg_output<bf16, true, true>"]  # fmt: skip
-    old = gemu.EmuRuntime(G.kernel_source(("gla_kernels.cu", "gla_tc.cu")), names)
+             "gla_chunk_output<bf16>"]  # fmt: skip
+    old = gemu.EmuRuntime(kernel_source(("gla_kernels.cu",)), names)
     old.xp = cupy
-    G._set_runtime(old)
+    G.RUNTIME.set(old)
     return H.main(sys.argv[1:])
 
 

@@ -266,9 +266,9 @@ class Bench:
 
     def compile_kernels(self) -> None:
         """The NVRTC build of the modules a bf16 run uses (timed: the first call of each pays it)."""
-        from hpczeco.gpu.gla_common import kernel_group, kernel_names, runtime  # noqa: PLC0415
+        from hpczeco.gpu.gla_common import RUNTIME, kernel_group, kernel_names  # noqa: PLC0415
 
-        rt = runtime()
+        rt = RUNTIME.get()
         for file in ("gla_tc_states.cu", "gla_fwd_tc.cu", "gla_bwd_tc.cu", "gla_kernels.cu"):  # what the run uses
             for group in ("common", "bf16"):
                 names = [n for n in kernel_names(file) if kernel_group(n) == group]
@@ -288,7 +288,7 @@ class Bench:
         cp, rec = self.cp, self.rec
         from hpczeco.gpu import gla as G  # noqa: PLC0415
         from hpczeco.gpu import gla_tc_states as tcs  # noqa: PLC0415
-        from hpczeco.gpu.gla_common import runtime  # noqa: PLC0415
+        from hpczeco.gpu.gla_common import RUNTIME  # noqa: PLC0415
 
         B, T, H, K, V = shape
         tag = tag_of(shape)
@@ -298,7 +298,7 @@ class Bench:
             return
         scale = K**-0.5
         qkvg = ("q", "k", "v", "g")
-        rt = runtime()
+        rt = RUNTIME.get()
         geo = tcs.geometry(rt, B, T, H, K, V, "bf16", None, None)
         moved = tcs.traffic(geo)
         fl_f = G.memory_floor(B, T, H, K, V)["bytes"]
@@ -368,11 +368,11 @@ class Bench:
         """Each kernel of the forward and of the backward alone (the default build, 16-bit chunk states)."""
         from hpczeco.gpu import gla_bwd_tc, gla_fwd_tc  # noqa: PLC0415
         from hpczeco.gpu import gla_tc_states as tcs  # noqa: PLC0415
-        from hpczeco.gpu.gla_common import runtime  # noqa: PLC0415
+        from hpczeco.gpu.gla_common import RUNTIME  # noqa: PLC0415
 
         cp = self.cp
         tag = tag_of(shape)
-        rt = runtime()
+        rt = RUNTIME.get()
         B, T, H, K, V = shape
         scale = K**-0.5
         q, k, v, g, do = (s[n] for n in ("q", "k", "v", "g", "do"))
@@ -447,7 +447,7 @@ class Bench:
     def run_variants(self, shape) -> None:
         from hpczeco.gpu import gla_bwd_tc, gla_fwd_tc  # noqa: PLC0415
         from hpczeco.gpu import gla_tc_states as tcs  # noqa: PLC0415
-        from hpczeco.gpu.gla_common import runtime  # noqa: PLC0415
+        from hpczeco.gpu.gla_common import RUNTIME  # noqa: PLC0415
 
         cp, rec = self.cp, self.rec
         names = VARIANTS if self.args.variants == "all" else [v for v in self.args.variants.split(",") if v]
@@ -456,7 +456,7 @@ class Bench:
             rec.record({"step": "variants", "error": f"unknown variants {unknown}; known: {VARIANTS}"}, "failures")
         B, T, H, K, V = shape
         sets = [bench_inputs(cp, shape, self.seed + 100 + j) for j in range(2)]
-        rt = runtime()
+        rt = RUNTIME.get()
         NC = tcs.chunks_per_segment(rt, B * H, -(-T // 64), K, V)
         table = {"default": ((), {}), "walk1": ((), {"walk": 1}), "walk1-ctas2": (("GW_MIN_CTAS=2",), {"walk": 1}),
                  "nc2": ((), {"nc": 2 * NC}), "nc05": ((), {"nc": max(1, NC // 2)}), "f32": ((), {"f32_states": True}),

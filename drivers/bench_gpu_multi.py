@@ -17,7 +17,6 @@ The correctness of the same transports, scans and layer is checked by
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -87,14 +86,6 @@ def run(args) -> int:
     from hpczeco.collectives import device as D  # noqa: PLC0415
 
     out = Path(args.out)
-    prev = out / "gpu_gla.json"  # the single-GPU bench's choice of tensor-core build, if it ran first
-    if "HPCZECO_TC_VARIANT" not in os.environ and prev.exists():
-        try:
-            used = json.loads(prev.read_text())["info"].get("tc_variant_used")
-            if used:
-                os.environ["HPCZECO_TC_VARIANT"] = used
-        except Exception:  # noqa: BLE001 - keep the default build
-            pass
     seed = comm.bcast(int(args.seed if args.seed is not None else time.time_ns() % 2**31), root=0)
     rng = np.random.default_rng(seed)
     rec = benchkit.Recorder(out, STEM, rank, info=benchkit.environment(("numpy", "cupy", "mpi4py"), gpu=True))
@@ -102,7 +93,6 @@ def run(args) -> int:
         seed=seed, ranks=P, devices=comm.gather(lr % ndev, root=0), mpi=MPI.Get_library_version()[:80],
         mpix_cuda_support=D.mpi_cuda_support(), cuda_aware_env=os.environ.get(D.CUDA_AWARE_ENV),
         cuda_aware_known=D.cuda_aware_known(), nccl=D.nccl_available(),
-        tc_variant=os.environ.get("HPCZECO_TC_VARIANT", "default"),
     )
     rec.say(f"bench gpu-multi: seed {seed} {rec.info}")
     sync = lambda: cp.cuda.Device().synchronize()

@@ -48,10 +48,9 @@ from typing import Any
 import numpy as np
 
 from ..base.backend import get_array_module
-from ..base.checks import check_int
+from ..base.checks import check_int, check_scale
 from . import daaf_hopper, daaf_plan
 from .runtime import HERE, KernelSet, Prepared, RuntimeSlot
-from .runtime import kernel_source as _source
 
 __all__ = [
     "AUTO_HOPPER_ONE_SPAN",
@@ -62,6 +61,8 @@ __all__ = [
     "HOPPER_CC",
     "IMPLS",
     "KERNEL_SOURCE",
+    "KERNELS",
+    "RUNTIME",
     "DevicePlan",
     "Prepared",
     "attention",
@@ -168,7 +169,7 @@ _HOPPER_USABLE: dict[tuple[int, int, str], bool] = {}
 def _hopper_usable(kernel: str) -> bool:
     """Whether the Hopper kernel ``kernel`` is there (its cubin builds and loads; checked once per device, a
     failure warned about once): ``"auto"`` falls back to :data:`AUTO_WINDOW` otherwise."""
-    rt = daaf_hopper._runtime()
+    rt = daaf_hopper.RUNTIME.get()
     key = (id(rt), _device_id(rt), kernel)
     ok = _HOPPER_USABLE.get(key)
     if ok is None:
@@ -216,28 +217,12 @@ def kernel_names() -> list[str]:
     return out
 
 
-def kernel_source() -> str:
-    """The kernel source as NVRTC and the CPU emulation compile it."""
-    return _source((KERNEL_SOURCE.name,))
-
-
 #: the DAAF kernels: one NVRTC module per device (plain names, no name expressions)
 KERNELS = KernelSet(
     label="hpczeco.gpu.daaf", files=(KERNEL_SOURCE.name,), names=lambda file: kernel_names(), name_expressions=False
 )
-_SLOT = RuntimeSlot(KERNELS)
-
-
-def _runtime():
-    try:
-        return _SLOT.get()
-    except ImportError as exc:  # pragma: no cover - depends on the machine
-        raise RuntimeError(f"hpczeco.gpu.daaf needs CuPy ({exc})") from exc
-
-
-def _set_runtime(rt: Any) -> Any:
-    """Testing hook: run the wrappers on another runtime (e.g. the CPU emulation); returns the old one."""
-    return _SLOT.set(rt)
+#: the runtime the DAAF wrappers launch on (CuPy unless a test has set another, e.g. the CPU emulation)
+RUNTIME = RuntimeSlot(KERNELS)
 
 
 #: compute capability by (xp, device id): a driver attribute, looked up once
@@ -248,7 +233,7 @@ def compute_capability(rt: Any = None) -> str | None:
     """The compute capability of the current device as CuPy spells it ("90"), None when unknown. A runtime
     with a ``compute_capability`` attribute (the CPU emulation, in tests) answers for itself. No device read
     (a driver attribute, cached per device)."""
-    rt = _runtime() if rt is None else rt
+    rt = RUNTIME.get() if rt is None else rt
     own = getattr(rt, "compute_capability", None)
     if own is not None:
         return _norm_cc(own) or None
@@ -277,7 +262,7 @@ def _smem_of(name: str) -> int:
 def kernel_info() -> dict[str, dict]:
     """Per kernel: registers, local (spill) bytes, static shared bytes, the block limit (compiles the module;
     CuPy only)."""
-    rt = _runtime()
+    rt = RUNTIME.get()
     info = {}
     for name in kernel_names():
         kern = rt.function(name, _smem_of(name))
@@ -486,7 +471,7 @@ def device_plan(global_idx: Any, local_window: int, T: int, is_global_query_mask
     int32 if needed); ``validate`` checks it with one kernel and one synchronisation, ``validate=False``
     costs no synchronisation. To reuse a plan across calls and layers, build it once and pass ``plan=``.
     """
-    rt = _runtime()
+    rt = RUNTIME.get()
     xp = rt.xp
     T = check_int("T", T, 1)
     W = min(check_int("local_window", local_window, 0), T)
@@ -540,7 +525,7 @@ def plan_on_device(plan: Any) -> DevicePlan:
     (this layer does not import :mod:`hpczeco.daaf`)."""
     if not all(hasattr(plan, name) for name in _PLAN_FIELDS):
         raise TypeError(f"plan must be a hpczeco.daaf.Plan or a DevicePlan, got {type(plan).__name__}")
-    rt = _runtime()
+    rt = RUNTIME.get()
     key = (id(rt.xp), _device_id(rt))
     per = _PLAN_PLANS.get(plan)
     if per is None:
@@ -590,7 +575,7 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
     those :func:`device_plan` documents (none for ``plan=``, none for host ``global_idx`` seen before); the
     launch parameters come from the plan's host fields.
     """
-    rt = _runtime()
+    rt = RUNTIME.get()
     cupy = rt.xp
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not rt.is_native(x):
@@ -616,13 +601,7 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
         kind = resolve_impl(impl, elem, D, Dv, cc=cc if cc is not None else "unknown")
     if sched is not None and (check_int("sched", sched, 0) > 3):
         raise ValueError(f"sched must be in [0, 3], got {sched}")
-    if scale is None:
-        scale = D**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
-        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
-    scale = float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be positive and finite, got {scale}")
+    scale = check_scale(scale, D)
     if plan is None:
         plan = device_plan(global_idx, local_window, T, is_global_query_mask, validate=validate)
     elif not isinstance(plan, DevicePlan):
@@ -712,7 +691,7 @@ class _TorchPrepared:
         self.impl, self.name, self.sched = prepared.impl, prepared.name, prepared.sched
 
     def __call__(self):
-        cupy = _runtime().xp
+        cupy = RUNTIME.get().xp
         with cupy.cuda.Device(self.device), cupy.cuda.ExternalStream(self.stream_ptr):
             self.prepared()
         return self.out_t
@@ -726,7 +705,7 @@ def prepare_torch(q, k, v, global_idx: Any, local_window: int, scale: float | No
     ``plan``: a :class:`DevicePlan` to reuse (e.g. across layers); ``sched``: as :func:`prepare`."""
     import torch  # noqa: PLC0415
 
-    cupy = _runtime().xp
+    cupy = RUNTIME.get().xp
     storage, bits = _torch_views(q, k, v)
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

@@ -29,8 +29,8 @@ Kernels (``impl``; :data:`VARIANTS` has the shapes):
 vary fastest in the 1-D grid. :func:`prepare` returns a :class:`hpczeco.gpu.daaf.Prepared` (``p()``
 launches on the current CuPy stream and returns ``out``), like :func:`hpczeco.gpu.daaf.prepare`.
 
-The kernels load and launch through :mod:`hpczeco.gpu.runtime` (:data:`KERNELS`, one runtime slot, as
-:mod:`hpczeco.gpu.daaf`), so the CPU emulation (:class:`hpczeco.gpu.emu.EmuRuntime`, with its wgmma
+The kernels load and launch through :mod:`hpczeco.gpu.runtime` (:data:`KERNELS`, the runtime slot
+:data:`RUNTIME`, as :mod:`hpczeco.gpu.daaf`), so the CPU emulation (:class:`hpczeco.gpu.emu.EmuRuntime`, with its wgmma
 model) runs these very wrappers on numpy arrays. On the GPU they are built for ``sm_90a`` (the set's
 ``arch``: NVRTC called directly, since CuPy's RawModule would add its own ``-arch=sm_90``, under which
 wgmma does not exist; ``nvcc`` when NVRTC fails), one cubin per compile group (:data:`GROUPS`, built in
@@ -49,9 +49,9 @@ from typing import Any
 
 import numpy as np
 
+from ..base.checks import check_scale
 from .runtime import HERE, KernelSet, Prepared, RuntimeSlot, compile_cubin
 from .runtime import cached_cubin as runtime_cached_cubin
-from .runtime import kernel_source as _source
 
 __all__ = [
     "KERNEL_SOURCE",
@@ -73,8 +73,8 @@ __all__ = [
     "kernel_info",
     "kernel_name",
     "kernel_names",
-    "kernel_source",
     "prepare",
+    "RUNTIME",
     "resolve",
     "smem_bytes",
     "unit_kernel_name",
@@ -222,11 +222,6 @@ GROUPS: dict[str, int] = {
 N_GROUPS = max(GROUPS.values())
 
 
-def kernel_source() -> str:
-    """The kernel source as NVRTC and the CPU emulation compile it (local headers inlined)."""
-    return _source((KERNEL_SOURCE.name,))
-
-
 #: the Hopper kernels: one cubin per compile group, for sm_90a (``group`` "0": every kernel)
 KERNELS = KernelSet(
     label="hpczeco.gpu.daaf_hopper",
@@ -237,9 +232,8 @@ KERNELS = KernelSet(
     arch=ARCH,
     group_options=lambda group: (f"-DDH_GROUP={group}",),
 )
-_SLOT = RuntimeSlot(KERNELS)
-_runtime = _SLOT.require
-_set_runtime = _SLOT.set  # testing hook: run the wrappers on another runtime (e.g. the CPU emulation)
+#: the runtime the Hopper wrappers launch on (CuPy unless a test has set another, e.g. the CPU emulation)
+RUNTIME = RuntimeSlot(KERNELS)
 
 
 def _kernels_for(arch: str) -> KernelSet:
@@ -249,7 +243,7 @@ def _kernels_for(arch: str) -> KernelSet:
 def build_cubin(arch: str = ARCH, use_nvcc: bool | None = None, group: int = 0) -> tuple[bytes, str]:
     """Compile ``daaf_hopper.cu`` (compile group ``group``; 0: all) to a cubin: ``(cubin, how)``, ``how``
     "nvrtc" or "nvcc" (:func:`hpczeco.gpu.runtime.compile_cubin`; None tries NVRTC first)."""
-    return compile_cubin(kernel_source(), KERNEL_SOURCE.name, KERNELS.compile_options(str(group)), arch, use_nvcc)
+    return compile_cubin(KERNELS.source(), KERNEL_SOURCE.name, KERNELS.compile_options(str(group)), arch, use_nvcc)
 
 
 def cached_cubin(group: int = 0, arch: str = ARCH) -> tuple[Path, str]:
@@ -277,14 +271,14 @@ def prebuild(groups: list[int] | None = None, workers: int | None = None) -> lis
 
 def build_method(device_id: int = 0, group: int = 1) -> str:
     """How the module of ``group`` was obtained: "nvrtc", "nvcc" or "cache" (loads it)."""
-    rt = _runtime()
+    rt = RUNTIME.get()
     rt.module(KERNEL_SOURCE.name, str(group), device_id)
     return rt.built[(device_id, KERNEL_SOURCE.name, str(group))]
 
 
 def kernel_info() -> dict[str, dict]:
     """Per kernel: registers, local (spill) bytes, dynamic shared bytes (builds the module; CuPy only)."""
-    rt = _runtime()
+    rt = RUNTIME.get()
     info = {}
     for impl, v in VARIANTS.items():
         for e in v.elems:
@@ -319,7 +313,7 @@ def prepare(q, k, v, plan, scale: float | None = None, *, impl: str = "hwg", sto
     the CPU emulation); ``plan``: a :class:`hpczeco.gpu.daaf.DevicePlan` for the same ``T`` (its arrays are
     used as they are: validate them when building the plan); ``scale`` defaults to ``D ** -0.5``.
     """
-    rt = _runtime()
+    rt = RUNTIME.get()
     xp = rt.xp
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not rt.is_native(x) or x.ndim != 4 or not x.flags.c_contiguous or rt.ptr(x) % 16:
@@ -337,9 +331,7 @@ def prepare(q, k, v, plan, scale: float | None = None, *, impl: str = "hwg", sto
                          f"got n_global={plan.n_global}, local_window={W} (see choose_impl)")
     if T >= 2**31 - 256 or B * H * T >= 2**31:
         raise ValueError(f"shape out of range: B={B}, T={T}, H={H}")
-    scale = D**-0.5 if scale is None else float(scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be positive and finite, got {scale}")
+    scale = check_scale(scale, D)
     if out is None:
         out = xp.empty_like(v)
     elif not (rt.is_native(out) and out.shape == v.shape and out.dtype == v.dtype
@@ -400,7 +392,7 @@ def wgmma_unit(a_bits, b_bits, mode: int, elem: str = "bf16", swizzle: bool = Tr
     """Run the wgmma unit kernel: ``a_bits`` uint16 ``[64, 128]``, ``b_bits`` uint16 ``[128, 128]``
     (mode bit 0: B as ``[k][n]`` (MN-major, the V tile), else ``[n][k]`` (K-major, the K tile);
     bit 1: A from registers). Returns ``d`` float32 ``[64, 128]`` (a device array) = A @ B."""
-    rt = _runtime()
+    rt = RUNTIME.get()
     xp = rt.xp
     a = xp.ascontiguousarray(xp.asarray(a_bits, dtype=xp.uint16))
     b = xp.ascontiguousarray(xp.asarray(b_bits, dtype=xp.uint16))

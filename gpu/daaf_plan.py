@@ -24,11 +24,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .runtime import HERE, KernelSet, RuntimeSlot
-from .runtime import kernel_source as _source
 
 __all__ = ["INDEX_THREADS", "INFO_LEN", "KERNEL_SOURCE", "KERNELS", "MAX_THREADS", "MAX_WINDOW", "POLICY_CODES",
-           "SELECT_MODES", "SELECT_THREADS", "SelectBuffers", "SelectInfo", "check_threads", "entropy_scan", "index",
-           "kernel_names", "kernel_source", "runtime", "select", "to_host"]
+           "RUNTIME", "SELECT_MODES", "SELECT_THREADS", "SelectBuffers", "SelectInfo", "check_threads", "entropy_scan",
+           "index", "kernel_names", "select", "to_host"]
 
 KERNEL_SOURCE = HERE / "daaf_plan.cu"
 MAX_WINDOW = 16384  # P2 * 8 bytes of ids + (window + 1) * 4 of run-length counts in shared memory (opt-in > 48 KB)
@@ -49,26 +48,10 @@ def kernel_names() -> list[str]:
     return ["daaf_plan_entropy_i32", "daaf_plan_entropy_i64", "daaf_plan_select", "daaf_plan_index"]
 
 
-def kernel_source() -> str:
-    return _source((KERNEL_SOURCE.name,))
-
-
 KERNELS = KernelSet(label="hpczeco.gpu.daaf_plan", files=(KERNEL_SOURCE.name,), names=lambda file: kernel_names(),
                     name_expressions=False)
-_SLOT = RuntimeSlot(KERNELS)
-
-
-def runtime():
-    """The runtime these kernels launch on (CuPy's, unless a test set another)."""
-    try:
-        return _SLOT.get()
-    except ImportError as exc:  # pragma: no cover - depends on the machine
-        raise RuntimeError(f"hpczeco.gpu.daaf_plan needs CuPy ({exc})") from exc
-
-
-def _set_runtime(rt: Any) -> Any:
-    """Testing hook: launch on another runtime (e.g. the CPU emulation); returns the old one."""
-    return _SLOT.set(rt)
+#: the runtime these kernels launch on (CuPy's, unless a test has set another, e.g. the CPU emulation)
+RUNTIME = RuntimeSlot(KERNELS)
 
 
 def _bits(x: float) -> np.uint64:
@@ -99,7 +82,7 @@ def entropy_scan(tok: Any, window: int, stride: int, n_regular: int, n_windows: 
     window ``[T - window, T)``; scores normalised by ``log2cap`` (log2 of the largest possible id count).
     Returns device arrays ``(ent float64 [n_windows], wmin int64 [n_windows], wmax int64 [n_windows])``
     (entropies and each window's smallest / largest id). ``threads``: block size (default from the window)."""
-    rt = runtime()
+    rt = RUNTIME.get()
     xp = rt.xp
     T = int(tok.size)
     P2 = 1 << max(0, (window - 1).bit_length())
@@ -123,7 +106,7 @@ class SelectBuffers:
     ``[INFO_LEN]``."""
 
     def __init__(self, n_windows: int, T: int, with_before: bool):
-        xp = runtime().xp
+        xp = RUNTIME.get().xp
         self.chosen = xp.empty(n_windows, dtype=np.uint8)
         self.cpre = xp.empty(n_windows + 1, dtype=np.int32)
         self.mask = xp.empty(T, dtype=np.uint8)
@@ -151,7 +134,7 @@ def select(ent: Any, wmin: Any, wmax: Any, out: SelectBuffers, T: int, window: i
            mode: str, threshold: float, uniform_eps: float, threads: int = SELECT_THREADS) -> SelectInfo:
     """Launch ``daaf_plan_select`` (one block of ``threads``) on the scan's outputs (:func:`entropy_scan`) in
     ``mode`` (a key of :data:`SELECT_MODES`), write ``out`` and read its ``info`` back (one synchronisation)."""
-    rt = runtime()
+    rt = RUNTIME.get()
     nw = int(ent.size)
     rt.launch("daaf_plan_select", (1,), (threads,),
               (ent, wmin, wmax, np.int32(nw), np.int32(T), np.int32(window), np.int32(stride), np.int32(n_regular),
@@ -169,7 +152,7 @@ def index(gidx: Any, G: int, T: int, mask_in: Any = None, mask_out: Any = None) 
     back): bit 0 of ``flags[0]`` an index outside ``[0, T)`` (``flags[2:4]``: the smallest and largest), bit 1
     not strictly increasing, bit 2 ``mask_in`` not set at an index; ``flags[1]`` the number of set entries of
     ``mask_in``."""
-    rt = runtime()
+    rt = RUNTIME.get()
     flags = rt.xp.empty(4, dtype=np.int32)
     rt.launch("daaf_plan_index", (1,), (INDEX_THREADS,),
               (gidx if G else None, np.int32(G), np.int32(T), mask_in, mask_out, flags))

@@ -1,16 +1,18 @@
-"""Chunked gated linear attention on the GPU (CuPy + CUDA C++ kernels from the ``*.cu`` files here).
+"""Chunked gated linear attention on the GPU (CuPy + CUDA C++ kernels from the ``*.cu`` files here, and Numba CUDA
+kernels for float64).
 
 Same semantics as :mod:`hpczeco.gla` (flash-linear-attention's ``chunk_gla``): ``q, k, g: [B, T, H, K]``,
-``v, o: [B, T, H, V]``, states ``[B, H, K, V]`` float32, ``g`` the log forget gate (<= 0)::
+``v, o: [B, T, H, V]``, states ``[B, H, K, V]``, ``g`` the log forget gate (<= 0)::
 
     S_t = diag(exp(g_t)) S_{t-1} + k_t^T v_t,      o_t = scale * q_t S_t   (inclusive)
 
-Inputs (one convention for every function here): CuPy arrays of float32, float16 or bfloat16 -- CuPy's
+Inputs (one convention for every function here): CuPy arrays of float64, float32, float16 or bfloat16 -- CuPy's
 ``bfloat16`` dtype (CuPy with ml_dtypes) or ``uint16`` arrays holding raw bfloat16 bit patterns. Outputs
 (``o``, ``dq``, ``dk``, ``dv``, ``dg``) come in the same form as the inputs; states, ``dh0``, ``decay`` and
-the ZeCO pieces' states are float32; ``initial_state`` / ``dht`` are float32 (other floating dtypes are cast).
-Arithmetic and states are float32. Every decay factor is ``exp`` of a non-positive number (taken relative to
-a later position in the same chunk / sub-chunk), so gates down to -8 per token and beyond are safe.
+the ZeCO pieces' states are float32 (float64 for float64 inputs); ``initial_state`` / ``dht`` are cast to that.
+Arithmetic and states are float32 for float32 and 16-bit inputs, float64 for float64 inputs. Every decay factor is
+``exp`` of a non-positive number (taken relative to a later position in the same chunk / sub-chunk), so gates down
+to -8 per token and beyond are safe.
 
 Implementations (``impl``), same results to rounding:
 
@@ -18,44 +20,42 @@ Implementations (``impl``), same results to rounding:
   chunk-parallel tensor-core kernels (``mma.sync`` bf16/fp16 -> fp32; :mod:`.gla_fwd_tc`, :mod:`.gla_bwd_tc`):
   state walks over segments of chunks, a segment scan, then one CTA per chunk for ``o`` (forward) or for
   dq, dk, dv, dg together (backward); see docs/benchmarks/gla_tc_design.md;
-- ``"tc"`` (forward only, same conditions): the former tensor-core forward over segments (``gla_tc.cu``);
 - ``"simt"``: general kernels (any K, V, chunk size 1..64, fp32 too) on CUDA cores, fp32 FMA -- the reference
-  the tensor-core kernels are checked against.
+  the tensor-core kernels are checked against;
+- ``"numba"`` (float64 inputs, and only those): the Numba CUDA kernels of :mod:`.gla_numba`, float64 throughout.
 
-``impl="auto"`` takes ``"tc-chunk"`` where it applies, else ``"simt"`` (and ``"tc"`` for a forward whose
-chunk-parallel kernels fail to build). Nothing here talks MPI. This module is the forward/backward API; the
-pieces the ZeCO layer needs are exported here too (from :mod:`hpczeco.gpu.gla_zeco`): :func:`decay_cumsum`,
-:func:`state_correction`, :func:`final_state`, :func:`scan_combine`, :func:`initial_state_grad`.
+``impl="auto"`` takes ``"numba"`` for float64 inputs, else ``"tc-chunk"`` where it applies, else ``"simt"``.
+Nothing here talks MPI. This module is the forward/backward API; the pieces the ZeCO layer needs are exported here
+too (from :mod:`hpczeco.gpu.gla_zeco`): :func:`decay_cumsum`, :func:`state_correction`, :func:`final_state`,
+:func:`scan_combine`, :func:`initial_state_grad`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import gla_tc
+from ..base.checks import check_chunk_size, check_scale
 from .gla_bwd_tc import BwdTC
 from .gla_common import (
+    KERNELS,  # noqa: F401 - re-exported
     NT_SIMT,
-    check_chunk,
+    RUNTIME,
     check_inputs,
     contig,
     cumsum_T,
-    default_scale,
     f32,
     i32,
     kernel_group,  # noqa: F401 - re-exported
     kernel_names,
-    kernel_source,
+    local_states,
     prefix_suffix,
-    runtime,
-    set_runtime,
     state32,
+    state64,
     state_scan,
     tc_applies,
     warn_once,
 )
 from .gla_fwd_tc import FwdTC
-from .gla_tc import local_states
 from .gla_zeco import (
     ZC_SMEM_CORRECTION,  # noqa: F401 - re-exported
     decay_cumsum,
@@ -80,15 +80,24 @@ __all__ = [
     "scan_combine",
     "initial_state_grad",
     "kernel_names",
-    "kernel_source",
     "memory_floor",
+    "KERNELS",
+    "RUNTIME",
 ]
 
-#: accepted ``impl`` values of the forward and of the backward
-FORWARD_IMPLS = ("auto", "tc-chunk", "tc", "simt")
-BACKWARD_IMPLS = ("auto", "tc-chunk", "simt")
+if TYPE_CHECKING:
+    from .gla_numba import NumbaBackward, NumbaForward
 
-_set_runtime = set_runtime  # testing hook (tests/helpers.py, the torch CUDA emulation tests)
+#: accepted ``impl`` values of the forward and of the backward
+FORWARD_IMPLS = ("auto", "tc-chunk", "simt", "numba")
+BACKWARD_IMPLS = FORWARD_IMPLS
+
+
+def _numba() -> Any:
+    """:mod:`hpczeco.gpu.gla_numba` (imported on first use: it imports ``numba.cuda``)."""
+    from . import gla_numba  # noqa: PLC0415
+
+    return gla_numba
 
 
 def _chunk_tc_built(rt: Any, t: str, backward: bool) -> bool:
@@ -99,7 +108,7 @@ def _chunk_tc_built(rt: Any, t: str, backward: bool) -> bool:
     for file, grp in needs:
         if not rt.available(file, grp):
             warn_once(f"chunk-parallel tensor-core GLA kernels unavailable ({file} [{grp}]: "
-                      f"{getattr(rt, 'errors', {}).get(file + ':' + grp, '?')[:300]}); using the older kernels")
+                      f"{getattr(rt, 'errors', {}).get(file + ':' + grp, '?')[:300]}); using the simt kernels")
             return False
     return True
 
@@ -108,6 +117,11 @@ def _pick(rt: Any, impl: str, allowed: tuple[str, ...], t: str, K: int, V: int, 
     """The implementation a call runs: ``impl`` checked against what applies, or the best that applies."""
     if impl not in allowed:
         raise ValueError(f"impl must be one of {', '.join(repr(a) for a in allowed)}, got {impl!r}")
+    if (t == "f64") != (impl == "numba") and impl != "auto":
+        raise ValueError(f"impl={impl!r} does not take {'float64' if t == 'f64' else t} inputs: float64 inputs run "
+                         "on impl='numba' (or 'auto'), the other dtypes on 'tc-chunk' or 'simt'")
+    if t == "f64":
+        return "numba"
     if impl == "simt":
         return impl
     applies = tc_applies(t, K, V, C)
@@ -125,8 +139,6 @@ def _pick(rt: Any, impl: str, allowed: tuple[str, ...], t: str, K: int, V: int, 
         return "simt"
     if _chunk_tc_built(rt, t, backward):
         return "tc-chunk"
-    if not backward and rt.available("gla_tc.cu", t):
-        return "tc"
     return "simt"
 
 
@@ -140,11 +152,12 @@ class GLAForward:
     ``decay [B, H, K]`` (fp32): ``exp`` of the gate summed over T. With an initial state ``S0`` the final
     state is ``decay[..., None] * S0 + local_final_state`` -- the pair ZeCO scans over ranks, so a rank
     can prepare, scan, then finish with the incoming state (no correction pass over ``o``).
-    ``impl``: the implementation that runs ("tc-chunk", "tc" or "simt"). A "tc-chunk" forward can hand its chunk
-    states to the backward of the same arrays (:func:`chunk_gla_bwd_prepare` ``fwd=``).
+    ``impl``: the implementation that runs ("tc-chunk" or "simt"; float64 inputs get
+    :class:`hpczeco.gpu.gla_numba.NumbaForward`, "numba", with the same interface). A "tc-chunk" forward can hand
+    its chunk states to the backward of the same arrays (:func:`chunk_gla_bwd_prepare` ``fwd=``).
     """
 
-    def __init__(self, rt, q, k, v, g, scale, t, dims, impl, st=None, gtot=None, fin0=None, nc=None, tc=None):
+    def __init__(self, rt, q, k, v, g, scale, t, dims, impl, st=None, gtot=None, fin0=None, tc=None):
         self._rt, self._q, self._k, self._v, self._g = rt, q, k, v, g
         self.scale, self._t, self._dims, self.impl = scale, t, dims, impl
         self.tensor_cores = impl != "simt"
@@ -153,7 +166,7 @@ class GLAForward:
         if tc is not None:
             self.local_final_state, self.decay = tc.local_final_state, tc.decay
             return
-        self._st, self._gtot, self._nc = st, gtot, nc
+        self._st, self._gtot = st, gtot
         self._pre, _, total = prefix_suffix(rt.xp, gtot)
         self.local_final_state = fin0.reshape(B, H, K, V)
         self.decay = rt.xp.exp(total).reshape(B, H, K)
@@ -169,16 +182,12 @@ class GLAForward:
             return self._tc.finish(S0, output_final_state)
         pre = self._pre if S0 is not None else None
         o = xp.empty((B, T, H, V), dtype=self._q.dtype)
-        if self.impl == "tc":
-            gla_tc.finish(rt, self._q, self._k, self._v, self._g, self._st, o, self.scale, S0, pre, self._t,
-                          B, T, H, K, V, self._nc)  # fmt: skip
-        else:
-            NT = -(-T // C)
-            rt.launch(
-                f"gla_chunk_output<{self._t}>", (NT, B * H, -(-V // 64)), (NT_SIMT,),
-                (self._q, self._k, self._v, self._g, self._st, o, f32(self.scale), i32(B), i32(T), i32(H), i32(K),
-                 i32(V), i32(C), i32(NT), S0, pre),
-            )  # fmt: skip
+        NT = -(-T // C)
+        rt.launch(
+            f"gla_chunk_output<{self._t}>", (NT, B * H, -(-V // 64)), (NT_SIMT,),
+            (self._q, self._k, self._v, self._g, self._st, o, f32(self.scale), i32(B), i32(T), i32(H), i32(K),
+             i32(V), i32(C), i32(NT), S0, pre),
+        )  # fmt: skip
         if not output_final_state:
             return o, None
         fin = self.local_final_state.copy() if S0 is None else self.local_final_state + self.decay[..., None] * S0
@@ -187,17 +196,17 @@ class GLAForward:
 
 def chunk_gla_prepare(
     q: Any, k: Any, v: Any, g: Any, scale: float | None = None, chunk_size: int = 64, *, impl: str = "auto"
-) -> GLAForward:
+) -> GLAForward | NumbaForward:
     """The local pass of the forward (chunk or segment states from a zero start); see :class:`GLAForward`.
 
     ``q, k, g: [B, T, H, K]``, ``v: [B, T, H, V]`` CuPy arrays (T >= 1). ``impl`` as :func:`chunk_gla`.
     Keeps references to the inputs: leave them unmodified until :meth:`GLAForward.finish` (and until the
     backward that reuses its chunk states).
     """
-    rt = runtime()
+    rt = RUNTIME.get()
     B, T, H, K, V, t = check_inputs(q, k, v, g, rt=rt)
-    C = check_chunk(chunk_size)
-    s = default_scale(scale, K)
+    C = check_chunk_size(chunk_size, device=True)
+    s = check_scale(scale, K)
     if impl not in FORWARD_IMPLS:
         raise ValueError(f"impl must be one of {', '.join(repr(a) for a in FORWARD_IMPLS)}, got {impl!r}")
     if T == 0 or B * H == 0:
@@ -205,11 +214,10 @@ def chunk_gla_prepare(
     q, k, v, g = (contig(x, rt) for x in (q, k, v, g))
     use = _pick(rt, impl, FORWARD_IMPLS, t, K, V, C, (q, k, v, g), backward=False)
     dims = (B, T, H, K, V, C)
+    if use == "numba":
+        return _numba().NumbaForward(rt.xp, q, k, v, g, s, C)
     if use == "tc-chunk":
         return GLAForward(rt, q, k, v, g, s, t, dims, use, tc=FwdTC(rt, q, k, v, g, s))
-    if use == "tc":
-        st, gtot, fin0, nc = gla_tc.prepare(rt, k, v, g, t, B, T, H, K, V)
-        return GLAForward(rt, q, k, v, g, s, t, dims, use, st, gtot, fin0, nc)
     NT = -(-T // C)
     st, gtot = local_states(rt, k, v, g, t, B, T, H, K, V, C, NT, 0, 1.0)
     fin0 = state_scan(rt, st, gtot, None, NT, K, V, B * H, reverse=False)
@@ -228,19 +236,21 @@ def chunk_gla(
     *,
     impl: str = "auto",
 ) -> tuple[Any, Any]:
-    """GLA forward on the GPU: ``(o [B, T, H, V] in the input form, final_state [B, H, K, V] fp32 or None)``.
+    """GLA forward on the GPU: ``(o [B, T, H, V] in the input form, final_state [B, H, K, V] or None)`` (the final
+    state fp32, float64 for float64 inputs).
 
-    ``impl``: "auto" | "tc-chunk" | "tc" | "simt" (see the module docstring). Runs on the current CuPy stream; no
+    ``impl``: "auto" | "tc-chunk" | "simt" | "numba" (see the module docstring). Runs on the current CuPy stream; no
     host synchronisation. Same as ``chunk_gla_prepare(...).finish(initial_state, output_final_state)``.
     """
-    rt = runtime()
+    rt = RUNTIME.get()
     B, T, H, K, V, t = check_inputs(q, k, v, g, h0=initial_state, rt=rt)
-    check_chunk(chunk_size)
+    check_chunk_size(chunk_size, device=True)
+    check_scale(scale)
     if T == 0 or B * H == 0:
         xp = rt.xp
-        h0 = state32(initial_state, rt)
+        h0 = (state64 if t == "f64" else state32)(initial_state, rt)
         o = xp.zeros((B, T, H, V), dtype=q.dtype)
-        fin = xp.zeros((B, H, K, V), dtype=xp.float32) if h0 is None else h0.copy()
+        fin = xp.zeros((B, H, K, V), dtype=xp.float64 if t == "f64" else xp.float32) if h0 is None else h0.copy()
         return o, (fin if output_final_state else None)
     plan = chunk_gla_prepare(q, k, v, g, scale=scale, chunk_size=chunk_size, impl=impl)
     return plan.finish(initial_state, output_final_state)
@@ -315,24 +325,26 @@ class GLABackward:
 def chunk_gla_bwd_prepare(
     q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None = None, chunk_size: int = 64, *,
     impl: str = "auto", fwd: GLAForward | None = None,
-) -> GLABackward:  # fmt: skip
+) -> GLABackward | NumbaBackward:  # fmt: skip
     """The state passes of the backward (zero-start chunk states and d-states; simt: also the intra-chunk scores).
 
-    Shapes as :func:`chunk_gla_bwd` (T >= 1); ``impl``: "auto" | "tc-chunk" | "simt". ``fwd``: the
+    Shapes as :func:`chunk_gla_bwd` (T >= 1); ``impl``: "auto" | "tc-chunk" | "simt" | "numba". ``fwd``: the
     :class:`GLAForward` of the same ``k, v, g`` (same arrays) and scale, whose chunk states a "tc-chunk" backward
     reuses instead of recomputing them (ignored where it does not apply). Keeps references to the inputs until
     :meth:`GLABackward.finish`.
     """
-    rt = runtime()
+    rt = RUNTIME.get()
     B, T, H, K, V, t = check_inputs(q, k, v, g, do=do, rt=rt)
-    C = check_chunk(chunk_size)
-    s = default_scale(scale, K)
+    C = check_chunk_size(chunk_size, device=True)
+    s = check_scale(scale, K)
     if T == 0 or B * H == 0:
         raise ValueError(f"chunk_gla_bwd_prepare needs T >= 1 and B*H >= 1, got q of shape {list(q.shape)}")
     xp = rt.xp
     q, k, v, g, do = (contig(x, rt) for x in (q, k, v, g, do))
     dims = (B, T, H, K, V, C)
     use = _pick(rt, impl, BACKWARD_IMPLS, t, K, V, C, (q, k, v, g, do), backward=True)
+    if use == "numba":
+        return _numba().NumbaBackward(xp, q, k, v, g, do, s, C)
     if use == "tc-chunk":
         ftc = fwd._tc if isinstance(fwd, GLAForward) else None
         reuse = ftc is not None and ftc.same_inputs(k, v, g)
@@ -368,21 +380,22 @@ def chunk_gla_bwd(
     """GLA backward on the GPU: ``(dq, dk, dv, dg, dh0)``.
 
     Gradients of ``sum(o * do) + sum(S_T * dht)``; dq, dk, dg ``[B, T, H, K]`` and dv ``[B, T, H, V]``
-    in the input form; ``dh0 [B, H, K, V]`` always returned (fp32). ``dg = reverse_cumsum(q*dq - k*dk)
-    + rowsum(S_T * dht)`` at every position. ``impl``: "auto" | "tc-chunk" | "simt". Runs on the current CuPy
-    stream. Same as ``chunk_gla_bwd_prepare(...).finish(initial_state, dht)`` (which can also reuse a forward's
-    chunk states).
+    in the input form; ``dh0 [B, H, K, V]`` always returned (fp32; float64 for float64 inputs). ``dg =
+    reverse_cumsum(q*dq - k*dk) + rowsum(S_T * dht)`` at every position. ``impl``: "auto" | "tc-chunk" | "simt" |
+    "numba". Runs on the current CuPy stream. Same as ``chunk_gla_bwd_prepare(...).finish(initial_state, dht)``
+    (which can also reuse a forward's chunk states).
     """
-    rt = runtime()
+    rt = RUNTIME.get()
     B, T, H, K, V, t = check_inputs(q, k, v, g, do=do, h0=initial_state, dht=dht, rt=rt)
-    check_chunk(chunk_size)
+    check_chunk_size(chunk_size, device=True)
+    check_scale(scale)
     if impl not in BACKWARD_IMPLS:
         raise ValueError(f"impl must be one of {', '.join(repr(a) for a in BACKWARD_IMPLS)}, got {impl!r}")
     if T == 0 or B * H == 0:
         xp = rt.xp
-        dH = state32(dht, rt)
+        dH = (state64 if t == "f64" else state32)(dht, rt)
         z = xp.zeros((B, T, H, K), dtype=q.dtype)
-        dh0 = xp.zeros((B, H, K, V), dtype=xp.float32) if dH is None else dH.copy()
+        dh0 = xp.zeros((B, H, K, V), dtype=xp.float64 if t == "f64" else xp.float32) if dH is None else dH.copy()
         return z, z.copy(), xp.zeros((B, T, H, V), dtype=q.dtype), z.copy(), dh0
     plan = chunk_gla_bwd_prepare(q, k, v, g, do, scale=scale, chunk_size=chunk_size, impl=impl)
     return plan.finish(initial_state, dht)

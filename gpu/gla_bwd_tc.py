@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..base.checks import check_scale
 from . import gla_tc_states as st
 
 __all__ = ["BwdTC", "bwd_tc_prepare", "bwd_tc"]
@@ -35,7 +36,7 @@ class BwdTC:
                  fwd: Any = None):  # fmt: skip
         B, T, H, K, V, t = st.check_inputs(rt, q, k, v, g, do)
         self._rt, self._arrays = rt, (q, k, v, g, do)
-        self.scale = float(K) ** -0.5 if scale is None else float(scale)
+        self.scale = check_scale(scale, K)
         if fwd is not None:
             if not fwd.same_inputs(k, v, g):
                 raise ValueError("fwd is the forward of other arrays than these k, v, g: its chunk states do not apply")

@@ -1,11 +1,12 @@
-"""What the host side of the GPU GLA (:mod:`hpczeco.gpu.gla`, ``gla_tc``, ``gla_zeco``, ``gla_*_tc``) shares.
+"""What the host side of the GPU GLA (:mod:`hpczeco.gpu.gla`, ``gla_zeco``, ``gla_*_tc``) shares.
 
-The kernel registry of ``gla_kernels.cu``, ``gla_tc.cu``, ``gla_zeco.cu`` and the chunk-parallel tensor-core
-files ``gla_tc_states.cu``, ``gla_fwd_tc.cu``, ``gla_bwd_tc.cu`` (name expressions, and the group each compiles
-in: input type, plus fp32 chunk-state storage for the last three) and its runtime slot; the argument checks;
-the simt launches every pass uses: the scan over chunk states (``gla_state_scan``), cumulative sums along T
-(``seg_*``), and the exclusive prefix / suffix decays of chunk totals. Layouts: ``[B, T, H, K]`` inputs, chunk states
-``[B*H, NT, K, V]`` and chunk decay totals ``[B*H, NT, K]`` float32. Nothing here talks MPI.
+The kernel registry of ``gla_kernels.cu``, ``gla_zeco.cu`` and the chunk-parallel tensor-core files
+``gla_tc_states.cu``, ``gla_fwd_tc.cu``, ``gla_bwd_tc.cu`` (name expressions, and the group each compiles in:
+input type, plus fp32 chunk-state storage for the last three) and its runtime slot; the argument checks; the simt
+launches every pass uses: the chunk local states (``gla_chunk_outer``), the scan over chunk states
+(``gla_state_scan``), cumulative sums along T (``seg_*``), and the exclusive prefix / suffix decays of chunk
+totals. Layouts: ``[B, T, H, K]`` inputs, chunk states ``[B*H, NT, K, V]`` and chunk decay totals ``[B*H, NT, K]``
+float32. Nothing here talks MPI.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ import numpy as np
 
 from . import gla_tc_states
 from .runtime import KernelSet, RuntimeSlot
-from .runtime import kernel_source as _source
 
 NT_SIMT = 256  # threads per block of the simt kernels (GLA_NT in gla_kernels.cu)
-KERNEL_FILES = ("gla_kernels.cu", "gla_tc.cu", "gla_zeco.cu") + gla_tc_states.KERNEL_FILES
-_TYPES = {"float32": "float", "float16": "f16", "bfloat16": "bf16", "uint16": "bf16"}
+KERNEL_FILES = ("gla_kernels.cu", "gla_zeco.cu") + gla_tc_states.KERNEL_FILES
+_TYPES = {"float32": "float", "float16": "f16", "bfloat16": "bf16", "uint16": "bf16", "float64": "f64"}
 _TYPE_OF_DTYPE: dict[Any, str] = {}  # dtype object -> its entry of _TYPES
 
 i32 = np.int32
@@ -35,8 +35,7 @@ f32 = np.float32
 def _file_kernel_names(file: str) -> list[str]:
     if file in gla_tc_states.KERNEL_FILES:
         return gla_tc_states.file_kernel_names(file)
-    names: dict[str, list[str]] = {"gla_kernels.cu": ["gla_state_scan", "seg_carry"], "gla_tc.cu": []}
-    names["gla_zeco.cu"] = []
+    names: dict[str, list[str]] = {"gla_kernels.cu": ["gla_state_scan", "seg_carry"], "gla_zeco.cu": []}
     for t in ("float", "bf16", "f16"):
         names["gla_kernels.cu"] += [
             f"gla_chunk_outer<{t}>",
@@ -51,10 +50,6 @@ def _file_kernel_names(file: str) -> list[str]:
         if t != "float":
             names["gla_kernels.cu"].append(f"seg_finish<float, {t}>")
     for t in ("bf16", "f16"):
-        names["gla_tc.cu"] += [f"gla_tc_seg_state<{t}, true>", f"gla_tc_seg_state<{t}, false>"]
-        names["gla_tc.cu"].append(f"gla_tc_chunk_outer<{t}>")
-        for lds, pf in (("true", "true"), ("true", "false"), ("false", "false")):
-            names["gla_tc.cu"].append(f"gla_tc_seg_output<{t}, {lds}, {pf}>")
         names["gla_zeco.cu"] += [f"zeco_tc_correction<{t}>", f"zeco_tc_qT_do<{t}>"]
     return names[file]
 
@@ -81,27 +76,13 @@ KERNELS = KernelSet(
     options=("-std=c++17", "--use_fast_math"),
     group=kernel_group,
 )
-_SLOT = RuntimeSlot(KERNELS)
+#: the runtime the GLA wrappers launch on (CuPy unless a test has set another, e.g. the CPU emulation)
+RUNTIME = RuntimeSlot(KERNELS)
 
 
 def kernel_names(file: str | None = None) -> list[str]:
     """Kernel name expressions (template instantiations) of ``file`` (a ``gpu/*.cu`` name), or of all files."""
     return KERNELS.kernel_names(file)
-
-
-def kernel_source(files: tuple[str, ...] | None = None) -> str:
-    """Kernel sources as one translation unit: local ``#include "..."`` inlined once each (no include paths)."""
-    return _source(files or KERNEL_FILES)
-
-
-def runtime() -> Any:
-    """The runtime the GLA wrappers launch on (CuPy unless a test has set another)."""
-    return _SLOT.get()
-
-
-def set_runtime(rt: Any) -> Any:
-    """Testing hook: run the wrappers on another runtime (e.g. the CPU emulation); returns the old one."""
-    return _SLOT.set(rt)
 
 
 _WARNED: set[str] = set()
@@ -117,15 +98,16 @@ def warn_once(msg: str) -> None:
 
 
 def type_of(name: str, x: Any) -> str:
-    """The kernels' element type ("float", "f16", "bf16") of ``x``; ``TypeError`` for any other dtype."""
+    """The kernels' element type of ``x``: "float", "f16", "bf16" (the CuPy kernels) or "f64" (the Numba kernels,
+    :mod:`hpczeco.gpu.gla_numba`); ``TypeError`` for any other dtype."""
     t = _TYPE_OF_DTYPE.get(x.dtype)  # str(dtype) is slow Python in numpy; asked several times per call
     if t is not None:
         return t
     dt = str(x.dtype)
     if dt not in _TYPES:
         raise TypeError(
-            f"{name} has dtype {dt}; the GPU GLA takes float32, float16 or bfloat16 "
-            "(or uint16 raw bfloat16 bits); use the CPU path (numpy) for float64"
+            f"{name} has dtype {dt}; the GPU GLA takes float64, float32, float16 or bfloat16 "
+            "(or uint16 raw bfloat16 bits)"
         )
     _TYPE_OF_DTYPE[x.dtype] = _TYPES[dt]
     return _TYPES[dt]
@@ -137,7 +119,7 @@ _STATE_DTYPES = ("float32", "float16", "bfloat16", "float64")
 def check_inputs(q, k, v, g, do=None, h0=None, dht=None, rt=None):
     """Check device, rank, shapes and dtypes; ``(B, T, H, K, V, element type)``. ``initial_state`` / ``dht`` are
     floating arrays (float32 preferred; raw ``uint16`` bits are taken for q, k, v, g, do only)."""
-    rt = rt or runtime()
+    rt = rt or RUNTIME.get()
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("do", do), ("initial_state", h0), ("dht", dht)):
         if x is not None and not rt.is_native(x):
             raise TypeError(f"{name} must be a device (CuPy) array, got {type(x).__name__}")
@@ -173,16 +155,8 @@ def state32(x, rt):
     return None if x is None else rt.xp.ascontiguousarray(x, dtype=rt.xp.float32)
 
 
-def check_chunk(chunk_size: int) -> int:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
-        raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
-    if not 1 <= int(chunk_size) <= 64:
-        raise ValueError(f"chunk_size must be in [1, 64] on the GPU, got {chunk_size}")
-    return int(chunk_size)
-
-
-def default_scale(scale, K: int) -> float:
-    return float(K) ** -0.5 if scale is None else float(scale)
+def state64(x, rt):
+    return None if x is None else rt.xp.ascontiguousarray(x, dtype=rt.xp.float64)
 
 
 def tc_applies(t: str, K: int, V: int, C: int) -> bool:
@@ -191,6 +165,23 @@ def tc_applies(t: str, K: int, V: int, C: int) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- simt passes
+
+
+def local_states(rt, left, right, g, t, B, T, H, K, V, C, NT, mode, scale):
+    """Per-chunk local states ``[B*H, NT, K, V]`` and chunk decay totals ``[B*H, NT, K]`` (fp32, simt kernels).
+
+    mode 0: ``sum_t (left_t * exp(bL - b_t))^T right_t`` (the chunk's state from zero); mode 1:
+    ``scale * sum_t (left_t * exp(b_t))^T right_t`` (its d-state), ``b`` the gate's cumulative sum in the chunk.
+    """
+    xp = rt.xp
+    st = xp.empty((B * H, NT, K, V), dtype=xp.float32)
+    gtot = xp.empty((B * H, NT, K), dtype=xp.float32)
+    grid = (NT, B * H, -(-K // 32) * -(-V // 32))
+    rt.launch(
+        f"gla_chunk_outer<{t}>", grid, (NT_SIMT,),
+        (left, right, g, st, gtot, i32(B), i32(T), i32(H), i32(K), i32(V), i32(C), i32(NT), i32(mode), f32(scale)),
+    )  # fmt: skip
+    return st, gtot
 
 
 def state_scan(rt, st, gtot, init, NT, K, V, BH, reverse: bool):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..base.checks import check_scale
 from . import gla_tc_states as st
 
 __all__ = ["FwdTC", "fwd_tc_prepare", "fwd_tc"]
@@ -36,7 +37,7 @@ class FwdTC:
                  out: int | None = None):  # fmt: skip
         B, T, H, K, V, t = st.check_inputs(rt, q, k, v, g)
         self._rt, self._q, self._k, self._v, self._g = rt, q, k, v, g
-        self.scale = float(K) ** -0.5 if scale is None else float(scale)
+        self.scale = check_scale(scale, K)
         self.geo = st.geometry(rt, B, T, H, K, V, t, nc, f32_states, walk, out)
         self.states = st.state_pass(rt, self.geo, k, v, g, reverse=False)
         self.local_final_state = self.states.fin.reshape(B, H, K, V)

@@ -1,29 +1,12 @@
-// Shared pieces of the tensor-core kernels (gla_tc.cu, gla_zeco.cu): mma.sync m16n8k16 on 16-bit operands
-// with fp32 accumulation, fragment loads (32-bit pairs and ldmatrix.trans), 16-byte vector loads, the
-// shared-memory layout of the GLA forward, and the loops over fragments the kernels share. Compiled by NVRTC
-// (inlined by gpu/runtime.py), nvcc and the CPU emulation (gpu/emu/cuda_emu.h: ldmatrix and mma.sync emulated).
+// Shared pieces of the tensor-core GLA kernels (gla_tc_chunk.cuh and its files, gla_zeco.cu): mma.sync m16n8k16
+// on 16-bit operands with fp32 accumulation, fragment loads (32-bit pairs and ldmatrix.trans), 16-byte vector
+// loads, and the loops over fragments the kernels share. Compiled by NVRTC (inlined by gpu/runtime.py), nvcc and
+// the CPU emulation (gpu/emu/cuda_emu.h: ldmatrix and mma.sync emulated).
 #pragma once
 #include "gla_common.cuh"
 
 #define TC_THREADS 256
 #define TC_KP 136  // padded row of 16-bit [.][K] tiles (K <= 128)
-#define TC_CP 72   // padded row of 16-bit [.][64] tiles
-#define TC_BP 132  // padded row of the fp32 cumulative gate
-
-// shared-memory layout (bytes); gpu/gla_tc.py mirrors TC_SMEM_STATE / TC_SMEM_OUTPUT
-#define TC_OFF_BS 0
-#define TC_OFF_VT (TC_OFF_BS + 64 * TC_BP * 4)
-#define TC_OFF_KT (TC_OFF_VT + 128 * TC_CP * 2)
-#define TC_OFF_KR (TC_OFF_KT + 128 * TC_CP * 2)  // raw k tile of the state kernel
-#define TC_SMEM_STATE (TC_OFF_KR + 64 * TC_KP * 2)
-#define TC_OFF_QH (TC_OFF_KT + 128 * TC_CP * 2)  // the output kernel reuses the KR region
-#define TC_OFF_KH (TC_OFF_QH + 64 * TC_KP * 2)
-#define TC_OFF_KO (TC_OFF_KH + 64 * TC_KP * 2)
-#define TC_OFF_QI (TC_OFF_KO + 6 * 16 * TC_KP * 2)
-#define TC_OFF_AS (TC_OFF_QI + 64 * TC_KP * 2)
-#define TC_OFF_ST (TC_OFF_AS + 64 * TC_CP * 2)
-#define TC_OFF_SP (TC_OFF_ST + 128 * TC_KP * 2)
-#define TC_SMEM_OUTPUT (TC_OFF_SP + 16)
 
 #ifndef CUDA_EMU
 #define TC_DYN_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
@@ -33,8 +16,6 @@
 
 typedef unsigned short u16;
 typedef unsigned int u32;
-
-GLA_DEVICE int float_to_int_bits(float f) { return (int)float_to_bits(f); }
 
 // mma.sync.aligned.m16n8k16.row.col.f32.TY.TY.f32: d[16x8] += a[16x16] b[16x8] (16-bit operands, fp32 accumulation)
 #define GLA_MMA_SYNC(TY, d, a, b)                                                                          \

@@ -21,12 +21,12 @@ shared_mem)``, ``rt.ptr(x)``; the CPU emulation (:func:`emu_runtime`) and a CuPy
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
+from .runtime import kernel_source
+
 KERNEL_FILES = ("gla_tc_states.cu", "gla_fwd_tc.cu", "gla_bwd_tc.cu")
 TYPES = {"uint16": "bf16", "bfloat16": "bf16", "float16": "f16"}
 #: largest diagonal sub-chunk decay span (log units) done on tensor cores; beyond it: exact elementwise
@@ -50,26 +50,6 @@ def _b(x: bool) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- kernels
-
-
-def kernel_source(files: tuple[str, ...] = KERNEL_FILES) -> str:
-    """The kernel sources as one translation unit, local ``#include "..."`` inlined once each (no include path)."""
-    seen: set[str] = set()
-
-    def inline(name: str) -> str:
-        if name in seen:
-            return ""
-        seen.add(name)
-        out = []
-        for line in (HERE / name).read_text().splitlines():
-            stripped = line.strip()
-            if stripped.startswith('#include "') and stripped.endswith('"'):
-                out.append(inline(stripped[len('#include "') : -1]))
-            elif stripped != "#pragma once":
-                out.append(line)
-        return "\n".join(out)
-
-    return "\n".join(inline(f) for f in files)
 
 
 def walk_name(t: str, reverse: bool, f32_states: bool, walk: int = 1, vm: int = 128) -> str:
@@ -368,4 +348,4 @@ def emu_runtime(types: tuple[str, ...] = ("bf16",), kms: tuple[int, ...] = (64, 
     """A CPU-emulation runtime (``hpczeco.gpu.emu.EmuRuntime``) of these kernels (tests; tiny shapes only)."""
     from .emu import EmuRuntime  # noqa: PLC0415
 
-    return EmuRuntime(kernel_source(), kernel_names(types, kms, f32_states))
+    return EmuRuntime(kernel_source(KERNEL_FILES), kernel_names(types, kms, f32_states))

@@ -1,6 +1,6 @@
-"""What the Numba CUDA wrappers in ``gpu/`` (``numba_kernels``, ``daaf_numba``) share: ``numba.cuda`` imported
-after the numpy shim (:mod:`hpczeco.gpu._numba_shim`), whether the CUDA simulator runs, and how CuPy arrays
-reach Numba kernels (device views, CuPy's current stream). Nothing here talks MPI."""
+"""What the Numba CUDA wrappers in ``gpu/`` (:mod:`hpczeco.gpu.gla_numba`) need: ``numba.cuda`` imported after
+the numpy shim (:mod:`hpczeco.gpu._numba_shim`), whether the CUDA simulator runs, and how CuPy arrays reach
+Numba kernels (device views, CuPy's current stream). Nothing here talks MPI."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ cuda = importlib.import_module("numba.cuda")
 
 __all__ = ["SIMULATOR", "cuda", "dev", "is_cupy", "stream"]
 
-#: kernels run under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, read when this module is imported)
+#: kernels run under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``, read when this module is imported; it is
+#: how the tests run the kernels without a GPU)
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 
 
@@ -33,5 +34,7 @@ def stream(*arrays: Any):
 
 
 def dev(x: Any):
-    """A Numba device view of a CuPy array; anything else unchanged (Numba copies numpy arrays)."""
-    return cuda.as_cuda_array(x) if is_cupy(x) else x
+    """A Numba device view of a CuPy array (no synchronisation: the kernels run on CuPy's current stream, after
+    the work that produced it); anything else unchanged (Numba copies numpy arrays; under the simulator every
+    array is a host array, the tests' numpy stand-in for CuPy included)."""
+    return cuda.as_cuda_array(x, sync=False) if is_cupy(x) and not SIMULATOR else x

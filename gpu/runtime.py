@@ -8,9 +8,9 @@ include path. A set with an ``arch`` (e.g. ``"sm_90a"``, which ``cupy.RawModule`
 its own ``-arch``) compiles to cubins with NVRTC directly (nvcc when NVRTC fails), kept on disk by source
 hash (:func:`compile_cubin`, :func:`cached_cubin`), and loads them.
 
-The wrappers reach their runtime through a :class:`RuntimeSlot`; a test puts another object with the same
-methods there (``xp``, ``is_native``, ``ptr``, ``available``, ``launch``, ``bind``): the CPU emulation
-:class:`hpczeco.gpu.emu.EmuRuntime` runs the very wrappers on numpy arrays. A :class:`Prepared` is one bound
+The wrappers reach their runtime through their module's :class:`RuntimeSlot` ``RUNTIME``; a test puts another
+object with the same methods there (``xp``, ``is_native``, ``ptr``, ``available``, ``launch``, ``bind``): the CPU
+emulation :class:`hpczeco.gpu.emu.EmuRuntime` runs the very wrappers on numpy arrays. A :class:`Prepared` is one bound
 launch (the DAAF wrappers return it). Nothing here talks MPI.
 """
 
@@ -274,24 +274,22 @@ class CupyRuntime:
 
 
 class RuntimeSlot:
-    """The runtime one kernel set's wrappers launch on: a :class:`CupyRuntime` made on first use, unless a test
-    has put another one (e.g. the CPU emulation) in with :meth:`set`."""
+    """The runtime one kernel set's wrappers launch on: a :class:`CupyRuntime` made on first use of :meth:`get`,
+    unless a test has put another one (e.g. the CPU emulation) in with :meth:`set`. Each wrapper module of
+    ``gpu/`` holds one, named ``RUNTIME``."""
 
     def __init__(self, kernels: KernelSet):
         self.kernels = kernels
         self.current: Any = None
 
     def get(self) -> Any:
+        """The runtime; a missing CuPy is a ``RuntimeError`` that names the wrapper module."""
         if self.current is None:
-            self.current = CupyRuntime(self.kernels)
+            try:
+                self.current = CupyRuntime(self.kernels)
+            except ImportError as exc:  # pragma: no cover - depends on the machine
+                raise RuntimeError(f"{self.kernels.label} needs CuPy ({exc})") from exc
         return self.current
-
-    def require(self) -> Any:
-        """:meth:`get`, with a missing CuPy reported as a ``RuntimeError`` that names the wrapper module."""
-        try:
-            return self.get()
-        except ImportError as exc:  # pragma: no cover - depends on the machine
-            raise RuntimeError(f"{self.kernels.label} needs CuPy ({exc})") from exc
 
     def set(self, rt: Any) -> Any:
         """Use ``rt`` from now on (``None``: a CuPy runtime again on next use); returns the previous one."""

@@ -20,6 +20,7 @@ __all__ = [
     "device_transport_kinds",
     "emulated_gla_runtime",
     "gla_inputs",
+    "install_numpy_cupy",
     "log_gates",
     "rel",
     "rel_max",
@@ -162,9 +163,42 @@ def emulated_gla_runtime() -> Iterator[Any]:
     if emu.compiler() is None:
         raise RuntimeError("no C++ compiler (g++) for the CUDA emulation")
     names = [n for n in gla.kernel_names() if not re.search(r"(?<!b)f16", n)]
-    rt = emu.EmuRuntime(gla.kernel_source(), names)
-    old = gla._set_runtime(rt)
+    rt = emu.EmuRuntime(gla.KERNELS.source(), names)
+    old = gla.RUNTIME.set(rt)
     try:
         yield rt
     finally:
-        gla._set_runtime(old)
+        gla.RUNTIME.set(old)
+
+
+def install_numpy_cupy() -> Any:
+    """Put the numpy stand-in for CuPy (``counting_cupy.make()``) in ``sys.modules["cupy"]`` for the rest of the
+    process, with :mod:`hpczeco.gpu.checks`'s value flags computed by its host mirror (``value_flags_host``: the
+    same words and formulas; the stand-in has no ``ReductionKernel``). For subprocesses that run the Numba CUDA
+    kernels under the simulator (``NUMBA_ENABLE_CUDASIM=1``) on "CuPy" arrays. Returns the module."""
+    import sys  # noqa: PLC0415
+
+    import counting_cupy  # noqa: PLC0415
+    from hpczeco.gpu import checks  # noqa: PLC0415
+
+    cp = counting_cupy.make()
+    sys.modules["cupy"] = cp
+
+    class _Device(contextlib.nullcontext):
+        id = 0
+
+    cp.cuda.Device = lambda index=0: _Device()
+
+    class _Flags:
+        def __init__(self, flags: list[int]):
+            self._flags = flags
+
+        def result(self) -> list[int]:
+            return self._flags
+
+    def start_value_flags(arrays: list[tuple[Any, bool]], stream: Any = None) -> _Flags:
+        return _Flags([checks.value_flags_host(np.asarray(x), gate) for x, gate in arrays])
+
+    checks.start_value_flags = start_value_flags
+    checks.value_flags = lambda arrays: start_value_flags(arrays).result()
+    return cp

@@ -5,19 +5,17 @@
 2. the GLA kernels run in the CPU emulation of the CUDA model (``gpu/emu``) through the very wrappers
    of :mod:`hpczeco.gpu.gla`, against the float64 references on fresh random inputs (skipped where g++
    is missing): simt forward/backward (fp32, partial chunks, K and V off the tile sizes, initial state,
-   dht, strong decays), the tensor-core forward (bf16, both diagonal paths, several segments), the
-   ZeCO pieces;
-3. the Numba CUDA kernels under the CUDA simulator, in a subprocess (the simulator must be chosen
-   before numba is imported).
+   dht, strong decays), the ZeCO pieces (simt and tensor cores);
+3. the host side of the kernels: shared-memory layouts, compile groups, the nvcc cache, the CuPy runtime.
+
+The Numba CUDA kernels (the float64 path) run under the CUDA simulator in tests/test_gla_numba.py.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -47,10 +45,10 @@ def emu_rt(nvcc_jobs):
     if CXX is None:
         pytest.skip("no C++ compiler (g++) for the CUDA emulation")
     names = [n for n in ggla.kernel_names() if not re.search(r"(?<!b)f16", n)]  # float + bf16 (fp16: on the GPU)
-    rt = gemu.EmuRuntime(ggla.kernel_source(), names)
-    old = ggla._set_runtime(rt)
+    rt = gemu.EmuRuntime(ggla.KERNELS.source(), names)
+    old = ggla.RUNTIME.set(rt)
     yield rt
-    ggla._set_runtime(old)
+    ggla.RUNTIME.set(old)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found: CUDA compile check skipped")
@@ -91,28 +89,6 @@ def test_emulated_simt_forward_backward(emu_rt, rng):
     assert rel(grads[4], ref[4]) < 1e-5
 
 
-@pytest.mark.parametrize(
-    "variant,strong",
-    [("ldsm-pf", False), ("ldsm-pf", True), ("ldsm", False), ("plain", False)],
-    ids=["ldsm-pf-tc-diagonal", "ldsm-pf-elementwise-diagonal", "ldsm-tc-diagonal", "plain-tc-diagonal"],
-)
-def test_emulated_tensor_core_forward(emu_rt, rng, variant, strong, monkeypatch):
-    B, T, H, K, V = 1, 150, 1, 32, 48
-    q, k, v, g, _, h0, _ = gla_inputs(rng, B, T, H, K, V, strong=strong)
-    Q, Kk, Vv, G = (bf16.to_bits(x) for x in (q, k, v, g))
-    q, k, v, g = (bf16.from_bits(x) for x in (Q, Kk, Vv, G))
-    monkeypatch.setenv("HPCZECO_TC_NC", "2")  # 3 chunks -> 2 segments: the segment scan is exercised
-    monkeypatch.setenv("HPCZECO_TC_VARIANT", variant)
-    emu_rt.launched.clear()
-    o, ht = ggla.chunk_gla(Q, Kk, Vv, G, initial_state=h0, output_final_state=True, impl="tc")
-    lds, pf = {"ldsm-pf": ("true", "true"), "ldsm": ("true", "false"), "plain": ("false", "false")}[variant]
-    assert f"gla_tc_seg_output<bf16, {lds}, {pf}>" in emu_rt.launched
-    f64 = [x.astype(np.float64) for x in (q, k, v, g, h0)]
-    ro, rht = recurrent_gla(*f64[:4], initial_state=f64[4], output_final_state=True)
-    assert rel(bf16.from_bits(o), ro) < 1e-2
-    assert rel(ht, rht) < 1e-2
-
-
 def test_emulated_zeco_pieces(emu_rt, rng):
     B, T, H, K, V = 1, 50, 2, 20, 12
     q, _, _, g, do, S, _ = gla_inputs(rng, B, T, H, K, V)
@@ -125,13 +101,18 @@ def test_emulated_zeco_pieces(emu_rt, rng):
     assert rel(o, ref) < 1e-5
     U = ggla.initial_state_grad(q, g, do, scale=0.3, chunk_size=16)
     assert rel(U, 0.3 * np.einsum("bthk,bthv->bhkv", q * np.exp(G64), do)) < 1e-5
-    with pytest.raises(TypeError, match="float64"):
-        ggla.chunk_gla(q.astype(np.float64), q.astype(np.float64), do.astype(np.float64), g.astype(np.float64))
+    with pytest.raises(TypeError, match="float64, float32"):
+        ggla.chunk_gla(q.astype(np.int32), q.astype(np.int32), do.astype(np.int32), g.astype(np.int32))
     with pytest.raises(ValueError, match="chunk_size"):
         ggla.chunk_gla(q, q, do, g, chunk_size=128)
+    for bad in (0.0, -0.3, float("nan")):  # one rule for scale (hpczeco.base.checks.check_scale), here too
+        with pytest.raises(ValueError, match="scale"):
+            ggla.chunk_gla(q, q, do, g, scale=bad)
+        with pytest.raises(ValueError, match="scale"):
+            ggla.state_correction(o, q, G, S, scale=bad)
 
 
-def test_emulated_zeco_tensor_core_pieces(emu_rt, rng, monkeypatch):
+def test_emulated_zeco_tensor_core_pieces(emu_rt, rng):
     B, T, H, K, V = 1, 200, 2, 32, 48
     q, _, _, g, do, S, _ = gla_inputs(rng, B, T, H, K, V)
     Q, Gb, DO = (bf16.to_bits(x) for x in (q, g, do))
@@ -145,9 +126,8 @@ def test_emulated_zeco_tensor_core_pieces(emu_rt, rng, monkeypatch):
     assert emu_rt.launched == ["zeco_tc_correction<bf16>"]
     ref = bf16.from_bits(o0) + 0.3 * np.einsum("bthk,bhkv->bthv", q * np.exp(G64), S)
     assert rel(bf16.from_bits(o), ref) < 1e-2
-    monkeypatch.setenv("HPCZECO_TC_NC", "2")  # 4 chunks -> 2 segments, summed
     emu_rt.launched.clear()
-    U = ggla.initial_state_grad(Q, Gb, DO, scale=0.3)
+    U = ggla.initial_state_grad(Q, Gb, DO, scale=0.3, nc=2)  # 4 chunks -> 2 segments, summed
     assert "zeco_tc_qT_do<bf16>" in emu_rt.launched
     assert rel(U, 0.3 * np.einsum("bthk,bthv->bhkv", q * np.exp(G64), do)) < 1e-2
 
@@ -177,43 +157,6 @@ def test_emulated_prepare_finish_compose_like_zeco(emu_rt, rng):
     assert rel(g0[4], ref[4]) < 1e-5  # dh0 of the whole sequence
 
 
-_NUMBA_SCRIPT = textwrap.dedent(
-    """
-    import numpy as np
-    from hpczeco.gpu import numba_kernels as nk
-    assert nk.SIMULATOR
-    rng = np.random.default_rng(SEED)
-    for dt in (np.float32, np.float64):
-        B, T, H, K, V = 1, 70, 2, 5, 3
-        g = -rng.uniform(0, 1, (B, T, H, K)).astype(dt)
-        G = nk.decay_cumsum(g)
-        G64 = np.cumsum(g.astype(np.float64), 1)
-        assert np.abs(G - G64).max() < 1e-4, "decay_cumsum"
-        q = rng.standard_normal((B, T, H, K)).astype(dt)
-        o = rng.standard_normal((B, T, H, V)).astype(dt)
-        S = rng.standard_normal((B, H, K, V)).astype(dt)
-        ref = o + 0.5 * np.einsum("bthk,bhkv->bthv", q * np.exp(G64), S)
-        nk.state_correction(o, q, G.astype(dt), S, scale=0.5)
-        err = np.abs(o - ref).max() / np.abs(ref).max()
-        assert err < 1e-5, ("state_correction", err)
-        a = rng.uniform(0.1, 1, (B, H, K)).astype(dt)
-        L = rng.standard_normal((B, H, K, V)).astype(dt)
-        assert np.allclose(nk.final_state(np.log(a), S, L), a[..., None] * S + L, rtol=1e-5), "final_state"
-        out = np.empty_like(S)
-        nk.scan_combine(a, S, L, out=out)
-        assert np.allclose(out, a[..., None] * S + L, rtol=1e-6), "scan_combine"
-    print("numba-sim-ok")
-    """
-)
-
-
-def test_numba_kernels_in_simulator(rng):
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    script = _NUMBA_SCRIPT.replace("SEED", str(int(rng.integers(1 << 30))))
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=170)
-    assert res.returncode == 0 and "numba-sim-ok" in res.stdout, res.stderr[-3000:]
-
-
 def test_numba_shim_restores_row_stack(monkeypatch):
     from hpczeco.gpu import _numba_shim
 
@@ -223,35 +166,24 @@ def test_numba_shim_restores_row_stack(monkeypatch):
     assert _numba_shim.apply() is False
 
 
-@pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++) to preprocess gla_tc.cu")
-def test_tc_shared_memory_layout_matches_python(tmp_path):
-    from hpczeco.gpu import gla_tc
-
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler (g++) to preprocess gla_zeco.cu")
+def test_zeco_shared_memory_layout_matches_python(tmp_path):
     src = tmp_path / "layout.cpp"
-    head = f'#include "{gemu.HEADER}"\n#include "{gruntime.HERE / "gla_tc.cu"}"\n'
-    src.write_text(head + "STATE TC_SMEM_STATE\nOUT TC_SMEM_OUTPUT\n")
-    res = subprocess.run([CXX, "-std=c++20", "-E", "-P", str(src)], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stderr[-2000:]
-    lines = {
-        ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in res.stdout.splitlines() if ln.startswith(("STATE ", "OUT "))
-    }
-    assert eval(lines["STATE"], {}) == gla_tc.SMEM_STATE  # noqa: S307 - integer arithmetic from our own macros
-    assert eval(lines["OUT"], {}) == gla_tc.SMEM_OUTPUT  # noqa: S307
-    assert gla_tc.SMEM_OUTPUT <= 227 * 1024  # fits an H100/H200 block's opt-in shared memory
     src.write_text(
         f'#include "{gemu.HEADER}"\n#include "{gruntime.HERE / "gla_zeco.cu"}"\nZC ZC_SMEM_CORRECTION\n'
     )
     res = subprocess.run([CXX, "-std=c++20", "-E", "-P", str(src)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr[-2000:]
     zc = [ln.split(" ", 1)[1] for ln in res.stdout.splitlines() if ln.startswith("ZC ")]
-    assert eval(zc[0], {}) == ggla.ZC_SMEM_CORRECTION  # noqa: S307
+    assert eval(zc[0], {}) == ggla.ZC_SMEM_CORRECTION  # noqa: S307 - integer arithmetic from our own macros
+    assert ggla.ZC_SMEM_CORRECTION <= 227 * 1024  # fits an H100/H200 block's opt-in shared memory
 
 
 def test_kernel_groups_split_compilation_by_input_type():
     from hpczeco.gpu.gla_common import KERNEL_FILES  # noqa: PLC0415
 
     groups = {n: ggla.kernel_group(n) for f in KERNEL_FILES for n in ggla.kernel_names(f)}
-    assert groups["gla_tc_seg_output<bf16, true, true>"] == "bf16"
+    assert groups["zeco_tc_correction<bf16>"] == "bf16" and groups["zeco_tc_qT_do<f16>"] == "f16"
     assert groups["seg_finish<float, bf16>"] == "bf16"
     assert groups["gla_chunk_output<float>"] == "float"
     assert groups["seg_chunk_sum<float>"] == "common" and groups["gla_state_scan"] == "common"
@@ -261,21 +193,6 @@ def test_kernel_groups_split_compilation_by_input_type():
     default = [n for n in groups if ("bf16" in n and not (n.startswith("glatc_") and "true" in n.split(",")[2]))
                or groups[n] == "common"]  # fmt: skip
     assert default and all(groups[n] in ("bf16", "common") for n in default)
-
-
-def test_emulated_tensor_core_state_pass_opt_in(emu_rt, rng, monkeypatch):
-    B, T, H, K, V = 1, 150, 2, 32, 48
-    q, k, v, g, do, h0, dht = gla_inputs(rng, B, T, H, K, V)
-    bits = [bf16.to_bits(x) for x in (q, k, v, g, do)]
-    xs = [bf16.from_bits(x).astype(np.float64) for x in bits]
-    monkeypatch.setenv("HPCZECO_TC_STATES", "1")  # the simt backward's opt-in tensor-core chunk states
-    emu_rt.launched.clear()
-    got = ggla.chunk_gla_bwd(*bits, initial_state=h0, dht=dht, impl="simt")
-    assert "gla_tc_chunk_outer<bf16>" in emu_rt.launched
-    ref = recurrent_gla_bwd(*xs, initial_state=h0.astype(np.float64), dht=dht.astype(np.float64))
-    for name, a, b in zip(("dq", "dk", "dv", "dg"), got[:4], ref[:4]):
-        assert rel(bf16.from_bits(a), b) < 1e-2, name
-    assert rel(got[4], ref[4]) < 1e-2
 
 
 def test_nvcc_cache_reads_a_compile_back_and_misses_on_any_change(tmp_path, monkeypatch):
@@ -351,7 +268,7 @@ def test_cupy_runtime_available_compiles_once_per_device_and_keeps_failures(monk
     from hpczeco.gpu.gla_common import KERNELS  # noqa: PLC0415
 
     rt = gruntime.CupyRuntime(KERNELS)
-    file = "gla_tc.cu"
+    file = "gla_zeco.cu"
     assert rt.available(file, "bf16") and rt.available(file, "bf16")
     assert len(builds) == 1
     assert not rt.available(file, "f16") and not rt.available(file, "f16")

@@ -43,17 +43,17 @@ class _CountingEmu(gemu.EmuRuntime):
 def emu_sources():
     if gemu.compiler() is None:
         pytest.skip("g++ not found: the CPU emulation of the kernels needs it")
-    return (gd.kernel_source(), ["daaf_simple_f32"]), (dk.kernel_source(), dk.kernel_names())
+    return (gd.KERNELS.source(), ["daaf_simple_f32"]), (dk.KERNELS.source(), dk.kernel_names())
 
 
 @pytest.fixture
 def plan_emu(emu_sources, monkeypatch):
     """The device planner on the emulation with numpy arrays as device memory (small blocks)."""
     rt = gemu.EmuRuntime(*emu_sources[1])
-    old = dk._set_runtime(rt)
+    old = dk.RUNTIME.set(rt)
     monkeypatch.setattr(dk, "INDEX_THREADS", 64)
     yield rt
-    dk._set_runtime(old)
+    dk.RUNTIME.set(old)
 
 
 @pytest.fixture
@@ -61,13 +61,13 @@ def cp(emu_sources, monkeypatch):
     """The counting CuPy as ``cupy``, in both runtime slots (emulated kernels), and fresh plan caches."""
     mod = counting_cupy.make()
     monkeypatch.setitem(sys.modules, "cupy", mod)
-    old_a = gd._set_runtime(_CountingEmu(*emu_sources[0], mod))
-    old_p = dk._set_runtime(_CountingEmu(*emu_sources[1], mod))
+    old_a = gd.RUNTIME.set(_CountingEmu(*emu_sources[0], mod))
+    old_p = dk.RUNTIME.set(_CountingEmu(*emu_sources[1], mod))
     monkeypatch.setattr(dk, "INDEX_THREADS", 64)
     gd._HOST_PLANS.clear()
     yield mod
-    gd._set_runtime(old_a)
-    dk._set_runtime(old_p)
+    gd.RUNTIME.set(old_a)
+    dk.RUNTIME.set(old_p)
     gd._HOST_PLANS.clear()
 
 
@@ -245,7 +245,7 @@ def test_device_plan_bad_inputs(plan_emu):
 def test_device_index_checks(plan_emu, emu_sources, rng):
     """Device ``global_idx`` (every numpy array is a device array on the plain emulation): the one-kernel
     checks raise the host checks' errors; the mask is built on the device."""
-    old = gd._set_runtime(gemu.EmuRuntime(*emu_sources[0]))
+    old = gd.RUNTIME.set(gemu.EmuRuntime(*emu_sources[0]))
     try:
         T = 30
         g = np.sort(rng.choice(T, 7, replace=False)).astype(np.int32)
@@ -270,7 +270,7 @@ def test_device_index_checks(plan_emu, emu_sources, rng):
             gd.device_plan(np.zeros(0, np.int32), 4, T, bad)
         gd.device_plan(g[::-1].copy(), 4, T, validate=False)  # unchecked: no error
     finally:
-        gd._set_runtime(old)
+        gd.RUNTIME.set(old)
 
 
 # --------------------------------------------------------------------------- per-call API: synchronisations
@@ -528,8 +528,8 @@ def hopper_sources():
         pytest.skip("g++ not found: the CPU emulation of the kernels needs it")
     from hpczeco.gpu import daaf_hopper as dh
 
-    return ((gd.kernel_source(), gd.kernel_names()),
-            (dh.kernel_source() + "\n" + HOPPER_FAULTS.read_text(), [*dh.GROUPS, "daaf_wgmma_fault_check"]))
+    return ((gd.KERNELS.source(), gd.kernel_names()),
+            (dh.KERNELS.source() + "\n" + HOPPER_FAULTS.read_text(), [*dh.GROUPS, "daaf_wgmma_fault_check"]))
 
 
 @pytest.fixture
@@ -540,11 +540,11 @@ def cph(cp, hopper_sources, monkeypatch):
 
     rt = _CountingEmu(*hopper_sources[0], cp)
     rt.compute_capability = "90"
-    old_a = gd._set_runtime(rt)
-    old_h = dh._set_runtime(_CountingEmu(*hopper_sources[1], cp))
+    old_a = gd.RUNTIME.set(rt)
+    old_h = dh.RUNTIME.set(_CountingEmu(*hopper_sources[1], cp))
     yield cp
-    gd._set_runtime(old_a)
-    dh._set_runtime(old_h)
+    gd.RUNTIME.set(old_a)
+    dh.RUNTIME.set(old_h)
 
 
 def _bf16_qkv(cp, rng, T, H=1, D=128):

@@ -113,15 +113,15 @@ def emu_rt():
     if gemu.compiler() is None:
         pytest.skip("g++ not found: the CPU emulation of the kernels needs it")
     names = [*dh.GROUPS, FAULT_KERNEL, MBAR_FAULT_KERNEL]
-    return gemu.EmuRuntime(dh.kernel_source() + "\n" + FAULTS.read_text(), names)
+    return gemu.EmuRuntime(dh.KERNELS.source() + "\n" + FAULTS.read_text(), names)
 
 
 @pytest.fixture
 def emu(emu_rt):
     """The wrappers of gpu/daaf_hopper.py on the emulation for one test (the GPU tests keep CuPy)."""
-    old = dh._set_runtime(emu_rt)
+    old = dh.RUNTIME.set(emu_rt)
     yield emu_rt
-    dh._set_runtime(old)
+    dh.RUNTIME.set(old)
 
 
 def _bits(x, elem):

@@ -17,6 +17,7 @@ from hpczeco.base import bf16
 from hpczeco.gpu import emu as gemu
 from hpczeco.gpu import gla_bwd_tc, gla_fwd_tc
 from hpczeco.gpu import gla_tc_states as st
+from hpczeco.gpu.runtime import HERE, kernel_source
 
 from hpczeco.gla import recurrent_gla, recurrent_gla_bwd
 
@@ -165,15 +166,15 @@ def test_agrees_with_the_simt_kernels_in_the_same_emulation(rt, rng):
     names = ["gla_chunk_outer<bf16>", "gla_state_scan", "gla_chunk_output<bf16>", "gla_bwd_scores<bf16>",
              "gla_bwd_dqdk<bf16>", "gla_bwd_dv<bf16>", "seg_chunk_sum<float>", "seg_carry",
              "seg_finish<float, bf16>"]  # fmt: skip
-    simt = gemu.EmuRuntime(ggla.kernel_source(("gla_kernels.cu",)), names)
-    old = ggla._set_runtime(simt)
+    simt = gemu.EmuRuntime(kernel_source(("gla_kernels.cu",)), names)
+    old = ggla.RUNTIME.set(simt)
     try:
         B, T, H, K, V = 1, 80, 1, 32, 32
         bits, xs, h0, dht = _inputs(rng, B, T, H, K, V)
         o_s, ht_s = ggla.chunk_gla(*bits[:4], initial_state=h0, output_final_state=True, impl="simt")
         g_s = ggla.chunk_gla_bwd(*bits, initial_state=h0, dht=dht)
     finally:
-        ggla._set_runtime(old)
+        ggla.RUNTIME.set(old)
     o, ht = gla_fwd_tc.fwd_tc(rt, *bits[:4], initial_state=h0, output_final_state=True, nc=1)
     assert rel(_f(o), _f(o_s)) < TOL_O and rel(ht, ht_s) < 3e-3  # bf16 chunk states: ~1e-3 apart
     grads = gla_bwd_tc.bwd_tc(rt, *bits, initial_state=h0, dht=dht, nc=1)
@@ -200,7 +201,7 @@ def test_inputs_are_checked(rt, rng):
 def test_shared_memory_layouts_match_python(tmp_path):
     src = tmp_path / "layout.cpp"
     src.write_text(
-        f'#include "{gemu._HERE / "cuda_emu.h"}"\n#include "{st.HERE / "gla_tc_chunk.cuh"}"\n#include <cstdio>\n'
+        f'#include "{gemu._HERE / "cuda_emu.h"}"\n#include "{HERE / "gla_tc_chunk.cuh"}"\n#include <cstdio>\n'
         'int main() { std::printf("%d %d %d %d %d %d\\n", GtLayout<64>::B_TOTAL, GtLayout<128>::B_TOTAL, '
         "GtLayout<64>::F_TOTAL, GtLayout<128>::F_TOTAL, GtLayout<64>::O_TOTAL, GtLayout<128>::O_TOTAL); }\n"
     )
@@ -272,28 +273,31 @@ def test_public_default_path_is_chunk_parallel_and_matches_float64(gla_emu, rng,
 
 
 @pytest.mark.timeout(900)
-def test_public_simt_and_former_tc_paths_stay_selectable(gla_emu, rng):
-    """impl="simt" (the reference) and the former segment tensor-core forward (impl="tc") on the same bf16 inputs:
-    each runs its own kernels and agrees with the float64 recurrence and with the default path."""
+def test_public_simt_path_stays_selectable(gla_emu, rng):
+    """impl="simt" (the reference) and the default path on the same bf16 inputs: each runs its own kernels and
+    agrees with the float64 recurrence and with the other."""
     from hpczeco.gpu import gla as G  # noqa: PLC0415
 
     bits, h0, dht, ref = _public(rng, 1, 90, 1, 32, 32, strong=True)
     outs = {}
-    for impl, kernel in (("auto", "glatc_fwd_"), ("tc", "gla_tc_seg_output"), ("simt", "gla_chunk_output")):
+    for impl, kernel in (("auto", "glatc_fwd_"), ("simt", "gla_chunk_output")):
         gla_emu.launched.clear()
         plan = G.chunk_gla_prepare(*bits[:4], impl=impl)
         outs[impl] = plan.finish(h0, output_final_state=True)
         assert plan.impl == ("tc-chunk" if impl == "auto" else impl)
         assert any(n.startswith(kernel) for n in gla_emu.launched), (impl, gla_emu.launched)
         assert rel(_f(outs[impl][0]), ref[0]) < TOL_O and rel(outs[impl][1], ref[1]) < TOL_GRAD, impl
-    assert rel(_f(outs["tc"][0]), _f(outs["auto"][0])) < TOL_O
+    assert rel(_f(outs["simt"][0]), _f(outs["auto"][0])) < TOL_O
     gla_emu.launched.clear()
     g_simt = G.chunk_gla_bwd(*bits, initial_state=h0, dht=dht, impl="simt")
     assert "gla_bwd_dqdk<bf16>" in gla_emu.launched and not any(n.startswith("glatc") for n in gla_emu.launched)
     errs = _errors_skip_none((None, None) + tuple(g_simt), ref)
     assert len(errs) == 5 and _within_targets(errs), errs
-    with pytest.raises(ValueError, match="impl"):
-        G.chunk_gla_bwd(*bits, impl="tc")
+    for retired in ("tc", "numba"):  # the former segment forward is gone; "numba" is the float64 path
+        with pytest.raises(ValueError, match="impl"):
+            G.chunk_gla(*bits[:4], impl=retired)
+        with pytest.raises(ValueError, match="impl"):
+            G.chunk_gla_bwd(*bits, impl=retired)
     with pytest.raises(ValueError, match="multiples of 16"):
         G.chunk_gla(*(x[..., :24] for x in bits[:4]), impl="tc-chunk")
 

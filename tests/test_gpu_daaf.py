@@ -1,20 +1,14 @@
-"""DAAF attention on GPUs: gpu/daaf_attention.cu, gpu/daaf.py, gpu/daaf_numba.py.
+"""DAAF attention on GPUs: gpu/daaf_attention.cu, gpu/daaf.py.
 
 Without a GPU: the CUDA source builds for sm_90 with nvcc (registers/spills checked); the kernels run
 on the CPU through the wrappers of gpu/daaf.py on the CUDA emulation (gpu/emu: every CUDA thread a
-std::thread, PTX fragment layouts emulated) against the float64 reference (hpczeco.daaf.reference);
-the Numba planning kernels run under the CUDA simulator (a subprocess with NUMBA_ENABLE_CUDASIM=1)
-against numpy and the CPU planner. With a GPU (marked
-``gpu``): every kernel family against the float64 reference, and input validation.
+std::thread, PTX fragment layouts emulated) against the float64 reference (hpczeco.daaf.reference).
+With a GPU (marked ``gpu``): every kernel family against the float64 reference, and input validation.
+The device planner (gpu/daaf_plan.cu) is tested in tests/test_daaf_device_api.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
 import warnings
 from pathlib import Path
 
@@ -60,13 +54,6 @@ def test_bf16_rounding_is_round_to_nearest_even():
     assert r[4] == -2.5
     assert np.isinf(r[6])
     assert bf16.to_bits(np.array([np.nan], np.float32))[0] & 0x7F80 == 0x7F80
-
-
-def test_window_starts_match_planner():
-    planner = pytest.importorskip("hpczeco.daaf.planner")
-    dn = pytest.importorskip("hpczeco.gpu.daaf_numba")
-    for T, w, s in ((1000, 512, None), (1000, 100, 33), (512, 512, None), (777, 1, 5)):
-        np.testing.assert_array_equal(dn.window_starts(T, w, s), planner.window_starts(T, w, s))
 
 
 def test_resolve_impl():
@@ -213,13 +200,13 @@ def emu():
         pytest.skip("g++ not found: the CPU emulation of the kernels needs it")
     from hpczeco.gpu import daaf_plan as dpl
 
-    rt = gemu.EmuRuntime(gd.kernel_source(), gd.kernel_names())
-    old = gd._set_runtime(rt)
-    old_plan = dpl._set_runtime(gemu.EmuRuntime(dpl.kernel_source(), dpl.kernel_names()))
+    rt = gemu.EmuRuntime(gd.KERNELS.source(), gd.kernel_names())
+    old = gd.RUNTIME.set(rt)
+    old_plan = dpl.RUNTIME.set(gemu.EmuRuntime(dpl.KERNELS.source(), dpl.kernel_names()))
     old_threads, dpl.INDEX_THREADS = dpl.INDEX_THREADS, 64
     yield rt
-    gd._set_runtime(old)
-    dpl._set_runtime(old_plan)
+    gd.RUNTIME.set(old)
+    dpl.RUNTIME.set(old_plan)
     dpl.INDEX_THREADS = old_threads
 
 
@@ -284,12 +271,12 @@ def hopper_emu(emu):
     capability 9.0 (the same build as tests/test_daaf_hopper_emu.py's, so the compiled library is shared)."""
     from hpczeco.gpu import daaf_hopper as dh
 
-    hrt = gemu.EmuRuntime(dh.kernel_source() + "\n" + FAULTS.read_text(), [*dh.GROUPS, "daaf_wgmma_fault_check"])
-    old = dh._set_runtime(hrt)
+    hrt = gemu.EmuRuntime(dh.KERNELS.source() + "\n" + FAULTS.read_text(), [*dh.GROUPS, "daaf_wgmma_fault_check"])
+    old = dh.RUNTIME.set(hrt)
     emu.compute_capability = "90"
     yield hrt
     del emu.compute_capability
-    dh._set_runtime(old)
+    dh.RUNTIME.set(old)
 
 
 def _bits_of(x, elem):
@@ -407,60 +394,6 @@ def test_emulated_hopper_errors(hopper_emu, emu, rng):
         assert emu.launched == ["daaf_tc_bf16_d128"]
     finally:
         emu.compute_capability = "90"
-
-
-# --------------------------------------------------------------------------- Numba kernels under the CUDA simulator
-
-_SIM_SCRIPT = textwrap.dedent(
-    """
-    import json, sys
-    import numpy as np
-    from hpczeco.gpu import daaf_numba as dn
-    from hpczeco.daaf import planner
-    assert dn.SIMULATOR
-    rng = np.random.default_rng(int(sys.argv[1]))
-    out = {}
-    T = 260
-    tok = np.concatenate([rng.integers(0, 4, 90), rng.integers(0, 3000, 110), rng.integers(0, 6, 60)])  # [128,192) high
-    for w, s, V, bias in ((64, None, None, "none"), (50, 47, 4000, "miller-madow"), (260, None, 3000, "none")):
-        a = dn.window_entropy(tok, w, s, V, bias)
-        b = planner.window_entropy(tok, w, s, V, bias)
-        out[f"entropy {w} {s} {V} {bias}"] = float(np.abs(a - b).max()) if a.shape == b.shape else 1e9
-    st = dn.window_starts(T, 64, 32)
-    ch = rng.random(len(st)) < 0.4
-    m = dn.windows_to_mask(T, st, ch, 64).astype(bool)
-    out["windows_to_mask"] = int((m != planner._mask_of(T, st, 64, ch)).sum())
-    for n in (1, 63, 64, 65, 150):
-        g = rng.random(n) < 0.3
-        idx, before = dn.mask_to_index(g)
-        ok = np.array_equal(idx, np.flatnonzero(g)) and np.array_equal(before, np.concatenate([[0], np.cumsum(g)]))
-        out[f"mask_to_index {n}"] = int(not ok)
-    p = dn.threshold_plan(tok, 64, 0.8, 16)
-    cpu = planner.plan(tok, 64, 0.8, 16)
-    out["threshold_plan policy"] = cpu.policy
-    out["threshold_plan"] = int((p["global_mask"] != cpu.global_mask).sum())
-    print(json.dumps(out))
-    """
-)
-
-
-def test_numba_planning_kernels_under_cudasim(rng, tmp_path):
-    pytest.importorskip("numba")
-    pytest.importorskip("hpczeco.daaf.planner")
-    script = tmp_path / "sim.py"
-    script.write_text(_SIM_SCRIPT)
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    seed = int(rng.integers(0, 2**31))
-    r = subprocess.run([sys.executable, str(script), str(seed)], capture_output=True, text=True, timeout=170, env=env)
-    assert r.returncode == 0, f"seed {seed}: {r.stderr[-4000:]}"
-    res = json.loads(r.stdout.strip().splitlines()[-1])
-    for key, val in res.items():
-        if key.startswith("entropy"):
-            assert val < 1e-12, (seed, key, val, res)
-        elif key == "threshold_plan policy":
-            assert val == "threshold", (seed, res)
-        else:
-            assert val == 0, (seed, key, val, res)
 
 
 # --------------------------------------------------------------------------- on a GPU

@@ -1,8 +1,9 @@
-"""The DAAF GPU kernels (:mod:`hpczeco.gpu.daaf`, :mod:`hpczeco.gpu.daaf_numba`) at the shapes the GPU machine
+"""The DAAF GPU kernels (:mod:`hpczeco.gpu.daaf`, the device planner :mod:`hpczeco.daaf.device_planner`) at the
+shapes the GPU machine
 runs: every kernel family (simple, tc, tc2, tc3; on compute capability 9.0 the Hopper kernels through
 ``hpczeco.gpu.daaf``, also against tc2, and what ``impl="auto"`` picks) in fp32/fp16/bf16 against the float64 reference
 (``hpczeco.daaf.reference``) on small random inputs over several T, local windows and key-region sets;
-the Numba entropy scan, mask compaction and threshold plan against the CPU planner; medium T against
+the device planner's entropy scan, key-region index and threshold plan against the CPU planner; medium T against
 PyTorch SDPA with an explicit boolean mask; the benchmark's plans against FlexAttention; the device plan
 of a synthetic text finding its planted key regions; needles planted in key regions retrieved.
 
@@ -201,7 +202,7 @@ def test_kernel_info_reports_every_kernel():
         assert d["max_threads_per_block"] >= 128, (name, d)
 
 
-# --------------------------------------------------------------------------- Numba planning kernels
+# --------------------------------------------------------------------------- the device planner
 
 
 def _tokens(rng) -> np.ndarray:
@@ -218,40 +219,31 @@ def _tokens(rng) -> np.ndarray:
                                                           (64, 50, 16, "none", 16)])
 def test_window_entropy_matches_cpu_planner(rng, window, stride, vocab, bias, mod):
     import cupy as cp
-    from hpczeco.gpu import daaf_numba as dn
 
-    from hpczeco.daaf import planner
+    from hpczeco.daaf import device_planner, planner
 
     tok = _tokens(rng)
     ids = tok if mod is None else tok % mod
-    dev = cp.asnumpy(dn.window_entropy(cp.asarray(ids), window, stride, vocab, bias))
+    dev = cp.asnumpy(device_planner.window_entropy(cp.asarray(ids), window, stride, vocab, bias))
     ref = planner.window_entropy(ids, window, stride, vocab, bias)
     assert dev.shape == ref.shape
     assert float(np.abs(dev - ref).max()) <= 1e-9
 
 
-@pytest.mark.parametrize("T,density", [(1, 0.5), (1000, 0.3), (131072, 0.05), (4099, 1.0)])
-def test_mask_to_index(rng, T, density):
-    import cupy as cp
-    from hpczeco.gpu import daaf_numba as dn
-
-    g = rng.random(T) < density
-    idx, before = dn.mask_to_index(cp.asarray(g))
-    np.testing.assert_array_equal(cp.asnumpy(idx), np.flatnonzero(g))
-    np.testing.assert_array_equal(cp.asnumpy(before), np.concatenate([[0], np.cumsum(g)]))
-
-
 def test_threshold_plan_matches_cpu_plan(rng):
+    """The device plan's mask, its compaction to ``global_idx`` and ``n_global_before`` equal the CPU plan's."""
     import cupy as cp
-    from hpczeco.gpu import daaf_numba as dn
 
-    from hpczeco.daaf import planner
+    from hpczeco.daaf import device_planner, planner
 
     tok = _tokens(rng)
-    dp = dn.threshold_plan(cp.asarray(tok), 512, 0.8, 128)
+    dp = device_planner.plan(cp.asarray(tok), 512, 0.8, 128, n_global_before=True)
     cpu = planner.plan(tok, 512, 0.8, 128)
-    assert cpu.policy == "threshold"
-    assert int((cp.asnumpy(dp["global_mask"]) != cpu.global_mask).sum()) == 0
+    assert cpu.policy == "threshold" and dp.info["policy"] == "threshold"
+    g = cp.asnumpy(dp.gmask).astype(bool)
+    assert int((g != cpu.global_mask).sum()) == 0
+    np.testing.assert_array_equal(cp.asnumpy(dp.global_idx), np.flatnonzero(cpu.global_mask))
+    np.testing.assert_array_equal(cp.asnumpy(dp.info["n_global_before"]), np.concatenate([[0], np.cumsum(g)]))
 
 
 # --------------------------------------------------------------------------- PyTorch comparisons
@@ -330,16 +322,15 @@ def test_bench_plans_match_flex_attention(rng, impl):
 
 @pytest.mark.parametrize("T", [8192, 32768, 131072])
 def test_device_plan_finds_planted_key_regions(rng, T):
-    """The Numba entropy scan + device plan of a synthetic text marks exactly its high-entropy regions."""
+    """The device planner's plan of a synthetic text marks exactly its high-entropy regions."""
     import cupy as cp
     from hpczeco.drivers.gpu_daaf_model import synthetic_tokens
-    from hpczeco.gpu import daaf as gd
-    from hpczeco.gpu import daaf_numba as dn
+
+    from hpczeco.daaf import device_planner
 
     W = 128
     tok, regions = synthetic_tokens(T, rng)
-    tp = dn.threshold_plan(cp.asarray(tok), 512, 0.8, W)
-    dp = gd.device_plan(tp["global_idx"], W, T, tp["global_mask"])
+    dp = device_planner.plan(cp.asarray(tok), 512, 0.8, W)
     expect = np.zeros(T, dtype=bool)
     for a, b in regions:
         expect[a:b] = True

@@ -43,7 +43,7 @@ def test_bf16_tensor_core_forward(rng, strong):
     q, k, v, g, _, h0, _ = gla_inputs(rng, 1, 333, 2, 128, 64, strong, g_max=0.5)
     bits = [f32_to_bf16_bits(x) for x in (q, k, v, g)]
     o, ht = G.chunk_gla(
-        *(cp.asarray(b) for b in bits), initial_state=cp.asarray(h0), output_final_state=True, impl="tc"
+        *(cp.asarray(b) for b in bits), initial_state=cp.asarray(h0), output_final_state=True, impl="tc-chunk"
     )
     xs = [bf16_bits_to_f32(b).astype(np.float64) for b in bits]
     ro, rht = recurrent_gla(*xs, initial_state=h0.astype(np.float64), output_final_state=True)
@@ -51,19 +51,46 @@ def test_bf16_tensor_core_forward(rng, strong):
     assert rel(ht.get(), rht) < 1e-2
 
 
-def test_numba_kernels_on_cupy(rng):
+@pytest.mark.parametrize("strong", [False, True])
+def test_float64_runs_on_the_numba_kernels(rng, strong):
+    """float64 CuPy arrays: hpczeco.gla.chunk_gla / chunk_gla_bwd and the ZeCO pieces run the Numba CUDA kernels
+    (launches counted) in float64, equal to the float64 recurrence to 1e-12 (float32 arithmetic would miss it)."""
     import cupy as cp
-    from hpczeco.gpu import numba_kernels as nk
+    from hpczeco.gpu import gla as G
+    from hpczeco.gpu import gla_numba
 
-    B, T, H, K, V = 1, 100, 2, 32, 16
-    q, _, _, g, _, S, _ = gla_inputs(rng, B, T, H, K, V, g_max=0.5)
-    Gc = nk.decay_cumsum(cp.asarray(g))
-    G64 = np.cumsum(g.astype(np.float64), axis=1)
-    assert rel(Gc.get(), G64) < 1e-5
-    o0 = rng.standard_normal((B, T, H, V)).astype(np.float32)
-    o = cp.asarray(o0)
-    nk.state_correction(o, cp.asarray(q), Gc, cp.asarray(S), scale=0.2)
-    assert rel(o.get(), o0 + 0.2 * np.einsum("bthk,bhkv->bthv", q * np.exp(G64), S)) < 1e-5
+    from hpczeco.gla import chunk_gla, chunk_gla_bwd
+
+    B, T, H, K, V = 2, 150, 2, 48, 40
+    f64 = [x.astype(np.float64) for x in gla_inputs(rng, B, T, H, K, V, strong, g_max=0.5)]
+    q, k, v, g, do, h0, dht = f64
+    d = [cp.asarray(x) for x in f64]
+    before = gla_numba.LAUNCHES.copy()
+    o, ht = chunk_gla(*d[:4], initial_state=d[5], output_final_state=True, chunk_size=32)
+    grads = chunk_gla_bwd(*d[:5], initial_state=d[5], dht=d[6], chunk_size=32)
+    ran = gla_numba.LAUNCHES - before
+    assert ran["fwd_output"] == 1 and ran["bwd_dqdk"] == 1 and ran["bwd_dv"] == 1, dict(ran)
+    ro, rht = recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True)
+    ref = recurrent_gla_bwd(q, k, v, g, do, initial_state=h0, dht=dht)
+    assert o.dtype == np.float64 and ht.dtype == np.float64 and grads[4].dtype == np.float64
+    assert rel(o.get(), ro) < 1e-12 and rel(ht.get(), rht) < 1e-12
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), grads, ref):
+        assert rel(a.get(), b) < 1e-12, name
+    G64 = np.cumsum(g, axis=1)
+    Gc = G.decay_cumsum(d[3])
+    assert Gc.dtype == np.float64 and rel(Gc.get(), G64) < 1e-13
+    o0 = rng.standard_normal((B, T, H, V))
+    oc = cp.asarray(o0)
+    G.state_correction(oc, d[0], Gc, d[5], scale=0.2)
+    assert rel(oc.get(), o0 + 0.2 * np.einsum("bthk,bhkv->bthv", q * np.exp(G64), h0)) < 1e-12
+    U = G.initial_state_grad(d[0], d[3], d[4], scale=0.2)
+    assert rel(U.get(), 0.2 * np.einsum("bthk,bthv->bhkv", q * np.exp(G64), do)) < 1e-12
+    a = np.exp(G64[:, -1])
+    want = a[..., None] * h0 + dht
+    assert rel(G.final_state(cp.asarray(a), d[5], d[6]).get(), want) < 1e-14
+    assert rel(G.scan_combine(cp.asarray(a), d[5], d[6]).get(), want) < 1e-14
+    ran = gla_numba.LAUNCHES - before
+    assert ran["correction"] == 1 and ran["combine"] >= 4 and ran["seg_finish"] >= 2, dict(ran)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])

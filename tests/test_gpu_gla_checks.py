@@ -1,9 +1,9 @@
 """The GLA GPU kernels (:mod:`hpczeco.gpu.gla`) against the float64 references on fresh random inputs, at the
-shapes the GPU machine runs: forward (simt and every tensor-core build) and backward in fp32, bf16 and
-fp16, strong decays (g down to -8), T not a multiple of the chunk, K != V, initial_state, dht; the ZeCO
-pieces (CuPy and Numba CUDA kernels); prepare/finish over two slices as two ZeCO ranks; the tensor-core
-forward against the simt one and against flash-linear-attention at the benchmark shape; the device value
-checks; the NVRTC build of every kernel group.
+shapes the GPU machine runs: forward (simt and the tensor-core kernels) and backward in fp32, bf16 and
+fp16 (CuPy kernels) and float64 (Numba CUDA kernels), strong decays (g down to -8), T not a multiple of the chunk,
+K != V, initial_state, dht; the ZeCO pieces (CuPy and Numba CUDA kernels); prepare/finish over two slices as two
+ZeCO ranks; the tensor-core kernels against the simt ones and against flash-linear-attention at the benchmark
+shape; the device value checks; the NVRTC build of every kernel group.
 
 Tests marked ``gpu`` need CuPy and a CUDA GPU (skipped with a reason elsewhere). The checks that the CPU
 emulation of the CUDA kernels can run (:func:`helpers.emulated_gla_runtime`: float and bf16 kernels,
@@ -29,7 +29,7 @@ GPU = [pytest.mark.gpu, NEEDS_GPU]
 
 class Device:
     """Where a check runs (``xp``: CuPy, or numpy through the CPU emulation) and one input precision
-    ``dt`` (fp32, bf16 as uint16 bit patterns, fp16): host rounding, upload, download."""
+    ``dt`` (fp64, fp32, bf16 as uint16 bit patterns, fp16): host rounding, upload, download."""
 
     def __init__(self, xp):
         self.xp = xp
@@ -40,6 +40,8 @@ class Device:
             return bf16.from_bits(bf16.to_bits(x))
         if dt == "fp16":
             return x.astype(np.float16).astype(np.float32)
+        if dt == "fp64":
+            return x.astype(np.float64)
         return x.astype(np.float32)
 
     def up(self, x: np.ndarray, dt: str):
@@ -47,6 +49,8 @@ class Device:
             return self.xp.asarray(bf16.to_bits(x))
         if dt == "fp16":
             return self.xp.asarray(x.astype(np.float16))
+        if dt == "fp64":
+            return self.xp.asarray(x.astype(np.float64))
         return self.xp.asarray(x.astype(np.float32))
 
     @staticmethod
@@ -54,7 +58,7 @@ class Device:
         h = x.get() if hasattr(x, "get") else np.asarray(x)
         if dt == "bf16" and h.dtype == np.uint16:
             return bf16.from_bits(h)
-        return h.astype(np.float32)
+        return h if h.dtype == np.float64 else h.astype(np.float32)
 
 
 @pytest.fixture(scope="module")
@@ -89,46 +93,36 @@ FWD_CASES = [
     ("fp32", 2, 300, 3, 64, 48, False, "simt", True, 1e-4),
     ("fp32", 1, 200, 2, 128, 128, True, "simt", True, 1e-4),
     ("fp32", 1, 77, 2, 40, 72, False, "simt", False, 1e-4),
-    ("bf16", 1, 1000, 2, 128, 128, False, "tc", True, 1e-2),
-    ("bf16", 1, 515, 2, 128, 128, True, "tc", True, 1e-2),
-    ("bf16", 2, 300, 2, 64, 128, False, "tc", False, 1e-2),
-    ("bf16", 1, 300, 2, 128, 64, False, "tc", True, 1e-2),
     ("bf16", 1, 300, 2, 96, 80, False, "simt", True, 1e-2),
-    ("fp16", 1, 400, 2, 128, 128, False, "tc", True, 1e-2),
-    ("fp16", 1, 400, 2, 64, 64, True, "tc", True, 1e-2),
+    ("bf16", 1, 300, 2, 128, 64, False, "tc-chunk", True, 1e-2),
     ("bf16", 1, 1000, 2, 128, 128, False, "tc-chunk", True, 1e-2),
     ("bf16", 1, 515, 2, 128, 128, True, "tc-chunk", True, 1e-2),
     ("bf16", 2, 300, 2, 64, 128, False, "tc-chunk", False, 1e-2),
     ("bf16", 1, 1, 2, 128, 64, False, "tc-chunk", True, 1e-2),
     ("fp16", 1, 400, 2, 128, 128, False, "tc-chunk", True, 1e-2),
     ("fp16", 1, 400, 2, 64, 64, True, "tc-chunk", True, 1e-2),
+    ("fp64", 1, 300, 2, 128, 96, True, "numba", True, 1e-12),
+    ("fp64", 2, 77, 2, 40, 72, False, "auto", False, 1e-12),
 ]
-TC_VARIANTS = ("ldsm-pf", "ldsm", "plain")  # hpczeco.gpu.gla_tc.VARIANTS; the first is the default
-FWD_GPU = [(c, "ldsm-pf") for c in FWD_CASES] + [(c, var) for var in TC_VARIANTS[1:] for c in FWD_CASES
-                                                 if c[7] == "tc"]
 FWD_EMU = [  # the same kinds of case at shapes the emulation runs in seconds
-    (("fp32", 2, 70, 2, 24, 16, False, "simt", True, 1e-4), "ldsm-pf"),
-    (("fp32", 1, 50, 1, 32, 32, True, "simt", True, 1e-4), "ldsm-pf"),
-    (("fp32", 1, 77, 1, 20, 36, False, "simt", False, 1e-4), "ldsm-pf"),
-    (("bf16", 1, 130, 1, 32, 48, False, "tc", True, 1e-2), "ldsm-pf"),
-    (("bf16", 1, 90, 1, 48, 32, True, "tc", False, 1e-2), "ldsm-pf"),
-    (("bf16", 1, 90, 1, 32, 32, False, "tc", True, 1e-2), "plain"),
-    (("bf16", 1, 70, 1, 48, 32, False, "simt", True, 1e-2), "ldsm-pf"),
-    (("bf16", 1, 130, 1, 32, 48, True, "tc-chunk", True, 1e-2), "ldsm-pf"),
+    ("fp32", 2, 70, 2, 24, 16, False, "simt", True, 1e-4),
+    ("fp32", 1, 50, 1, 32, 32, True, "simt", True, 1e-4),
+    ("fp32", 1, 77, 1, 20, 36, False, "simt", False, 1e-4),
+    ("bf16", 1, 90, 1, 48, 32, True, "tc-chunk", False, 1e-2),
+    ("bf16", 1, 70, 1, 48, 32, False, "simt", True, 1e-2),
+    ("bf16", 1, 130, 1, 32, 48, True, "tc-chunk", True, 1e-2),
 ]
 
 
-def _case_id(p) -> str:
-    (dt, B, T, H, K, V, strong, impl, h0, _), var = p
-    return f"{dt}-{impl}" + (f"[{var}]" if impl == "tc" else "") + f"-B{B}T{T}H{H}K{K}V{V}" + \
-        ("-strong" if strong else "") + ("-h0" if h0 else "")
+def _case_id(c) -> str:
+    dt, B, T, H, K, V, strong, impl, h0, _ = c
+    return f"{dt}-{impl}-B{B}T{T}H{H}K{K}V{V}" + ("-strong" if strong else "") + ("-h0" if h0 else "")
 
 
-def check_forward(dev: Device, rng, case, variant: str, monkeypatch) -> None:
+def check_forward(dev: Device, rng, case) -> None:
     from hpczeco.gpu import gla as G
 
     dt, B, T, H, K, V, strong, impl, use_h0, tol = case
-    monkeypatch.setenv("HPCZECO_TC_VARIANT", variant)
     x = _inputs(rng, B, T, H, K, V, strong)
     xs = {n: dev.round(x[n], dt).astype(np.float64) for n in ("q", "k", "v", "g")}
     h0 = x["h0"] if use_h0 else None
@@ -140,16 +134,16 @@ def check_forward(dev: Device, rng, case, variant: str, monkeypatch) -> None:
     assert eo <= tol and eh <= tol, f"o {eo:.2e} ht {eh:.2e} (tol {tol})"
 
 
-@pytest.mark.parametrize("case,variant", FWD_GPU, ids=[_case_id(p) for p in FWD_GPU])
+@pytest.mark.parametrize("case", FWD_CASES, ids=[_case_id(c) for c in FWD_CASES])
 @pytest.mark.gpu
 @NEEDS_GPU
-def test_forward_matches_reference(gpu, rng, case, variant, monkeypatch):
-    check_forward(gpu, rng, case, variant, monkeypatch)
+def test_forward_matches_reference(gpu, rng, case):
+    check_forward(gpu, rng, case)
 
 
-@pytest.mark.parametrize("case,variant", FWD_EMU, ids=[_case_id(p) for p in FWD_EMU])
-def test_forward_matches_reference_emulated(emu, rng, case, variant, monkeypatch):
-    check_forward(emu, rng, case, variant, monkeypatch)
+@pytest.mark.parametrize("case", FWD_EMU, ids=[_case_id(c) for c in FWD_EMU])
+def test_forward_matches_reference_emulated(emu, rng, case):
+    check_forward(emu, rng, case)
 
 
 # ------------------------------------------------------------------------------------------- backward
@@ -165,6 +159,8 @@ BWD_CASES = [
     ("bf16", 1, 1, 2, 128, 64, False, True, 1e-2, "auto"),
     ("bf16", 1, 300, 2, 128, 128, False, True, 1e-2, "simt"),
     ("fp16", 1, 200, 2, 128, 128, False, True, 1e-2, "auto"),
+    ("fp64", 1, 300, 2, 128, 96, True, True, 1e-12, "auto"),
+    ("fp64", 2, 77, 1, 40, 72, False, False, 1e-12, "numba"),
 ]
 BWD_EMU = [
     ("fp32", 2, 70, 2, 24, 16, False, True, 1e-4, "auto"),
@@ -246,26 +242,23 @@ def test_zeco_pieces_emulated(emu, rng, dt, tol):
 @pytest.mark.gpu
 @NEEDS_GPU
 def test_zeco_pieces_numba_kernels(gpu, rng):
-    """The Numba CUDA kernels on CuPy arrays: decay_cumsum, state_correction, final_state, scan_combine."""
+    """float64: decay_cumsum, state_correction, initial_state_grad, final_state, scan_combine on the Numba CUDA
+    kernels (launches counted), to 1e-12."""
     cp = gpu.xp
-    from hpczeco.gpu import numba_kernels as nk
+    from hpczeco.gpu import gla as G
+    from hpczeco.gpu import gla_numba
 
-    B, T, H, K, V = 1, 333, 2, 128, 96
-    x = _inputs(rng, B, T, H, K, V)
-    Gc = nk.decay_cumsum(cp.asarray(x["g"]))
-    G64 = np.cumsum(x["g"].astype(np.float64), axis=1)
-    e1 = rel(Gc.get(), G64)
-    o0 = rng.standard_normal((B, T, H, V)).astype(np.float32)
-    o = cp.asarray(o0)
-    nk.state_correction(o, cp.asarray(x["q"]), Gc, cp.asarray(x["h0"]), scale=0.1)
-    e2 = rel(o.get(), o0 + 0.1 * np.einsum("bthk,bhkv->bthv", x["q"] * np.exp(G64), x["h0"]))
-    a = rng.uniform(0.2, 1.0, (B, H, K)).astype(np.float32)
-    L = x["dht"]
-    f = nk.final_state(cp.asarray(np.log(a)), cp.asarray(x["h0"]), cp.asarray(L))
-    c = nk.scan_combine(cp.asarray(a), cp.asarray(x["h0"]), cp.asarray(L))
-    e3 = rel(f.get(), a[..., None] * x["h0"] + L)
-    e4 = rel(c.get(), a[..., None] * x["h0"] + L)
-    assert max(e1, e2, e3, e4) <= 1e-4, f"cumsum {e1:.2e} correction {e2:.2e} final {e3:.2e} combine {e4:.2e}"
+    before = gla_numba.LAUNCHES.copy()
+    check_zeco_pieces(gpu, rng, "fp64", (1, 333, 2, 128, 96), 1e-12)
+    B, H, K, V = 1, 2, 128, 96
+    a = rng.uniform(0.2, 1.0, (B, H, K))
+    S, L = rng.standard_normal((B, H, K, V)), rng.standard_normal((B, H, K, V))
+    f = G.final_state(cp.asarray(a), cp.asarray(S), cp.asarray(L))
+    c = G.scan_combine(cp.asarray(a), cp.asarray(S), cp.asarray(L))
+    e3, e4 = rel(f.get(), a[..., None] * S + L), rel(c.get(), a[..., None] * S + L)
+    assert max(e3, e4) <= 1e-14, f"final {e3:.2e} combine {e4:.2e}"
+    ran = gla_numba.LAUNCHES - before
+    assert ran["seg_finish"] == 1 and ran["correction"] == 1 and ran["chunk_outer"] == 1 and ran["combine"] == 2, ran
 
 
 def check_compose(dev: Device, rng, dt: str, shape, cut: int, tol: float) -> None:
@@ -318,14 +311,14 @@ def test_prepare_finish_over_two_slices_emulated(emu, rng, dt, tol):
 def test_every_kernel_group_builds(gpu):
     """NVRTC builds every kernel of every .cu file, group by group (common, bf16, float, f16, bf16-f32s, f16-f32s)."""
     from hpczeco.gpu import gla as G
-    from hpczeco.gpu.gla_common import KERNEL_FILES, runtime
+    from hpczeco.gpu.gla_common import KERNEL_FILES, RUNTIME
 
     built = 0
     for file in KERNEL_FILES:
         names = G.kernel_names(file)
         for group in sorted({G.kernel_group(n) for n in names}):
             for name in (n for n in names if G.kernel_group(n) == group):
-                assert runtime().function(name) is not None, f"{file} [{group}]: {name}"
+                assert RUNTIME.get().function(name) is not None, f"{file} [{group}]: {name}"
                 built += 1
     assert built == sum(len(G.kernel_names(f)) for f in KERNEL_FILES)
 
@@ -346,19 +339,6 @@ def bench_inputs(gpu):
     return dev, bf16.from_bits(o.get()), ht.get(), seed
 
 
-@pytest.mark.parametrize("variant", TC_VARIANTS)
-@pytest.mark.gpu
-@NEEDS_GPU
-def test_tensor_core_forward_matches_simt_at_bench_shape(gpu, bench_inputs, variant, monkeypatch):
-    from hpczeco.gpu import gla as G
-
-    dev, ref_o, ref_h, seed = bench_inputs
-    monkeypatch.setenv("HPCZECO_TC_VARIANT", variant)
-    o, ht = G.chunk_gla(*(dev[n] for n in ("q", "k", "v", "g")), output_final_state=True, impl="tc")
-    eo, eh = rel(bf16.from_bits(o.get()), ref_o), rel(ht.get(), ref_h)
-    assert max(eo, eh) <= 1e-2, f"o {eo:.2e} ht {eh:.2e} (inputs seed {seed})"
-
-
 @pytest.mark.parametrize("walk,out", [(2, 2), (1, 2), (2, 1)])
 @pytest.mark.gpu
 @NEEDS_GPU
@@ -368,16 +348,16 @@ def test_chunk_parallel_kernels_match_simt_at_bench_shape(gpu, bench_inputs, wal
     cp = gpu.xp
     from hpczeco.gpu import gla as G
     from hpczeco.gpu import gla_bwd_tc, gla_fwd_tc
-    from hpczeco.gpu.gla_common import runtime
+    from hpczeco.gpu.gla_common import RUNTIME
 
     dev, ref_o, ref_h, seed = bench_inputs
     rng = np.random.default_rng(seed + 1)
     do = gpu.up(rng.standard_normal(dev["v"].shape).astype(np.float32), "bf16")
-    plan = gla_fwd_tc.fwd_tc_prepare(runtime(), *(dev[n] for n in ("q", "k", "v", "g")), walk=walk, out=out)
+    plan = gla_fwd_tc.fwd_tc_prepare(RUNTIME.get(), *(dev[n] for n in ("q", "k", "v", "g")), walk=walk, out=out)
     o, ht = plan.finish(output_final_state=True)
     eo, eh = rel(bf16.from_bits(o.get()), ref_o), rel(ht.get(), ref_h)
     assert max(eo, eh) <= 1e-2, f"o {eo:.2e} ht {eh:.2e} (inputs seed {seed})"
-    got = gla_bwd_tc.bwd_tc(runtime(), *(dev[n] for n in ("q", "k", "v", "g")), do, fwd=plan)
+    got = gla_bwd_tc.bwd_tc(RUNTIME.get(), *(dev[n] for n in ("q", "k", "v", "g")), do, fwd=plan)
     ref = G.chunk_gla_bwd(*(dev[n] for n in ("q", "k", "v", "g")), do, impl="simt")
     errs = {n: rel(gpu.down(a, "bf16" if a.dtype == cp.uint16 else "fp32"),
                    gpu.down(b, "bf16" if b.dtype == cp.uint16 else "fp32"))
@@ -446,10 +426,10 @@ cupy.random = type(sys)("cupy.random")
 cupy.random.RandomState = RandomState
 cupy.get_default_memory_pool = lambda: type("Pool", (), {"free_all_blocks": lambda self: None})()
 names = [n for n in G.kernel_names() if not re.search(r"(?<!b)f16", n)]
-rt = gemu.EmuRuntime(G.kernel_source(), names)
+rt = gemu.EmuRuntime(G.KERNELS.source(), names)
 rt.xp = cupy
 rt.function = lambda name, shared_mem=0: name  # the bench's compile step
-G._set_runtime(rt)
+G.RUNTIME.set(rt)
 bg.variant_runtime = lambda defines: rt  # -D builds: the same emulated kernels
 bg.COPY_BYTES = 1 << 20
 bg.GRID_T, bg.GRID_KV, bg.GRID_GN = (1, 65), ((32, 16), (24, 16)), (0.1, 1.0)

@@ -76,3 +76,42 @@ def test_zeco_layer_on_gpus_matches_one_gpu(comm, rng, L):
         errs = {"o": rel(f32(o), f32(o_full[:, sl]))}
         errs.update({n: rel(f32(a), f32(b[:, sl])) for n, a, b in zip(("dq", "dk", "dv", "dg"), grads[:4], g_full)})
         assert max(errs.values()) <= 2e-2, f"{kind} ({zdt}): " + " ".join(f"{n} {e:.2e}" for n, e in errs.items())
+
+
+@pytest.mark.parametrize("scan", ["ring", "tree", "serial"])
+def test_zeco_layer_in_float64_on_gpus(comm, rng, scan):
+    """ZeCO on float64 device arrays (the Numba CUDA kernels of hpczeco.gpu.gla_numba, launches counted), with an
+    initial state and dht, over every device transport: equal to the float64 recurrence of the whole sequence
+    to 1e-12 (slices of different lengths)."""
+    cp = use_local_gpu(comm)
+    from hpczeco.gpu import gla_numba
+
+    import hpczeco
+    from hpczeco.gla import recurrent_gla, recurrent_gla_bwd
+
+    P, rank = comm.Get_size(), comm.Get_rank()
+    H, K, V = 2, 32, 48
+    lengths = [150 + 37 * r for r in range(P)]
+    T = sum(lengths)
+    q, k, v, do = (rng.standard_normal(s) for s in ((1, T, H, K), (1, T, H, K), (1, T, H, V), (1, T, H, V)))
+    g = -np.logaddexp(0.0, -(rng.standard_normal((1, T, H, K)) + 2.0))
+    h0, dht = rng.standard_normal((1, H, K, V)), rng.standard_normal((1, H, K, V))
+    ro, rht = recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True)
+    ref = recurrent_gla_bwd(q, k, v, g, do, initial_state=h0, dht=dht)
+    lo = sum(lengths[:rank])
+    sl = slice(lo, lo + lengths[rank])
+    mine = [cp.asarray(np.ascontiguousarray(x[:, sl])) for x in (q, k, v, g, do)]
+    for kind in device_transport_kinds(comm):
+        layer = hpczeco.ZeCOGLA(comm, scan=scan, chunk_size=64, transport=kind)
+        before = gla_numba.LAUNCHES.copy()
+        o = layer.forward(*mine[:4], initial_state=cp.asarray(h0) if rank == 0 else None)
+        grads = layer.backward(mine[4], dht=cp.asarray(dht) if rank == P - 1 else None)
+        ran = gla_numba.LAUNCHES - before
+        assert ran["fwd_output"] == 1 and ran["bwd_dqdk"] == 1 and ran["bwd_dv"] == 1, f"{kind}: {dict(ran)}"
+        errs = {"o": rel(o.get(), ro[:, sl])}
+        errs.update({n: rel(a.get(), b[:, sl]) for n, a, b in zip(("dq", "dk", "dv", "dg"), grads[:4], ref)})
+        if rank == 0:
+            errs["dh0"] = rel(grads[4].get(), ref[4])
+        if rank == P - 1:
+            errs["final_state"] = rel(layer.final_state.get(), rht)
+        assert max(errs.values()) <= 1e-12, f"{kind}: " + " ".join(f"{n} {e:.2e}" for n, e in errs.items())

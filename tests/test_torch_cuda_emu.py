@@ -56,9 +56,9 @@ def emu_runtime():
     if gemu.compiler() is None:
         pytest.skip("no C++ compiler (g++) for the CUDA emulation")
     names = [n for n in ggla.kernel_names() if not re.search(r"(?<!b)f16", n)]  # float + bf16 (as test_cuda_build)
-    old = ggla._set_runtime(gemu.EmuRuntime(ggla.kernel_source(), names))
+    old = ggla.RUNTIME.set(gemu.EmuRuntime(ggla.KERNELS.source(), names))
     yield
-    ggla._set_runtime(old)
+    ggla.RUNTIME.set(old)
 
 
 @pytest.fixture

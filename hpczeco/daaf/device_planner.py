@@ -41,7 +41,7 @@ MAX_WINDOW = kernels.MAX_WINDOW
 
 def _device_tokens(tokens: Any):
     """``tokens`` ``[T]`` as a contiguous int32/int64 device array (numpy input is uploaded)."""
-    rt = kernels.runtime()
+    rt = kernels.RUNTIME.get()
     xp = rt.xp
     if isinstance(tokens, (str, bytes)):
         raise TypeError(f"tokens must be a sequence of int token ids, got {type(tokens).__name__} "
@@ -116,7 +116,7 @@ def window_entropy(tokens: Any, window: int = 512, stride: int | None = None, vo
         raise ValueError(f"window ({window}) is larger than the text ({T} tokens)")
     scan = _Scan(tok, window, stride, vocab_size, bias_correction, threads)
     if validate:
-        xp = kernels.runtime().xp
+        xp = kernels.RUNTIME.get().xp
         lo_hi = kernels.to_host(xp.stack([scan.wmin.min(), scan.wmax.max()]))
         _check_ids(int(lo_hi[0]), int(lo_hi[1]), vocab_size)
     return scan.ent
@@ -165,7 +165,7 @@ def plan(
         check_int("stride", stride, 1)
     nts = kernels.check_threads(select_threads, kernels.SELECT_THREADS, "select_threads")
     tok = _device_tokens(tokens)
-    xp = kernels.runtime().xp
+    xp = kernels.RUNTIME.get().xp
     T = int(tok.size)
     short = T < window
     stride_eff = T if short else (window if stride is None else stride)
@@ -218,7 +218,7 @@ def plan_torch(tokens: Any, *args: Any, **kwargs: Any) -> DevicePlan:
 
     if not (isinstance(tokens, torch.Tensor) and tokens.is_cuda):
         raise TypeError(f"tokens must be a CUDA tensor, got {type(tokens).__name__}")
-    xp = kernels.runtime().xp
+    xp = kernels.RUNTIME.get().xp
     dev = tokens.device.index if tokens.device.index is not None else torch.cuda.current_device()
     with xp.cuda.Device(dev), xp.cuda.ExternalStream(torch.cuda.current_stream(tokens.device).cuda_stream):
         return plan(xp.from_dlpack(tokens.contiguous()), *args, **kwargs)

@@ -5,8 +5,9 @@ prepare/finish objects (:func:`~hpczeco.gpu.gla.chunk_gla_prepare` -> ``GLAForwa
 The device kernels fold the incoming state into the chunk states inside ``finish`` (no correction pass),
 so everything that needs no incoming state is queued by the constructor and :meth:`overlap` has no host
 work (it does not poll). Slices with no tokens or no heads need no kernels: the adapters answer them
-directly (``a = 1``, zero local state; the incoming state passes through). States are float32; inputs and
-outputs in any form :mod:`hpczeco.gpu.gla` takes (float32, float16, bfloat16, raw bf16 bits as ``uint16``).
+directly (``a = 1``, zero local state; the incoming state passes through). States are float32 (float64 for
+float64 inputs); inputs and outputs in any form :mod:`hpczeco.gpu.gla` takes (float64, float32, float16, bfloat16,
+raw bf16 bits as ``uint16``).
 The forward's chunk states (the chunk-parallel tensor-core kernels: 16 bits per state element, about twice the
 size of ``q`` at V = 128) are handed to the backward as :attr:`DeviceForwardSplit.states`, so a layer that keeps
 them between forward and backward skips one state walk. The caller validates the inputs (shapes and dtypes are
@@ -23,8 +24,9 @@ from ._runner import Poll
 __all__ = ["DeviceForwardSplit", "DeviceBackwardSplit"]
 
 
-def _state32(xp: Any, x: Any) -> Any:
-    return xp.ascontiguousarray(x.astype(xp.float32))
+def _state_dtype(xp: Any, x: Any) -> Any:
+    """The state dtype of inputs like ``x``: float64 for float64, else float32 (as :mod:`hpczeco.gpu.gla`)."""
+    return xp.float64 if str(x.dtype) == "float64" else xp.float32
 
 
 class DeviceForwardSplit:
@@ -41,10 +43,11 @@ class DeviceForwardSplit:
         V = int(v.shape[3])
         self._xp = xp = get_array_module(q)
         self._out = ((B, T, H, V), q.dtype)
+        self._sdt = sdt = _state_dtype(xp, q)
         if T == 0 or B * H == 0:
             self._fw = None
-            self.a = xp.ones((B, H, K), dtype=xp.float32)
-            self.S_local = xp.zeros((B, H, K, V), dtype=xp.float32)
+            self.a = xp.ones((B, H, K), dtype=sdt)
+            self.S_local = xp.zeros((B, H, K, V), dtype=sdt)
             return
         from ..gpu.gla import chunk_gla_prepare  # noqa: PLC0415
 
@@ -61,7 +64,8 @@ class DeviceForwardSplit:
         if self._fw is None:
             shape, dtype = self._out
             B, _, H, V = shape
-            final = xp.zeros((B, H, self.a.shape[2], V), dtype=xp.float32) if S_in is None else _state32(xp, S_in)
+            final = (xp.zeros((B, H, self.a.shape[2], V), dtype=self._sdt) if S_in is None
+                     else xp.ascontiguousarray(S_in.astype(self._sdt)))
             return xp.zeros(shape, dtype=dtype), final
         return self._fw.finish(initial_state=S_in, output_final_state=True)
 
@@ -80,10 +84,11 @@ class DeviceBackwardSplit:
         self._xp = xp = get_array_module(q)
         self._shapes = ((B, T, H, K), (B, T, H, V), q.dtype)
         self._h0 = initial_state
+        self._sdt = sdt = _state_dtype(xp, q)
         if T == 0 or B * H == 0:
             self._bw = None
-            self.a = xp.ones((B, H, K), dtype=xp.float32)
-            self.U = xp.zeros((B, H, K, V), dtype=xp.float32)
+            self.a = xp.ones((B, H, K), dtype=sdt)
+            self.U = xp.zeros((B, H, K, V), dtype=sdt)
             return
         from ..gpu.gla import chunk_gla_bwd_prepare  # noqa: PLC0415
 
@@ -98,7 +103,7 @@ class DeviceBackwardSplit:
         xp = self._xp
         if self._bw is None:
             qk, vshape, dtype = self._shapes
-            dh0 = xp.zeros(self.U.shape, dtype=xp.float32) if dht is None else dht.astype(xp.float32)
+            dh0 = xp.zeros(self.U.shape, dtype=self._sdt) if dht is None else dht.astype(self._sdt)
             return (xp.zeros(qk, dtype=dtype), xp.zeros(qk, dtype=dtype), xp.zeros(vshape, dtype=dtype),
                     xp.zeros(qk, dtype=dtype), dh0)  # fmt: skip
         return self._bw.finish(initial_state=self._h0, dht=dht)

@@ -238,7 +238,7 @@ def alone_breakdown(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype =
         "bare bwd (after a bare fwd)": bare_bwd,
         "autograd.grad (after a torch fwd)": torch_bwd,
     }
-    rt = gla_common.runtime()
+    rt = gla_common.RUNTIME.get()
     first: list[float] = []
     own = vars(rt).get("launch")  # an instance attribute to put back, if the runtime has one
     launch = rt.launch
