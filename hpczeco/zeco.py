@@ -19,9 +19,11 @@ Backward uses the same operator in the reverse direction: with
 local backward (with ``initial_state = S_in``) overlaps that scan; the contribution of ``D_p`` is
 added once it lands. Both directions talk to the split protocol of :mod:`hpczeco.gla.protocol` (``a``,
 the local state, ``overlap(poll)``, ``finish``), implemented on numpy (:mod:`hpczeco.gla.split`) and CuPy
-(:mod:`hpczeco.gla.device_split`), so each has one code path. ``scan="serial"`` is LASP-1: it serialises
-the compute too (receive the state, compute the slice with it, send the final state on), so it is the
-baseline it claims to be.
+(:mod:`hpczeco.gla.device_split`), so each has one code path, and every scan topology runs through it. The
+LASP-1 baseline ``"serial"`` is the scan's serial relay (:mod:`hpczeco.collectives.ring`, the ring in one
+block): each rank waits for the combined state of the ranks before it, folds in its own ``(a_p, S_local)`` and
+passes it on, while its local work overlaps the relay as with any other topology (the same states as a relay
+that receives, computes the slice from the received state and sends its final state, to rounding).
 
 Packed documents (``cu_seqlens``, :mod:`hpczeco.zeco_varlen`): the global offsets ``cu_seqlens [N + 1]`` (B == 1)
 are given on every rank (the same array: agreed collectively, its end checked against the sum of the slice
@@ -46,10 +48,9 @@ import numpy as np
 from .base.backend import get_array_module
 from .collectives import CollectiveInputError, agree_fast, local_error, timed
 from .collectives.names import TOPOLOGIES, check_blocks
-from .gla import chunk_gla, chunk_gla_bwd, validate_gla_inputs
+from .gla import validate_gla_inputs
 from .gla.protocol import split_backward, split_forward
 from .gla.validate import check_chunk_size, check_cu_seqlens, check_document_states, raise_for_flags
-from .gla.varlen import chunk_gla_varlen, chunk_gla_varlen_bwd
 from .gla.workspace import SplitWorkspace
 from .zeco_varlen import RankDocuments, local_rows, owned_rows, rank_documents
 
@@ -88,7 +89,7 @@ class ZeCOTimings:
     Keys: ``checks`` (the collective validation), ``states`` (the local pass before the scan),
     ``scan_start``, ``overlap`` (compute done while the scan was in flight: the split's ``overlap``),
     ``wait`` (the time blocked in ``wait()`` afterwards, the part of the scan that was not hidden),
-    ``correction`` (the split's ``finish``) and ``total``; ``scan="serial"`` has ``wait``, ``compute``.
+    ``correction`` (the split's ``finish``) and ``total`` (the same keys for every topology).
     """
 
     fwd: dict[str, float] = field(default_factory=dict)
@@ -100,7 +101,7 @@ class ZeCOGLA:
 
     Args:
         comm: the communicator (the caller owns it; every rank of it must call forward/backward). Every
-            wait of the layer (the agreements, the scans, the serial relay) honours
+            wait of the layer (the agreements, the scans) honours
             ``$HPCZECO_COLLECTIVE_TIMEOUT`` (agreed over ``comm``'s ranks on first use).
         scan: "ring" (pipelined All-Scan), "tree", "allgather" (LASP-2), "serial" (LASP-1),
             "exscan" (MPI_Exscan) or "auto" (the cost model's pick).
@@ -225,7 +226,6 @@ class ZeCOGLA:
         (the global document offsets ``[N + 1]``, the same on every rank, B == 1): packed documents;
         ``initial_state [N, H, K, V]`` is then given on every rank (or on none) -- see the module docstring.
         """
-        from .collectives import relay_recv, relay_send
 
         if cu_seqlens is not None:
             return self._forward_packed(q, k, v, g, initial_state, cu_seqlens)
@@ -250,40 +250,20 @@ class ZeCOGLA:
                 if initial_state is not None:
                     arrays["initial_state"] = initial_state
                 flags = self._start_value_flags(arrays, gate="g") if self.check_values else None
-                if self.scan != "serial":
-                    sc = float(self.scale) if self.scale is not None else K ** -0.5
-                    prepared.append(split_forward(q, k, v, g, scale=sc, chunk_size=self.chunk_size))
+                sc = float(self.scale) if self.scale is not None else K ** -0.5
+                prepared.append(split_forward(q, k, v, g, scale=sc, chunk_size=self.chunk_size))
                 if flags is not None:
                     raise_for_flags(arrays, flags.result())
 
         err = local_error(check)
         agree = self._forward_agreement(err, shapes, q)
-        # one Allreduce when all is well (point to point with a collective timeout), which also tells every rank
-        # whether rank 0 passed initial_state
-        (has_h0,) = agree_fast(self.comm, "ZeCOGLA.forward", err, agree,
-                               flags=(int(self.rank == 0 and initial_state is not None),))
+        # one Allreduce when all is well (point to point with a collective timeout)
+        agree_fast(self.comm, "ZeCOGLA.forward", err, agree)
 
-        xp = get_array_module(q)
-        B, H, K, V = shapes["B"], shapes["H"], shapes["K"], shapes["V"]
         sdt = _state_dtype(q)
-        scale = float(self.scale) if self.scale is not None else K ** -0.5
+        scale = float(self.scale) if self.scale is not None else shapes["K"] ** -0.5
         t0 = self._now()
         tm: dict[str, float] = {"checks": t0 - t_in}
-
-        if self.scan == "serial":
-            # LASP-1: receive the incoming state, compute the slice from it, pass the final state on.
-            s_in = xp.zeros((B, H, K, V), dtype=sdt)
-            got = relay_recv(s_in, self.comm, transport=self.transport)
-            if not got:
-                s_in = initial_state.astype(sdt) if has_h0 and initial_state is not None else s_in
-            tm["wait"] = self._now() - t0
-            o, final = chunk_gla(q, k, v, g, scale=scale, initial_state=s_in, output_final_state=True,
-                                 chunk_size=self.chunk_size)
-            final = xp.ascontiguousarray(final.astype(sdt))
-            relay_send(final, self.comm, transport=self.transport)
-            tm["compute"] = self._now() - t0 - tm["wait"]
-            self._finish_forward(q, k, v, g, None, s_in, final, scale, tm, t0)  # the relay needs no decay
-            return o
 
         init = initial_state.astype(sdt) if (self.rank == 0 and initial_state is not None) else None
         # one path for both backends (hpczeco.gla.protocol): the local pass (queued during the checks on the
@@ -317,7 +297,6 @@ class ZeCOGLA:
         of every document's final state) on every rank or on none, and ``dh0 [len(documents.starts), H, K, V]``,
         the gradients of the initial states of the documents that start in this slice.
         """
-        from .collectives import relay_recv, relay_send
 
         if self._saved is None:
             raise RuntimeError("backward() needs a forward() first")
@@ -356,9 +335,8 @@ class ZeCOGLA:
                 return
             # CuPy: the value checks reduce on a side stream while the backward's state passes run
             flags = self._start_value_flags(values) if self.check_values else None
-            if self.scan != "serial":
-                prepared.append(split_backward(q, k, v, g, do, scale=scale, initial_state=s_in,
-                                               chunk_size=self.chunk_size, states=sv.get("states")))
+            prepared.append(split_backward(q, k, v, g, do, scale=scale, initial_state=s_in,
+                                           chunk_size=self.chunk_size, states=sv.get("states")))
             if flags is not None:
                 raise_for_flags(values, flags.result())
 
@@ -372,25 +350,9 @@ class ZeCOGLA:
         (has_dht,) = agree_fast(self.comm, "ZeCOGLA.backward", err, agree,
                                 flags=(int(self.rank == last and dht is not None),))
 
-        xp = get_array_module(q)
         sdt = _state_dtype(q)
         t0 = self._now()
         tm: dict[str, float] = {"checks": t0 - t_in}
-
-        if self.scan == "serial":
-            # LASP-1 backward: receive D_p from the right, run the slice, send dh0 to the left.
-            d_in = xp.zeros((B, H, K, V), dtype=sdt)
-            got = relay_recv(d_in, self.comm, reverse=True, transport=self.transport)
-            if not got:
-                d_in = dht.astype(sdt) if has_dht and dht is not None else None
-            tm["wait"] = self._now() - t0
-            dq, dk, dv, dg, dh0 = chunk_gla_bwd(q, k, v, g, do, scale=scale, initial_state=s_in, dht=d_in,
-                                                chunk_size=self.chunk_size)
-            relay_send(xp.ascontiguousarray(dh0.astype(sdt)), self.comm, reverse=True, transport=self.transport)
-            tm["compute"] = self._now() - t0 - tm["wait"]
-            tm["total"] = self._now() - t_in
-            self.timings.bwd = tm
-            return dq, dk, dv, dg, (dh0 if self.rank == 0 else None)
 
         init = dht.astype(sdt) if (self.rank == last and dht is not None) else None
         # one path for both backends, as the forward: the reverse scan of (a, U), the dht-independent work
@@ -410,7 +372,6 @@ class ZeCOGLA:
     # ------------------------------------------------------------------ packed documents
     def _forward_packed(self, q, k, v, g, initial_state, cu_seqlens):
         """:meth:`forward` with ``cu_seqlens`` (module docstring; the bookkeeping is :mod:`hpczeco.zeco_varlen`)."""
-        from .collectives import relay_recv, relay_send
 
         self._device = get_array_module(q) is not np
         t_in = self._now()
@@ -462,36 +423,21 @@ class ZeCOGLA:
             return local_rows(xp, initial_state, docs, drop_first=docs.continues,
                               first=s_in if docs.continues else None, shape=row, dtype=sdt)
 
-        if self.scan == "serial":
-            # LASP-1: receive the state at the slice start, run the slice's pieces, send the state at its end
-            s_in = xp.zeros((1, H, K, V), dtype=sdt)
-            relay_recv(s_in, self.comm, transport=self.transport)
-            tm["wait"] = self._now() - t0
-            h0_used = used_states(s_in)
-            if pieces:
-                o, finals = chunk_gla_varlen(q, k, v, g, docs.cu_local, scale=scale, initial_state=h0_used,
-                                             output_final_state=True, chunk_size=self.chunk_size, check_values=False)
-                out = finals[-1:]
-            else:
-                o, finals, out = xp.zeros((1, 0, H, V), dtype=q.dtype), None, s_in
-            relay_send(xp.ascontiguousarray(out.astype(sdt)), self.comm, transport=self.transport)
-            tm["compute"] = self._now() - t0 - tm["wait"]
+        if pieces:
+            fs = split_forward(q, k, v, g, scale=scale, chunk_size=self.chunk_size, check_values=False,
+                               cu_seqlens=docs.cu_local,
+                               initial_state=local_rows(xp, initial_state, docs, drop_first=docs.continues,
+                                                        dtype=sdt))
+            a = fs.a if docs.continues else xp.zeros_like(fs.a)  # a piece starting here cuts off S_in
         else:
-            if pieces:
-                fs = split_forward(q, k, v, g, scale=scale, chunk_size=self.chunk_size, check_values=False,
-                                   cu_seqlens=docs.cu_local,
-                                   initial_state=local_rows(xp, initial_state, docs, drop_first=docs.continues,
-                                                            dtype=sdt))
-                a = fs.a if docs.continues else xp.zeros_like(fs.a)  # a piece starting here cuts off S_in
-            else:
-                fs = split_forward(q, k, v, g, scale=scale, chunk_size=self.chunk_size, check_values=False)
-                a = fs.a  # an empty slice: the identity (1, 0)
-            tm["states"] = self._now() - t0
-            s_in = self._scan_overlapped(fs, a, fs.S_local, None, False, tm)
-            t4 = self._now()
-            o, finals = fs.finish(s_in if (pieces and docs.continues) else None)
-            tm["correction"] = self._now() - t4
-            h0_used = used_states(s_in)
+            fs = split_forward(q, k, v, g, scale=scale, chunk_size=self.chunk_size, check_values=False)
+            a = fs.a  # an empty slice: the identity (1, 0)
+        tm["states"] = self._now() - t0
+        s_in = self._scan_overlapped(fs, a, fs.S_local, None, False, tm)
+        t4 = self._now()
+        o, finals = fs.finish(s_in if (pieces and docs.continues) else None)
+        tm["correction"] = self._now() - t4
+        h0_used = used_states(s_in)
         self._final_state = owned_rows(xp, docs.ends, docs, finals, initial_state, row, sdt)
         tm["total"] = self._now() - t0 + tm["checks"]
         self.timings.fwd = tm
@@ -501,7 +447,6 @@ class ZeCOGLA:
     def _backward_packed(self, do, dht):
         """:meth:`backward` after a forward with ``cu_seqlens``."""
         from .base.checks import check_array, check_finite, check_shape
-        from .collectives import relay_recv, relay_send
 
         sv = self._saved
         q, k, v, g, scale, docs, h0_used = (sv[n] for n in ("q", "k", "v", "g", "scale", "docs", "h0_used"))
@@ -534,38 +479,20 @@ class ZeCOGLA:
         t0 = self._now()
         tm: dict[str, float] = {"checks": t0 - t_in}
 
-        if self.scan == "serial":
-            # LASP-1 backward: receive D at the slice end, run the pieces, send the gradient at the slice start
-            d_in = xp.zeros((1, H, K, V), dtype=sdt)
-            relay_recv(d_in, self.comm, reverse=True, transport=self.transport)
-            tm["wait"] = self._now() - t0
-            if pieces:
-                dl = local_rows(xp, dht, docs, drop_last=docs.continues_after,
-                                last=d_in if docs.continues_after else None, shape=row, dtype=sdt)
-                grads = chunk_gla_varlen_bwd(q, k, v, g, do, docs.cu_local, scale=scale, initial_state=h0_used,
-                                             dht=dl, chunk_size=self.chunk_size, check_values=False)
-                out = grads[4][:1] if docs.continues else xp.zeros((1, H, K, V), dtype=sdt)
-            else:  # an empty slice passes the gradient on
-                z = xp.zeros((1, 0, H, K), dtype=q.dtype)
-                grads = (z, z.copy(), xp.zeros((1, 0, H, V), dtype=q.dtype), z.copy(), None)
-                out = d_in
-            relay_send(xp.ascontiguousarray(out.astype(sdt)), self.comm, reverse=True, transport=self.transport)
-            tm["compute"] = self._now() - t0 - tm["wait"]
+        if pieces:
+            bs = split_backward(q, k, v, g, do, scale=scale, initial_state=h0_used, chunk_size=self.chunk_size,
+                                check_values=False, cu_seqlens=docs.cu_local,
+                                dht=local_rows(xp, dht, docs, drop_last=docs.continues_after, dtype=sdt))
+            # the gradient at the slice start goes left only into a document continued from there
+            a, U = (bs.a, bs.U) if docs.continues else (xp.zeros_like(bs.a), xp.zeros_like(bs.U))
         else:
-            if pieces:
-                bs = split_backward(q, k, v, g, do, scale=scale, initial_state=h0_used, chunk_size=self.chunk_size,
-                                    check_values=False, cu_seqlens=docs.cu_local,
-                                    dht=local_rows(xp, dht, docs, drop_last=docs.continues_after, dtype=sdt))
-                # the gradient at the slice start goes left only into a document continued from there
-                a, U = (bs.a, bs.U) if docs.continues else (xp.zeros_like(bs.a), xp.zeros_like(bs.U))
-            else:
-                bs = split_backward(q, k, v, g, do, scale=scale, chunk_size=self.chunk_size, check_values=False)
-                a, U = bs.a, bs.U
-            tm["states"] = self._now() - t0
-            D = self._scan_overlapped(bs, a, U, None, True, tm)
-            t4 = self._now()
-            grads = bs.finish(D if (pieces and docs.continues_after) else None)
-            tm["correction"] = self._now() - t4
+            bs = split_backward(q, k, v, g, do, scale=scale, chunk_size=self.chunk_size, check_values=False)
+            a, U = bs.a, bs.U
+        tm["states"] = self._now() - t0
+        D = self._scan_overlapped(bs, a, U, None, True, tm)
+        t4 = self._now()
+        grads = bs.finish(D if (pieces and docs.continues_after) else None)
+        tm["correction"] = self._now() - t4
         dh0 = owned_rows(xp, docs.starts, docs, grads[4] if pieces else None, dht, row, sdt)
         tm["total"] = self._now() - t_in
         self.timings.bwd = tm
