@@ -37,8 +37,7 @@ def main() -> None:
 
     from hpczeco import ZeCOGLA
     from hpczeco.gla import chunk_gla, chunk_gla_bwd
-    from hpczeco.gla.split import BackwardSplit, ForwardSplit
-    from hpczeco.gla.workspace import SplitWorkspace
+    from hpczeco.gla.split import BackwardSplit, ForwardSplit, SplitWorkspace
 
     rng = np.random.default_rng(args.seed)
     B, L, H, K, V = args.B, args.tokens, args.H, args.K, args.V

@@ -17,9 +17,9 @@ Backward uses the same operator in the reverse direction: with
 ``U_p = scale sum_t (q_t exp(G_t))^T do_t`` the gradient reaching rank p's final state is
 ``D_p`` = reverse exclusive scan of ``(a_p, U_p)`` seeded with ``dht`` on the last rank. The
 local backward (with ``initial_state = S_in``) overlaps that scan; the contribution of ``D_p`` is
-added once it lands. Both directions talk to the split protocol of :mod:`hpczeco.gla.protocol` (``a``,
-the local state, ``overlap(poll)``, ``finish``), implemented on numpy (:mod:`hpczeco.gla.split`) and CuPy
-(:mod:`hpczeco.gla.device_split`), so each has one code path, and every scan topology runs through it. The
+added once it lands. Both directions talk to the split protocol of :mod:`hpczeco.gla.split` (``a``,
+the local state, ``overlap(poll)``, ``finish``), implemented on numpy and CuPy (the device adapters over
+:mod:`hpczeco.gpu.gla`), so each has one code path, and every scan topology runs through it. The
 LASP-1 baseline ``"serial"`` is the scan's serial relay (:mod:`hpczeco.collectives.ring`, the ring in one
 block): each rank waits for the combined state of the ranks before it, folds in its own ``(a_p, S_local)`` and
 passes it on, while its local work overlaps the relay as with any other topology (the same states as a relay
@@ -49,9 +49,8 @@ from .base.backend import get_array_module
 from .collectives import CollectiveInputError, agree_fast, local_error, timed
 from .collectives.names import TOPOLOGIES, check_blocks
 from .gla import validate_gla_inputs
-from .gla.protocol import split_backward, split_forward
+from .gla.split import SplitWorkspace, split_backward, split_forward
 from .gla.validate import check_chunk_size, check_cu_seqlens, check_document_states, raise_for_flags
-from .gla.workspace import SplitWorkspace
 from .zeco_varlen import RankDocuments, local_rows, owned_rows, rank_documents
 
 __all__ = ["ZeCOGLA", "zeco_gla", "SCANS"]
@@ -117,7 +116,7 @@ class ZeCOGLA:
             so use it to diagnose, not to benchmark.
 
     On numpy arrays the layer keeps the phase-split GLA's arrays between calls (a
-    :class:`hpczeco.gla.workspace.SplitWorkspace`: chunk states, q-side operands, state gradients, each about
+    :class:`hpczeco.gla.split.SplitWorkspace`: chunk states, q-side operands, state gradients, each about
     ``B H T K`` values), so that a step touches warm pages; a forward overwrites them, so a backward belongs
     to the last forward (as before).
     """
@@ -266,7 +265,7 @@ class ZeCOGLA:
         tm: dict[str, float] = {"checks": t0 - t_in}
 
         init = initial_state.astype(sdt) if (self.rank == 0 and initial_state is not None) else None
-        # one path for both backends (hpczeco.gla.protocol): the local pass (queued during the checks on the
+        # one path for both backends (hpczeco.gla.split): the local pass (queued during the checks on the
         # device), the scan of (a, S_local), the state-independent work while it is in flight (on numpy every
         # product once, polling the scan), then the outputs with the incoming state
         self._saved = None  # its chunk states live in the workspace that this forward overwrites

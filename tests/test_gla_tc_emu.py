@@ -327,7 +327,7 @@ def test_public_backward_reuses_the_forward_chunk_states(gla_emu, rng):
 def test_zeco_device_split_adapters_compose_over_two_slices(gla_emu, rng):
     """hpczeco.gla's device split adapters (what ZeCOGLA runs on CuPy arrays) on two slices as two ranks: the
     forward's chunk states go to the backward, and the pieces equal the float64 recurrence of the whole."""
-    from hpczeco.gla.device_split import DeviceBackwardSplit, DeviceForwardSplit  # noqa: PLC0415
+    from hpczeco.gla.split import DeviceBackwardSplit, DeviceForwardSplit  # noqa: PLC0415
 
     B, T, H, K, V, cut = 1, 150, 2, 32, 48, 77  # partial chunks on both sides
     bits, h0, dht, ref = _public(rng, B, T, H, K, V, strong=True)

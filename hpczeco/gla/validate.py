@@ -36,6 +36,7 @@ __all__ = [
     "validate_gla_inputs",
     "check_chunk_size",
     "check_gla_call",
+    "check_varlen_call",
     "check_scale",
     "check_finite_values",
     "check_device_values",
@@ -219,6 +220,27 @@ def check_gla_call(
                                         check_values=check_values)
     s = check_scale(scale, K)
     return B, T, H, K, V, s, chunk_size, np.dtype(compute_dtype_name(str(q.dtype)))
+
+
+def check_varlen_call(q: Any, k: Any, v: Any, g: Any, cu_seqlens: Any, scale: Any, chunk_size: Any,
+                      initial_state: Any = None, do: Any = None, dht: Any = None) -> np.ndarray:
+    """The checks of a packed call (:func:`hpczeco.gla.chunk_gla` with ``cu_seqlens``), before any work: the token
+    arrays (:func:`validate_gla_inputs`), ``cu_seqlens`` (:func:`check_cu_seqlens`), the per-document states
+    ``[N, H, K, V]``, ``scale`` and ``chunk_size``. Values: of device arrays here; host values are scanned by the
+    fused kernels of each bucket (every token and state row is in one bucket). Returns the host offsets. Local."""
+    device = is_device_array(q)
+    chunk_size = check_chunk_size(chunk_size, device=device)
+    B, T, H, K, V = validate_gla_inputs(q, k, v, g, do=do, check_values=device)
+    check_scale(scale, K)
+    cu = check_cu_seqlens(cu_seqlens, B, T)
+    for name, x in (("initial_state", initial_state), ("dht", dht)):
+        if x is not None:
+            check_document_states(name, x, len(cu) - 1, H, K, V, q, check_values=False)
+    if device:
+        states = {n: x for n, x in (("initial_state", initial_state), ("dht", dht)) if x is not None}
+        if states:
+            check_device_values(states)
+    return cu
 
 
 def check_device_values(arrays: dict[str, Any], gate: str | None = None) -> None:
