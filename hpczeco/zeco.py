@@ -38,7 +38,6 @@ K, V]``, with ``documents`` (:class:`~hpczeco.zeco_varlen.RankDocuments`) naming
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,11 +45,12 @@ from typing import Any
 import numpy as np
 
 from .base.backend import get_array_module
+from .base.checks import check_chunk_size, check_scale
 from .collectives import CollectiveInputError, agree_fast, local_error, timed
 from .collectives.names import TOPOLOGIES, check_blocks
 from .gla import validate_gla_inputs
 from .gla.split import SplitWorkspace, split_backward, split_forward
-from .gla.validate import check_chunk_size, check_cu_seqlens, check_document_states, raise_for_flags
+from .gla.validate import check_cu_seqlens, check_document_states, raise_for_flags
 from .zeco_varlen import RankDocuments, local_rows, owned_rows, rank_documents
 
 __all__ = ["ZeCOGLA", "zeco_gla", "SCANS"]
@@ -64,16 +64,6 @@ def _check_scan_options(scan: Any, blocks: Any) -> None:
     if scan not in SCANS:
         raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
     check_blocks(blocks)
-
-
-def _check_scale(scale: Any) -> None:
-    """``scale``: None (``K ** -0.5``) or a positive finite real number (not a bool, not a string)."""
-    if scale is None:
-        return
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
-        raise TypeError(f"scale must be a positive number or None, got {type(scale).__name__} {scale!r}")
-    if not (math.isfinite(float(scale)) and float(scale) > 0):
-        raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
 
 
 def _state_dtype(x) -> Any:
@@ -125,7 +115,7 @@ class ZeCOGLA:
                  scale: float | None = None, transport: Any = None, profile: bool = False,
                  check_values: bool = True):
         _check_scan_options(scan, blocks)
-        _check_scale(scale)
+        check_scale(scale)
         self.comm = comm
         self.scan = scan
         self.blocks = blocks
@@ -249,8 +239,7 @@ class ZeCOGLA:
                 if initial_state is not None:
                     arrays["initial_state"] = initial_state
                 flags = self._start_value_flags(arrays, gate="g") if self.check_values else None
-                sc = float(self.scale) if self.scale is not None else K ** -0.5
-                prepared.append(split_forward(q, k, v, g, scale=sc, chunk_size=self.chunk_size))
+                prepared.append(split_forward(q, k, v, g, scale=check_scale(self.scale, K), chunk_size=self.chunk_size))
                 if flags is not None:
                     raise_for_flags(arrays, flags.result())
 
@@ -260,7 +249,7 @@ class ZeCOGLA:
         agree_fast(self.comm, "ZeCOGLA.forward", err, agree)
 
         sdt = _state_dtype(q)
-        scale = float(self.scale) if self.scale is not None else shapes["K"] ** -0.5
+        scale = check_scale(self.scale, shapes["K"])
         t0 = self._now()
         tm: dict[str, float] = {"checks": t0 - t_in}
 
@@ -410,7 +399,7 @@ class ZeCOGLA:
         H, K, V = shapes["H"], shapes["K"], shapes["V"]
         row = (H, K, V)
         sdt = _state_dtype(q)
-        scale = float(self.scale) if self.scale is not None else K ** -0.5
+        scale = check_scale(self.scale, K)
         pieces = len(docs.pieces) > 0
         t0 = self._now()
         tm: dict[str, float] = {"checks": t0 - t_in}

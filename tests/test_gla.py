@@ -370,10 +370,18 @@ def test_chunk_size_and_scale(rng):
     for bad in (2.0, True, "64"):
         with pytest.raises(TypeError, match="chunk_size must be an int"):
             chunk_gla(*args, chunk_size=bad)
-    with pytest.raises(ValueError, match="scale must be finite"):
+    with pytest.raises(ValueError, match="scale must be a positive finite number"):
         chunk_gla(*args, scale=float("nan"))
-    with pytest.raises(TypeError, match="scale must be a real number"):
+    with pytest.raises(TypeError, match="scale must be a positive number or None"):
         chunk_gla_bwd(*args, d["do"], scale="0.5")
+    # one rule with ZeCOGLA (hpczeco.base.checks.check_scale): zero and negative scales are refused too
+    for bad in (-1.0, 0.0, -0.5):
+        with pytest.raises(ValueError, match="scale must be a positive finite number"):
+            chunk_gla(*args, scale=bad)
+        with pytest.raises(ValueError, match="scale must be a positive finite number"):
+            chunk_gla_bwd(*args, d["do"], scale=bad)
+        with pytest.raises(ValueError, match="scale must be a positive finite number"):
+            recurrent_gla(*args, scale=bad)
 
 
 def test_validate_returns_dims_and_skips_values(rng):

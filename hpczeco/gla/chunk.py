@@ -544,7 +544,7 @@ def chunk_gla(
     """Chunked GLA forward: ``(o [B, T, H, V], final_state [B, H, K, V] or None)``.
 
     ``q, k, g: [B, T, H, K]``, ``v: [B, T, H, V]``, ``g`` the log forget gate (<= 0),
-    ``initial_state: [B, H, K, V]`` or None (zeros), ``scale`` defaults to ``K**-0.5``. float32/float64
+    ``initial_state: [B, H, K, V]`` or None (zeros), ``scale`` > 0 (default ``K**-0.5``). float32/float64
     inputs are computed in their own precision; float16/bfloat16 in float32. ``o`` has the input dtype,
     the final state the compute dtype (float32 for half inputs). CuPy inputs run on the device
     (:func:`hpczeco.gpu.gla.chunk_gla`). Local: no communication. ``cu_seqlens [N + 1]`` (B == 1): packed
