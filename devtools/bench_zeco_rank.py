@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--V", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scan", default="ring")
+    ap.add_argument("--topology", default="ring")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from mpi4py import MPI
@@ -47,8 +47,8 @@ def main() -> None:
     v = rng.standard_normal((B, L, H, V)).astype(f)
     g = np.log(rng.uniform(0.9, 1.0, size=(B, L, H, K))).astype(f)
     do = rng.standard_normal((B, L, H, V)).astype(f)
-    layer = ZeCOGLA(MPI.COMM_SELF, scan=args.scan)
-    fresh = ZeCOGLA(MPI.COMM_SELF, scan=args.scan)
+    layer = ZeCOGLA(MPI.COMM_SELF, topology=args.topology)
+    fresh = ZeCOGLA(MPI.COMM_SELF, topology=args.topology)
     fresh._workspace = None  # the layer before its workspace: fresh split arrays every call
     clk = time.thread_time
 

@@ -195,8 +195,8 @@ def _zeco_timings(rec, cp, args, seed: int, transports: dict, comm, sync) -> Non
         del g
         mine = {n: cp.ascontiguousarray(a) for n, a in mine.items()}
         q, k, v, g_, do = (mine[n] for n in ("q", "k", "v", "g", "do"))
-        layer = hpczeco.ZeCOGLA(comm, scan="ring", chunk_size=64, transport=transports.get(kind, kind))
-        lean = hpczeco.ZeCOGLA(comm, scan="ring", chunk_size=64, transport=transports.get(kind, kind),
+        layer = hpczeco.ZeCOGLA(comm, topology="ring", chunk_size=64, transport=transports.get(kind, kind))
+        lean = hpczeco.ZeCOGLA(comm, topology="ring", chunk_size=64, transport=transports.get(kind, kind),
                                check_values=False)
 
         def step(lay):

@@ -47,23 +47,13 @@ import numpy as np
 from .base.backend import get_array_module
 from .base.checks import check_chunk_size, check_scale
 from .collectives import CollectiveInputError, agree_fast, local_error, timed
-from .collectives.names import TOPOLOGIES, check_blocks
+from .collectives.names import check_blocks, check_topology
 from .gla import validate_gla_inputs
 from .gla.split import SplitWorkspace, split_backward, split_forward
 from .gla.validate import check_cu_seqlens, check_document_states, raise_for_flags
 from .zeco_varlen import RankDocuments, local_rows, owned_rows, rank_documents
 
-__all__ = ["ZeCOGLA", "zeco_gla", "SCANS"]
-
-SCANS = TOPOLOGIES  # the scan topologies (one list: hpczeco.collectives.names)
-
-
-def _check_scan_options(scan: Any, blocks: Any) -> None:
-    """The scan topology and the ring's ``blocks`` (int >= 1 or None), checked where they enter by the
-    collectives' own rules (``blocks <= K`` is checked by the scan once K is known)."""
-    if scan not in SCANS:
-        raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
-    check_blocks(blocks)
+__all__ = ["ZeCOGLA", "zeco_gla"]
 
 
 def _state_dtype(x) -> Any:
@@ -92,12 +82,14 @@ class ZeCOGLA:
         comm: the communicator (the caller owns it; every rank of it must call forward/backward). Every
             wait of the layer (the agreements, the scans) honours
             ``$HPCZECO_COLLECTIVE_TIMEOUT`` (agreed over ``comm``'s ranks on first use).
-        scan: "ring" (pipelined All-Scan), "tree", "allgather" (LASP-2), "serial" (LASP-1),
-            "exscan" (MPI_Exscan) or "auto" (the cost model's pick).
+        topology: the scan's topology (:data:`hpczeco.collectives.TOPOLOGIES`): "ring" (pipelined All-Scan),
+            "tree", "allgather" (LASP-2), "serial" (LASP-1), "exscan" (MPI_Exscan) or "auto" (the cost model's
+            pick).
         blocks: pieces the ring splits the state into along K (None: cost model's choice).
         chunk_size: chunk length of the local chunked GLA.
         scale: query scale (default ``K ** -0.5``): a positive finite number (checked here).
-        transport: device transport name or object for CuPy arrays (None: detection / env).
+        transport: device transport name or object for CuPy arrays (None: the communicator's, by detection or
+            ``$HPCZECO_TRANSPORT``).
         check_values: scan q, k, v, g, do (and the states) for NaN/Inf and g for positive values on every call
             (shapes, dtypes and options are always agreed across ranks). ``False`` is for loops whose inputs
             are known good; a NaN then propagates instead of stopping every rank with an error.
@@ -111,13 +103,15 @@ class ZeCOGLA:
     to the last forward (as before).
     """
 
-    def __init__(self, comm, scan: str = "ring", blocks: int | None = None, chunk_size: int = 64,
+    def __init__(self, comm, topology: str = "ring", blocks: int | None = None, chunk_size: int = 64,
                  scale: float | None = None, transport: Any = None, profile: bool = False,
                  check_values: bool = True):
-        _check_scan_options(scan, blocks)
+        # each option by its one rule where it enters (blocks <= K is checked by the scan once K is known)
+        check_topology(topology)
+        check_blocks(blocks)
         check_scale(scale)
         self.comm = comm
-        self.scan = scan
+        self.topology = topology
         self.blocks = blocks
         self.chunk_size = check_chunk_size(chunk_size)  # the GPU limit is checked when the arrays are known
         self.scale = scale
@@ -160,8 +154,8 @@ class ZeCOGLA:
     def _scan_kwargs(self) -> dict[str, Any]:
         # the layer validated q, k, v, g, do, initial_state and dht collectively: the scan need not scan
         # the derived states for NaN again (on device arrays each such scan synchronises the device)
-        # and it agreed shapes, dtype, scan, blocks and transport across ranks: no second validation exchange
-        return {"topology": self.scan, "blocks": self.blocks, "transport": self.transport, "check_values": False,
+        # and it agreed shapes, dtype, topology, blocks and transport across ranks: no second validation exchange
+        return {"topology": self.topology, "blocks": self.blocks, "transport": self.transport, "check_values": False,
                 "agreed": True}
 
     def _scan_overlapped(self, split, a, element, init, reverse: bool, tm: dict[str, float]):
@@ -186,7 +180,7 @@ class ZeCOGLA:
             "B,H,K,V": None if err else (shapes["B"], shapes["H"], shapes["K"], shapes["V"]),
             "dtype": str(getattr(q, "dtype", None)),
             "array module": get_array_module(q).__name__,
-            "scan": self.scan,
+            "topology": self.topology,
             "blocks": self.blocks,
             "chunk_size": self.chunk_size,
             "scale": self.scale,
@@ -332,7 +326,7 @@ class ZeCOGLA:
         err = local_error(check)
         # like the forward: do's dtype, array module and shape agreed (its values checked locally above), and
         # whether the last rank passed dht, in one Allreduce
-        agree = {"scan": self.scan, "B,H,K,V": (B, H, K, V), "check_values": self.check_values,
+        agree = {"topology": self.topology, "B,H,K,V": (B, H, K, V), "check_values": self.check_values,
                  "do": None if err else (str(do.dtype), get_array_module(do).__name__, do.shape[0], do.shape[2],
                                          do.shape[3])}
         (has_dht,) = agree_fast(self.comm, "ZeCOGLA.backward", err, agree,
@@ -460,7 +454,7 @@ class ZeCOGLA:
 
         err = local_error(check)
         agree_fast(self.comm, "ZeCOGLA.backward", err,
-                   {"scan": self.scan, "B,H,K,V": (B, H, K, V), "dht per document": dht is not None})
+                   {"topology": self.topology, "B,H,K,V": (B, H, K, V), "dht per document": dht is not None})
         xp = get_array_module(q)
         sdt = _state_dtype(q)
         pieces = len(docs.pieces) > 0
@@ -487,12 +481,16 @@ class ZeCOGLA:
         return (*grads[:4], dh0)
 
 
-def zeco_gla(q, k, v, g, comm, *, initial_state=None, scan: str = "ring", blocks: int | None = None,
-             chunk_size: int = 64, scale: float | None = None):
-    """Functional ZeCO forward: ``(o [B, L_p, H, V], final_state [B, H, K, V])`` of this rank's slice.
+def zeco_gla(q, k, v, g, comm, *, topology: str = "ring", blocks: int | None = None, chunk_size: int = 64,
+             scale: float | None = None, initial_state=None, output_final_state: bool = False, transport: Any = None,
+             check_values: bool = True):
+    """Functional ZeCO forward: ``(o [B, L_p, H, V], final_state [B, H, K, V] or None)`` of this rank's slice.
 
-    Collective over ``comm``; ``final_state`` on the last rank is the global final state.
+    ``q, k, g: [B, L_p, H, K]``, ``v: [B, L_p, H, V]``: rank p's contiguous slice of one sequence. Collective over
+    ``comm``. Options as :class:`ZeCOGLA` (the same keyword options as :func:`hpczeco.torch.zeco_gla`);
+    ``initial_state [B, H, K, V]`` on rank 0 only; ``final_state`` (with ``output_final_state``) is this slice's
+    final state, on the last rank the global final state.
     """
-    layer = ZeCOGLA(comm, scan=scan, blocks=blocks, chunk_size=chunk_size, scale=scale)
+    layer = ZeCOGLA(comm, topology, blocks, chunk_size, scale, transport=transport, check_values=check_values)
     o = layer.forward(q, k, v, g, initial_state=initial_state)
-    return o, layer.final_state
+    return o, (layer.final_state if output_final_state else None)

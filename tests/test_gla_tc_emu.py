@@ -437,7 +437,7 @@ def test_zeco_layer_on_raw_bits_device_arrays(fake_cupy, gla_emu, comm, rng, mon
     bits, h0, dht, ref = _public(rng, B, P * L, H, K, V)
     sl = slice(r * L, (r + 1) * L)
     mine = [np.ascontiguousarray(x[:, sl]).view(fake_cupy.ndarray) for x in bits]
-    layer = hpczeco.ZeCOGLA(comm, scan="ring", check_values=False)
+    layer = hpczeco.ZeCOGLA(comm, topology="ring", check_values=False)
     gla_emu.launched.clear()
     o = layer.forward(*mine[:4], initial_state=h0.view(fake_cupy.ndarray) if r == 0 else None)
     assert st.fwd_name("bf16", st.km_of(K, V), False) in gla_emu.launched
