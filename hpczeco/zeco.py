@@ -46,7 +46,8 @@ import numpy as np
 
 from .base.backend import get_array_module
 from .base.checks import check_chunk_size, check_scale
-from .collectives import CollectiveInputError, agree_fast, local_error, timed
+from .collectives import CollectiveInputError, timed
+from .collectives.agree import agree_fast, local_error
 from .collectives.names import check_blocks, check_topology
 from .gla import validate_gla_inputs
 from .gla.split import SplitWorkspace, split_backward, split_forward

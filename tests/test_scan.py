@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import agreed_error
-from hpczeco.collectives import relay_recv, relay_send, scan, scan_start
+from hpczeco.collectives import scan, scan_start
+from hpczeco.collectives.ring import relay_recv, relay_send
 from hpczeco.collectives.scan import TOPOLOGIES, combine, fold_reference
 
 pytestmark = pytest.mark.mpi

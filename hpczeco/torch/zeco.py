@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..collectives import CollectiveInputError, agree_fast, local_error
+from ..collectives import CollectiveInputError
+from ..collectives.agree import agree_fast, local_error
 from ._arrays import compute_dtype, cuda_stream, cupy_module, device_index, from_device, from_host, to_device, to_host
 from ._checks import check_tensors
 
