@@ -9,28 +9,27 @@ validation), :mod:`.watchdog` (timeouts, aborting the job when a rank stalls or 
 :func:`abort_on_error`), :mod:`.timed` (collectives that honour the timeout), :mod:`.halo`,
 :mod:`.dispatch` (task dispatcher),
 :mod:`.costmodel` / :mod:`.calibrate` (the scans' cost model and its measurement).
+
+The names users call are imported here (:data:`__all__`); the library's own building blocks (the collective
+validation of :mod:`.agree`, the checks of :mod:`.names`, the whole-state relay of :mod:`.ring`, ...) are imported
+from their submodules.
 """
 
-from .agree import CollectiveInputError, agree_fast, collective_check, local_error
-from .names import TOPOLOGIES, TRANSPORT_NAMES, check_blocks, check_topology, check_transport_name
-from .ring import relay_recv, relay_send
+from .errors import CollectiveInputError
+from .names import TOPOLOGIES, TRANSPORT_NAMES
 from .scan import ScanHandle, scan, scan_start
+from .selection import get_transport
+from .transport import Transport
 from .watchdog import abort_on_error
 
 __all__ = [
-    "CollectiveInputError",
-    "collective_check",
-    "local_error",
-    "agree_fast",
-    "TOPOLOGIES",
-    "TRANSPORT_NAMES",
-    "check_topology",
-    "check_blocks",
-    "check_transport_name",
-    "ScanHandle",
     "scan",
     "scan_start",
-    "relay_recv",
-    "relay_send",
+    "ScanHandle",
+    "TOPOLOGIES",
+    "TRANSPORT_NAMES",
+    "Transport",
+    "get_transport",
+    "CollectiveInputError",
     "abort_on_error",
 ]

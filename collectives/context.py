@@ -12,6 +12,11 @@ creates a :class:`CommContext` holding
   :class:`~.agree.CollectiveInputError` ("configuration mismatch") on every rank. The duplication and
   this agreement are non-blocking requests polled until that timeout, so even the first call on a
   communicator cannot hang past it (it cannot name the absent rank: nothing was exchanged yet);
+* ``device_kind``: the device transport ``$HPCZECO_TRANSPORT`` names ("auto" when unset), read here -- the one
+  read of the variable -- and agreed in the same exchange; everything else receives this value. A value that is
+  not a device transport kind, or differs between the ranks, is reported (the same
+  :class:`~.agree.CollectiveInputError` on every rank) when a device transport is chosen by it, so host-only
+  work is not stopped by a variable it does not use;
 * an operation counter: every rank calls collectives on ``comm`` in the same order, so the n-th
   operation gets the same tag on every rank without any communication. Two operations in flight
   at once (forward and backward scans, two layers) therefore use distinct tags;
@@ -35,6 +40,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .errors import CollectiveInputError
+from .names import DEVICE_TRANSPORT_KINDS, TRANSPORT_ENV
 from .watchdog import TIMEOUT_ENV, abort_stalled, poll_until, resolve_timeout
 
 __all__ = [
@@ -119,10 +125,12 @@ class CommContext:
         self.size = self.pcomm.Get_size()
         try:
             #: seconds a collective wait of the library may take (None: forever); the same on every rank
-            self.timeout: float | None = _agree_timeout(self.pcomm, local, bad)
+            self.timeout: float | None
+            self.timeout, kind, kind_error = _agree_config(self.pcomm, local, bad, _transport_code())
         except Exception:
             self.pcomm.Free()
             raise
+        self._device_kind, self._device_kind_error = kind, kind_error
         tag_ub = self.pcomm.Get_attr(MPI.TAG_UB) or 32767
         self.tag_slots = max(1, min(1 << 20, int(tag_ub) - SCAN_TAG_BASE))
         self.seq = 0
@@ -130,6 +138,15 @@ class CommContext:
         #: transports on ``pcomm`` by name ("host", and device kinds requested or resolved)
         self.transports: dict[str, Any] = {}
         self.pool = BufferPool(int(float(os.environ.get(POOL_ENV, "512")) * (1 << 20)))
+
+    @property
+    def device_kind(self) -> str:
+        """The device transport kind ``$HPCZECO_TRANSPORT`` names on every rank ("auto" when unset): what a
+        transport given as None (or "auto") stands for on device buffers. ``CollectiveInputError`` (the same on
+        every rank) when the variable is not a device transport kind or differs between the ranks."""
+        if self._device_kind_error is not None:
+            raise CollectiveInputError(self._device_kind_error)
+        return self._device_kind
 
     def next_tag(self) -> int:
         """The tag of the next collective operation (advances the counter; call on every rank)."""
@@ -164,14 +181,40 @@ def _wait(comm: MPI.Comm, what: str, timeout: float | None, result: Any, req: MP
     return result
 
 
-def _agree_timeout(pcomm: MPI.Comm, local: float | None, bad: str | None) -> float | None:
-    """Every rank's ``$HPCZECO_COLLECTIVE_TIMEOUT`` (an ``Iallgather``): the common value, or the same
-    ``CollectiveInputError`` on every rank when some rank's is invalid or they differ."""
+def _transport_code() -> int:
+    """This rank's ``$HPCZECO_TRANSPORT`` as an index into :data:`.names.DEVICE_TRANSPORT_KINDS` ("auto" when
+    unset or empty), -1 for a value that is not a kind. The only place the variable is read."""
+    value = os.environ.get(TRANSPORT_ENV, "").strip() or "auto"
+    return DEVICE_TRANSPORT_KINDS.index(value) if value in DEVICE_TRANSPORT_KINDS else -1
+
+
+def _transport_agreement(codes: list[int]) -> tuple[str, str | None]:
+    """``(kind, None)`` when every rank's ``$HPCZECO_TRANSPORT`` names the same kind, else ``("auto", message)``."""
+    invalid = [r for r, c in enumerate(codes) if c < 0]
+    if invalid:
+        return "auto", (f"configuration: ${TRANSPORT_ENV} is not one of {DEVICE_TRANSPORT_KINDS} (or unset) on "
+                        f"rank(s) {invalid}")
+    if len(set(codes)) > 1:
+        groups: dict[str, list[int]] = {}
+        for r, c in enumerate(codes):
+            groups.setdefault(DEVICE_TRANSPORT_KINDS[c], []).append(r)
+        desc = "; ".join(f"{k!r} on rank(s) {rs}" for k, rs in groups.items())
+        return "auto", (f"configuration mismatch: ${TRANSPORT_ENV} differs between the ranks ({desc}); set it to "
+                        "the same value on every rank, or on none")
+    return DEVICE_TRANSPORT_KINDS[codes[0]], None
+
+
+def _agree_config(pcomm: MPI.Comm, local: float | None, bad: str | None,
+                  transport: int) -> tuple[float | None, str, str | None]:
+    """Every rank's ``$HPCZECO_COLLECTIVE_TIMEOUT`` and ``$HPCZECO_TRANSPORT`` code (one ``Iallgather``):
+    ``(timeout, device kind, device kind error)``. The same ``CollectiveInputError`` on every rank when some
+    rank's timeout is invalid or they differ; the transport's disagreement is returned as a message (raised
+    where a device transport is chosen by it: :attr:`CommContext.device_kind`)."""
     P = pcomm.Get_size()
-    mine = np.array([2.0 if bad else (0.0 if local is None else 1.0), local or 0.0])
+    mine = np.array([2.0 if bad else (0.0 if local is None else 1.0), local or 0.0, float(transport)])
     everyone = mine[None, :].copy()
     if P > 1:
-        everyone = np.empty((P, 2))
+        everyone = np.empty((P, 3))
         _wait(pcomm, f"agreement of ${TIMEOUT_ENV} (first hpczeco call on this communicator)", local, None,
               pcomm.Iallgather(mine, everyone))
     invalid = [r for r in range(P) if everyone[r, 0] == 2.0]
@@ -186,7 +229,7 @@ def _agree_timeout(pcomm: MPI.Comm, local: float | None, bad: str | None) -> flo
         desc = "; ".join(f"{'unset' if v is None else f'{v:g} s'} on rank(s) {rs}" for v, rs in groups.items())
         raise CollectiveInputError(f"configuration mismatch: ${TIMEOUT_ENV} differs between the ranks ({desc}); "
                                    "set it to the same value on every rank, or on none")
-    return values[0]
+    return (values[0], *_transport_agreement([int(everyone[r, 2]) for r in range(P)]))
 
 
 def _delete(comm: MPI.Comm, keyval: int, ctx: CommContext) -> None:

@@ -107,7 +107,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Any
 
-from .names import ALGORITHMS
+from .names import ALGORITHMS, check_blocks
 
 __all__ = [
     "LinkParams",
@@ -506,7 +506,9 @@ def predict(
     V: int = 128,
     exscan_algorithm: str = "recursive_doubling",
 ) -> float:
-    """Predicted seconds of one scan. ``blocks=None`` for the ring means :func:`best_blocks`."""
+    """Predicted seconds of one scan. ``blocks=None`` for the ring means :func:`best_blocks`; else an int in
+    ``1..K`` (:func:`.names.check_blocks`)."""
+    check_blocks(blocks, K)
     if topology == "ring":
         k = best_blocks(P, nbytes, K, params) if blocks is None else blocks
         return ring_time(P, nbytes, k, params)
@@ -579,6 +581,7 @@ def predict_hier(
     """
     if per_node < 1:
         raise ValueError(f"per_node must be >= 1, got {per_node}")
+    check_blocks(blocks, K)
     if P <= per_node:
         k = (best_blocks(P, nbytes, K, intra) if blocks is None else blocks) if topology == "ring" else None
         return predict(topology, P, nbytes, intra, blocks=k, K=K, V=V), k

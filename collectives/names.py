@@ -6,8 +6,8 @@ the ZeCO layer) checks it with the function here, so a parameter has one rule an
 * :data:`TOPOLOGIES` / :func:`check_topology`: the scan algorithms (``"auto"`` = the cost model's pick);
 * :func:`check_blocks`: the ring's piece count, an int in ``1..K`` (or ``None`` = the cost model's);
 * :data:`TRANSPORT_NAMES` / :func:`check_transport_name`: transports by name; the device kinds
-  (:data:`DEVICE_TRANSPORT_KINDS`, :func:`check_device_kind`) and :func:`device_kind`, the one place that
-  reads ``$HPCZECO_TRANSPORT``.
+  (:data:`DEVICE_TRANSPORT_KINDS`, :func:`check_device_kind`) and :data:`TRANSPORT_ENV`, the variable naming
+  the default one (read once per communicator, where its context is made: :mod:`.context`).
 
 Plain data and checks (no MPI, no arrays): the transports themselves are chosen and cached in
 :mod:`.selection`. Knows nothing about attention.
@@ -15,7 +15,6 @@ Plain data and checks (no MPI, no arrays): the transports themselves are chosen 
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -32,7 +31,6 @@ __all__ = [
     "check_progress",
     "check_transport_name",
     "check_device_kind",
-    "device_kind",
 ]
 
 #: accepted values of ``topology``: the five algorithms and "auto" (the cost model's pick)
@@ -41,7 +39,7 @@ TOPOLOGIES = ("ring", "tree", "allgather", "serial", "exscan", "auto")
 ALGORITHMS = tuple(t for t in TOPOLOGIES if t != "auto")
 #: accepted values of ``progress`` (:func:`hpczeco.collectives.scan.scan_start`)
 PROGRESS_MODES = ("poll", "thread")
-#: transport names accepted in place of a Transport object ("auto" = detection / ``$HPCZECO_TRANSPORT``)
+#: transport names accepted in place of a Transport object ("auto", like None: ``$HPCZECO_TRANSPORT``, else detection)
 TRANSPORT_NAMES = ("host", "auto", "cuda-aware", "staged", "nccl")
 #: the device transports (CuPy buffers) by name; "auto" picks one (:func:`.device.resolve_kind`)
 DEVICE_TRANSPORT_KINDS = ("auto", "cuda-aware", "staged", "nccl")
@@ -91,8 +89,3 @@ def check_device_kind(kind: Any) -> None:
     if kind not in DEVICE_TRANSPORT_KINDS:
         raise ValueError(f"transport kind must be one of {DEVICE_TRANSPORT_KINDS}, got {kind!r}")
 
-
-def device_kind(name: str | None) -> str:
-    """The device transport kind a name stands for: ``name``, else ``$HPCZECO_TRANSPORT``, else "auto"
-    (the only read of the variable; checked by :func:`check_device_kind` where the transport is made)."""
-    return name or os.environ.get(TRANSPORT_ENV) or "auto"

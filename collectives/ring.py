@@ -9,7 +9,8 @@ travels (``m`` bytes): ``(P + k - 2)`` message steps of ``m/k``. ``serial`` is t
 Pieces land straight in the result buffer; the combined pieces go out of a pooled buffer.
 
 :func:`relay_send` / :func:`relay_recv` move one whole state to the next / from the previous rank
-in scan order (blocking), for layers that run the relay themselves (ZeCO's LASP-1 baseline).
+in scan order (blocking): a point-to-point building block for code that runs a relay itself (the ZeCO
+layer's LASP-1 baseline is the ``serial`` topology of the scan, not these).
 Knows nothing about attention.
 """
 

@@ -57,7 +57,7 @@ from .context import get_context
 from .handle import DoneHandle, ScanHandle, ScanPlan, scan_stats
 from .kernels import combine, fold_reference, value_summary
 from .names import TOPOLOGIES, check_blocks, check_progress, check_topology
-from .ring import RingHandle, relay_recv, relay_send
+from .ring import RingHandle
 from .selection import check_transport, transport_for, transport_name
 from .transport import Transport
 from .tree import TreeHandle
@@ -68,8 +68,6 @@ __all__ = [
     "ScanHandle",
     "scan",
     "scan_start",
-    "relay_recv",
-    "relay_send",
     "combine",
     "fold_reference",
     "TIMEOUT_ENV",

@@ -1,7 +1,8 @@
 """Which transport carries a collective: the ``transport`` argument's check and the cached choice.
 
 A collective takes ``transport=`` as None (the buffers' transport: host for numpy, for CuPy the
-device kind of ``$HPCZECO_TRANSPORT`` or detection), a name (:data:`.names.TRANSPORT_NAMES`) or a
+device kind of ``$HPCZECO_TRANSPORT`` as the context read it, :attr:`.context.CommContext.device_kind`, or
+detection), a name (:data:`.names.TRANSPORT_NAMES`) or a
 :class:`~.transport.Transport`. :func:`check_transport` is the argument's local check;
 :func:`transport_for` turns it into a transport on the context's private communicator, kept in the
 context's one cache (:attr:`.context.CommContext.transports`). Knows nothing about attention.
@@ -14,9 +15,9 @@ from typing import Any
 from hpczeco.base.backend import get_array_module, is_device_array
 from mpi4py import MPI
 
-from .context import CommContext
+from .context import CommContext, get_context
 from .device import device_transport, get_device_transport
-from .names import check_transport_name, device_kind
+from .names import check_transport_name
 from .transport import HostTransport, Transport
 
 __all__ = ["check_transport", "transport_name", "transport_for", "host_transport", "get_transport"]
@@ -58,19 +59,19 @@ def transport_for(ctx: CommContext, transport: Transport | str | None, like: Any
         return transport
     if not is_device_array(like):
         return host_transport(ctx)
-    return device_transport(ctx, device_kind(None if transport == "auto" else transport))
+    return device_transport(ctx, ctx.device_kind if transport in (None, "auto") else transport)
 
 
 def get_transport(comm: MPI.Comm, like: Any = None, kind: str | None = None) -> Transport:
     """A transport for buffers like ``like`` on ``comm``.
 
-    numpy (or ``None``) -> a :class:`~.transport.HostTransport` on ``comm`` itself. CuPy -> the
-    device transport ``kind`` (or ``$HPCZECO_TRANSPORT``, else detection) of ``comm``'s context
-    (:func:`.device.get_device_transport`). A device pointer is never handed to an MPI not known to
-    be CUDA-aware.
+    numpy (or ``None``) -> a :class:`~.transport.HostTransport` on ``comm`` itself. CuPy -> the device
+    transport ``kind`` of ``comm``'s context (None: :attr:`.context.CommContext.device_kind`, what
+    ``$HPCZECO_TRANSPORT`` names, else "auto"; :func:`.device.get_device_transport`). A device pointer is never
+    handed to an MPI not known to be CUDA-aware.
     """
     if like is None or not is_device_array(like):
         if kind is not None:
             check_transport_name(kind, False)
         return HostTransport(comm)
-    return get_device_transport(comm, device_kind(kind))
+    return get_device_transport(comm, get_context(comm).device_kind if kind is None else kind)

@@ -15,9 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 from mpi4py import MPI
 
-from .names import TRANSPORT_ENV
-
-__all__ = ["Request", "Transport", "HostTransport", "TRANSPORT_ENV"]
+__all__ = ["Request", "Transport", "HostTransport"]
 
 
 class Request(Protocol):

@@ -81,7 +81,7 @@ def run(args) -> dict:
     if args.threads is not None:
         os.environ["HPCZECO_GLA_THREADS"] = str(args.threads)
     from hpczeco.gla import chunk_gla, chunk_gla_bwd
-    from hpczeco.gla._runner import num_threads as _num_threads
+    from hpczeco.gla.chunk import num_threads as _num_threads
 
     B, T, H, K, V, C = args.B, args.T, args.H, args.K, args.V, args.chunk_size
     dt = np.dtype(args.dtype)

@@ -30,6 +30,8 @@ STEM = "gpu_multi"
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
+    from hpczeco.collectives.names import DEVICE_TRANSPORT_KINDS
+
     from .helpfmt import HelpFormatter
 
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
@@ -39,7 +41,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--T", type=int, default=32768, help="tokens per GPU of the ZeCO step")
     p.add_argument("--zeco-repeats", type=int, default=10, help="timed repetitions of the ZeCO step")
     p.add_argument("--zeco-only", action="store_true", help="only the ZeCO layer step")
-    p.add_argument("--zeco-transport", default="auto", choices=["auto", "cuda-aware", "staged", "nccl"],
+    p.add_argument("--zeco-transport", default="auto", choices=DEVICE_TRANSPORT_KINDS,
                    help="device transport of the ZeCO step")
     return p
 
@@ -98,7 +100,8 @@ def run(args) -> int:
     sync = lambda: cp.cuda.Device().synchronize()
     wall = lambda fn, reps=args.repeats, warmup=3: benchkit.host_time(fn, reps, warmup, sync, comm)["median_ms"]
 
-    kinds = ["staged", "nccl"] + (["cuda-aware"] if D.cuda_aware_known() else [])
+    # every device transport kind but "auto" (which stands for one of them); CUDA-aware MPI where declared or detected
+    kinds = [k for k in D.TRANSPORT_KINDS if k != "auto" and (k != "cuda-aware" or D.cuda_aware_known())]
     transports = {}
     for kind in kinds:
         try:
@@ -185,8 +188,8 @@ def _zeco_timings(rec, cp, args, seed: int, transports: dict, comm, sync) -> Non
         del g
         mine = {n: cp.ascontiguousarray(a) for n, a in mine.items()}
         q, k, v, g_, do = (mine[n] for n in ("q", "k", "v", "g", "do"))
-        layer = hpczeco.ZeCOGLA(comm, scan="ring", chunk_size=64, transport=transports.get(kind, kind))
-        lean = hpczeco.ZeCOGLA(comm, scan="ring", chunk_size=64, transport=transports.get(kind, kind),
+        layer = hpczeco.ZeCOGLA(comm, topology="ring", chunk_size=64, transport=transports.get(kind, kind))
+        lean = hpczeco.ZeCOGLA(comm, topology="ring", chunk_size=64, transport=transports.get(kind, kind),
                                check_values=False)
 
         def step(lay):

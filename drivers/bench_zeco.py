@@ -31,10 +31,9 @@ import numpy as np
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
-    from hpczeco.collectives.names import ALGORITHMS
+    from hpczeco.collectives.names import ALGORITHMS, TOPOLOGIES
 
-    default_topologies = ",".join(ALGORITHMS)
-    from .helpfmt import HelpFormatter
+    from .helpfmt import HelpFormatter, topology_list
 
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--tokens", type=int, default=4096,
@@ -45,7 +44,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--V", type=int, default=64, help="value dim")
     ap.add_argument("--chunk-size", type=int, default=64, help="GLA chunk length (tokens)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="q, k, v, g element type")
-    ap.add_argument("--topologies", default=default_topologies, help="comma list of scan topologies")
+    ap.add_argument("--topologies", default=",".join(ALGORITHMS), type=topology_list,
+                    help=f"comma list of {','.join(TOPOLOGIES)}")
     ap.add_argument("--blocks", type=int, default=None, help="ring blocks (default: cost model's choice)")
     ap.add_argument("--repeats", type=int, default=7, help="timed repeats (median reported)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed repeats first")
@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench zeco") -> int
     v = rng.standard_normal((B, L, H, V)).astype(dt)
     g = np.log(rng.uniform(0.9, 1.0, size=(B, L, H, K))).astype(dt)
     do = rng.standard_normal((B, L, H, V)).astype(dt)
-    topologies = [t for t in args.topologies.split(",") if t]
+    topologies = args.topologies
     variants = ["ideal", *topologies]
-    layers = {t: ZeCOGLA(comm, scan=t, blocks=args.blocks, chunk_size=args.chunk_size) for t in topologies}
+    layers = {t: ZeCOGLA(comm, topology=t, blocks=args.blocks, chunk_size=args.chunk_size) for t in topologies}
 
     samples: dict[str, list[tuple[float, float, dict]]] = {name: [] for name in variants}
     for rep in range(args.warmup + args.repeats):

@@ -23,7 +23,7 @@ __all__ = ["COMPILE_NOTICE", "KERNEL_MODULES", "Progress", "compile_notice", "ke
            "warn_oversubscribed", "warn_core_sharing"]
 
 #: the modules whose ``@njit(cache=True)`` kernels the CPU GLA path (chunk_gla, ZeCOGLA, train) compiles
-KERNEL_MODULES = ("hpczeco.gla._kernels", "hpczeco.gla._kernels_grad", "hpczeco.gla._pairwise")
+KERNEL_MODULES = ("hpczeco.gla.kernels",)
 #: measured on a shared 2-core machine: 15-30 s for the first training step with a cold Numba cache
 COMPILE_NOTICE = "compiling kernels (first run only, ~10-30 s)..."
 

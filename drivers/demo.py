@@ -20,6 +20,8 @@ from pathlib import Path
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
+    from hpczeco.collectives.names import TOPOLOGIES
+
     from .helpfmt import HelpFormatter
 
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
@@ -27,7 +29,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=6, help="steps of the first training run (default 6)")
     ap.add_argument("--resume-steps", type=int, default=4, help="steps the resumed run adds (default 4)")
     ap.add_argument("--seq", type=int, default=2048, help="tokens per training sequence over all ranks (--quick: 512)")
-    ap.add_argument("--scan", default="ring", help="scan topology of the training run (default ring)")
+    ap.add_argument("--topology", default="ring", choices=TOPOLOGIES,
+                    help="scan topology of the training run (default ring)")
     ap.add_argument("--quick", action="store_true", help="smaller everything (for tests)")
     return ap
 
@@ -57,13 +60,13 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco demo") -> int:
     comm.Barrier()
     t_start = time.perf_counter()
     seq = 512 if args.quick else args.seq
-    common = ["--seq", str(seq), "--scan", args.scan, "--ckpt-dir", str(ckpt), "--log", str(log),
+    common = ["--seq", str(seq), "--topology", args.topology, "--ckpt-dir", str(ckpt), "--log", str(log),
               "--corpus-bytes", str(1 << 20)]
     if args.quick:
         common += ["--d-model", "32", "--layers", "1", "--heads", "2"]
 
     _say(comm, f"1/4 training on {P} ranks: {args.steps} steps, {seq} tokens per step split over the ranks "
-               f"({args.scan} All-Scan), checkpoint every {max(1, args.steps // 2)} steps")
+               f"({args.topology} All-Scan), checkpoint every {max(1, args.steps // 2)} steps")
     rc = train.main([*common, "--steps", str(args.steps), "--ckpt-every", str(max(1, args.steps // 2))])
     if rc:
         return rc

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["HelpFormatter", "check_parser", "split_doc"]
+__all__ = ["HelpFormatter", "check_parser", "split_doc", "topology_list"]
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -28,6 +28,20 @@ def split_doc(doc: str | None) -> tuple[str, str | None]:
     """``(first paragraph, the rest or None)`` of a module docstring: ``description`` and ``epilog``."""
     parts = (doc or "").strip().split("\n\n", 1)
     return parts[0], (parts[1] if len(parts) > 1 and parts[1].strip() else None)
+
+
+def topology_list(text: str) -> list[str]:
+    """The ``--topologies`` of a bench (argparse ``type``): a comma list of scan topologies, each checked by the
+    collectives' one rule (:func:`hpczeco.collectives.names.check_topology`); a bad name is a usage error."""
+    from hpczeco.collectives.names import check_topology  # noqa: PLC0415
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    try:
+        for t in names:
+            check_topology(t)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return names
 
 
 def check_parser(ap: argparse.ArgumentParser) -> list[str]:

@@ -116,15 +116,16 @@ def _points(runs: list[dict[str, Any]]) -> list[tuple[str, int, float, float]]:
 
 def accuracy_md(runs: list[dict[str, Any]]) -> list[str]:
     """Measured/model per (P, size, topology) and the targets: <= 64 KiB within 3x, ring >= 1 MiB within 1.5x."""
-    lines = ["| P | state | " + " | ".join(("ring", "tree", "allgather", "serial", "exscan")) + " |",
-             "|---|---|" + "---|" * 5]
+    from hpczeco.collectives.names import ALGORITHMS
+
+    lines = ["| P | state | " + " | ".join(ALGORITHMS) + " |", "|---|---|" + "---|" * len(ALGORITHMS)]
     worst_small = (0.0, "")
     worst_ring = (0.0, "")
     for run in runs:
         by = _by(run)
         for s in sorted({r["nbytes"] for r in run["results"]}):
             cells = []
-            for t in ("ring", "tree", "allgather", "serial", "exscan"):
+            for t in ALGORITHMS:
                 r = by.get((t, s))
                 if r is None or r["model_s"] <= 0:
                     cells.append("-")
@@ -245,13 +246,15 @@ def crossover(run: dict[str, Any], a: str = "tree", b: str = "ring") -> str:
 
 
 def ratios(run: dict[str, Any], size: int = 1 << 20) -> str:
+    from hpczeco.collectives.names import ALGORITHMS
+
     by = _by(run)
     ring = by.get(("ring", size))
     if ring is None:
         return "no 1 MiB point"
     parts = [f"ring {ring['median_s'] * 1e3:.3f} ms (model {ring['model_s'] * 1e3:.3f}, "
              f"measured/model {ring['median_s'] / ring['model_s']:.2f})" if ring["model_s"] > 0 else ""]
-    for other in ("tree", "allgather", "serial", "exscan"):
+    for other in (t for t in ALGORITHMS if t != "ring"):
         r = by.get((other, size))
         if r:
             parts.append(f"{other}/ring {r['median_s'] / ring['median_s']:.2f}x")

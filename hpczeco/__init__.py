@@ -23,6 +23,7 @@ _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.isfile(os.path.join(_root, "collectives", "__init__.py")) and _root not in __path__:
     __path__.append(_root)
 
+#: what users call, by the module that defines it (imported on first use)
 _LAZY = {
     "ZeCOGLA": "hpczeco.zeco",
     "zeco_gla": "hpczeco.zeco",
@@ -30,9 +31,14 @@ _LAZY = {
     "chunk_gla": "hpczeco.gla",
     "chunk_gla_bwd": "hpczeco.gla",
 }
+__all__ = list(_LAZY)
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'hpczeco' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -17,11 +17,13 @@ Backward uses the same operator in the reverse direction: with
 ``U_p = scale sum_t (q_t exp(G_t))^T do_t`` the gradient reaching rank p's final state is
 ``D_p`` = reverse exclusive scan of ``(a_p, U_p)`` seeded with ``dht`` on the last rank. The
 local backward (with ``initial_state = S_in``) overlaps that scan; the contribution of ``D_p`` is
-added once it lands. Both directions talk to the split protocol of :mod:`hpczeco.gla.protocol` (``a``,
-the local state, ``overlap(poll)``, ``finish``), implemented on numpy (:mod:`hpczeco.gla.split`) and CuPy
-(:mod:`hpczeco.gla.device_split`), so each has one code path. ``scan="serial"`` is LASP-1: it serialises
-the compute too (receive the state, compute the slice with it, send the final state on), so it is the
-baseline it claims to be.
+added once it lands. Both directions talk to the split protocol of :mod:`hpczeco.gla.split` (``a``,
+the local state, ``overlap(poll)``, ``finish``), implemented on numpy and CuPy (the device adapters over
+:mod:`hpczeco.gpu.gla`), so each has one code path, and every scan topology runs through it. The
+LASP-1 baseline ``"serial"`` is the scan's serial relay (:mod:`hpczeco.collectives.ring`, the ring in one
+block): each rank waits for the combined state of the ranks before it, folds in its own ``(a_p, S_local)`` and
+passes it on, while its local work overlaps the relay as with any other topology (the same states as a relay
+that receives, computes the slice from the received state and sends its final state, to rounding).
 
 Packed documents (``cu_seqlens``, :mod:`hpczeco.zeco_varlen`): the global offsets ``cu_seqlens [N + 1]`` (B == 1)
 are given on every rank (the same array: agreed collectively, its end checked against the sum of the slice
@@ -36,7 +38,6 @@ K, V]``, with ``documents`` (:class:`~hpczeco.zeco_varlen.RankDocuments`) naming
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,36 +45,16 @@ from typing import Any
 import numpy as np
 
 from .base.backend import get_array_module
-from .collectives import CollectiveInputError, agree_fast, local_error, timed
-from .collectives.names import TOPOLOGIES, check_blocks
-from .gla import chunk_gla, chunk_gla_bwd, validate_gla_inputs
-from .gla.protocol import split_backward, split_forward
-from .gla.validate import check_chunk_size, check_cu_seqlens, check_document_states, raise_for_flags
-from .gla.varlen import chunk_gla_varlen, chunk_gla_varlen_bwd
-from .gla.workspace import SplitWorkspace
+from .base.checks import check_chunk_size, check_scale
+from .collectives import CollectiveInputError, timed
+from .collectives.agree import agree_fast, local_error
+from .collectives.names import check_blocks, check_topology
+from .gla import validate_gla_inputs
+from .gla.split import SplitWorkspace, split_backward, split_forward
+from .gla.validate import check_cu_seqlens, check_document_states, raise_for_flags
 from .zeco_varlen import RankDocuments, local_rows, owned_rows, rank_documents
 
-__all__ = ["ZeCOGLA", "zeco_gla", "SCANS"]
-
-SCANS = TOPOLOGIES  # the scan topologies (one list: hpczeco.collectives.names)
-
-
-def _check_scan_options(scan: Any, blocks: Any) -> None:
-    """The scan topology and the ring's ``blocks`` (int >= 1 or None), checked where they enter by the
-    collectives' own rules (``blocks <= K`` is checked by the scan once K is known)."""
-    if scan not in SCANS:
-        raise ValueError(f"scan must be one of {SCANS}, got {scan!r}")
-    check_blocks(blocks)
-
-
-def _check_scale(scale: Any) -> None:
-    """``scale``: None (``K ** -0.5``) or a positive finite real number (not a bool, not a string)."""
-    if scale is None:
-        return
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
-        raise TypeError(f"scale must be a positive number or None, got {type(scale).__name__} {scale!r}")
-    if not (math.isfinite(float(scale)) and float(scale) > 0):
-        raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
+__all__ = ["ZeCOGLA", "zeco_gla"]
 
 
 def _state_dtype(x) -> Any:
@@ -88,7 +69,7 @@ class ZeCOTimings:
     Keys: ``checks`` (the collective validation), ``states`` (the local pass before the scan),
     ``scan_start``, ``overlap`` (compute done while the scan was in flight: the split's ``overlap``),
     ``wait`` (the time blocked in ``wait()`` afterwards, the part of the scan that was not hidden),
-    ``correction`` (the split's ``finish``) and ``total``; ``scan="serial"`` has ``wait``, ``compute``.
+    ``correction`` (the split's ``finish``) and ``total`` (the same keys for every topology).
     """
 
     fwd: dict[str, float] = field(default_factory=dict)
@@ -100,14 +81,16 @@ class ZeCOGLA:
 
     Args:
         comm: the communicator (the caller owns it; every rank of it must call forward/backward). Every
-            wait of the layer (the agreements, the scans, the serial relay) honours
+            wait of the layer (the agreements, the scans) honours
             ``$HPCZECO_COLLECTIVE_TIMEOUT`` (agreed over ``comm``'s ranks on first use).
-        scan: "ring" (pipelined All-Scan), "tree", "allgather" (LASP-2), "serial" (LASP-1),
-            "exscan" (MPI_Exscan) or "auto" (the cost model's pick).
+        topology: the scan's topology (:data:`hpczeco.collectives.TOPOLOGIES`): "ring" (pipelined All-Scan),
+            "tree", "allgather" (LASP-2), "serial" (LASP-1), "exscan" (MPI_Exscan) or "auto" (the cost model's
+            pick).
         blocks: pieces the ring splits the state into along K (None: cost model's choice).
         chunk_size: chunk length of the local chunked GLA.
         scale: query scale (default ``K ** -0.5``): a positive finite number (checked here).
-        transport: device transport name or object for CuPy arrays (None: detection / env).
+        transport: device transport name or object for CuPy arrays (None: the communicator's, by detection or
+            ``$HPCZECO_TRANSPORT``).
         check_values: scan q, k, v, g, do (and the states) for NaN/Inf and g for positive values on every call
             (shapes, dtypes and options are always agreed across ranks). ``False`` is for loops whose inputs
             are known good; a NaN then propagates instead of stopping every rank with an error.
@@ -116,18 +99,20 @@ class ZeCOGLA:
             so use it to diagnose, not to benchmark.
 
     On numpy arrays the layer keeps the phase-split GLA's arrays between calls (a
-    :class:`hpczeco.gla.workspace.SplitWorkspace`: chunk states, q-side operands, state gradients, each about
+    :class:`hpczeco.gla.split.SplitWorkspace`: chunk states, q-side operands, state gradients, each about
     ``B H T K`` values), so that a step touches warm pages; a forward overwrites them, so a backward belongs
     to the last forward (as before).
     """
 
-    def __init__(self, comm, scan: str = "ring", blocks: int | None = None, chunk_size: int = 64,
+    def __init__(self, comm, topology: str = "ring", blocks: int | None = None, chunk_size: int = 64,
                  scale: float | None = None, transport: Any = None, profile: bool = False,
                  check_values: bool = True):
-        _check_scan_options(scan, blocks)
-        _check_scale(scale)
+        # each option by its one rule where it enters (blocks <= K is checked by the scan once K is known)
+        check_topology(topology)
+        check_blocks(blocks)
+        check_scale(scale)
         self.comm = comm
-        self.scan = scan
+        self.topology = topology
         self.blocks = blocks
         self.chunk_size = check_chunk_size(chunk_size)  # the GPU limit is checked when the arrays are known
         self.scale = scale
@@ -170,8 +155,8 @@ class ZeCOGLA:
     def _scan_kwargs(self) -> dict[str, Any]:
         # the layer validated q, k, v, g, do, initial_state and dht collectively: the scan need not scan
         # the derived states for NaN again (on device arrays each such scan synchronises the device)
-        # and it agreed shapes, dtype, scan, blocks and transport across ranks: no second validation exchange
-        return {"topology": self.scan, "blocks": self.blocks, "transport": self.transport, "check_values": False,
+        # and it agreed shapes, dtype, topology, blocks and transport across ranks: no second validation exchange
+        return {"topology": self.topology, "blocks": self.blocks, "transport": self.transport, "check_values": False,
                 "agreed": True}
 
     def _scan_overlapped(self, split, a, element, init, reverse: bool, tm: dict[str, float]):
@@ -196,7 +181,7 @@ class ZeCOGLA:
             "B,H,K,V": None if err else (shapes["B"], shapes["H"], shapes["K"], shapes["V"]),
             "dtype": str(getattr(q, "dtype", None)),
             "array module": get_array_module(q).__name__,
-            "scan": self.scan,
+            "topology": self.topology,
             "blocks": self.blocks,
             "chunk_size": self.chunk_size,
             "scale": self.scale,
@@ -225,7 +210,6 @@ class ZeCOGLA:
         (the global document offsets ``[N + 1]``, the same on every rank, B == 1): packed documents;
         ``initial_state [N, H, K, V]`` is then given on every rank (or on none) -- see the module docstring.
         """
-        from .collectives import relay_recv, relay_send
 
         if cu_seqlens is not None:
             return self._forward_packed(q, k, v, g, initial_state, cu_seqlens)
@@ -250,43 +234,22 @@ class ZeCOGLA:
                 if initial_state is not None:
                     arrays["initial_state"] = initial_state
                 flags = self._start_value_flags(arrays, gate="g") if self.check_values else None
-                if self.scan != "serial":
-                    sc = float(self.scale) if self.scale is not None else K ** -0.5
-                    prepared.append(split_forward(q, k, v, g, scale=sc, chunk_size=self.chunk_size))
+                prepared.append(split_forward(q, k, v, g, scale=check_scale(self.scale, K), chunk_size=self.chunk_size))
                 if flags is not None:
                     raise_for_flags(arrays, flags.result())
 
         err = local_error(check)
         agree = self._forward_agreement(err, shapes, q)
-        # one Allreduce when all is well (point to point with a collective timeout), which also tells every rank
-        # whether rank 0 passed initial_state
-        (has_h0,) = agree_fast(self.comm, "ZeCOGLA.forward", err, agree,
-                               flags=(int(self.rank == 0 and initial_state is not None),))
+        # one Allreduce when all is well (point to point with a collective timeout)
+        agree_fast(self.comm, "ZeCOGLA.forward", err, agree)
 
-        xp = get_array_module(q)
-        B, H, K, V = shapes["B"], shapes["H"], shapes["K"], shapes["V"]
         sdt = _state_dtype(q)
-        scale = float(self.scale) if self.scale is not None else K ** -0.5
+        scale = check_scale(self.scale, shapes["K"])
         t0 = self._now()
         tm: dict[str, float] = {"checks": t0 - t_in}
 
-        if self.scan == "serial":
-            # LASP-1: receive the incoming state, compute the slice from it, pass the final state on.
-            s_in = xp.zeros((B, H, K, V), dtype=sdt)
-            got = relay_recv(s_in, self.comm, transport=self.transport)
-            if not got:
-                s_in = initial_state.astype(sdt) if has_h0 and initial_state is not None else s_in
-            tm["wait"] = self._now() - t0
-            o, final = chunk_gla(q, k, v, g, scale=scale, initial_state=s_in, output_final_state=True,
-                                 chunk_size=self.chunk_size)
-            final = xp.ascontiguousarray(final.astype(sdt))
-            relay_send(final, self.comm, transport=self.transport)
-            tm["compute"] = self._now() - t0 - tm["wait"]
-            self._finish_forward(q, k, v, g, None, s_in, final, scale, tm, t0)  # the relay needs no decay
-            return o
-
         init = initial_state.astype(sdt) if (self.rank == 0 and initial_state is not None) else None
-        # one path for both backends (hpczeco.gla.protocol): the local pass (queued during the checks on the
+        # one path for both backends (hpczeco.gla.split): the local pass (queued during the checks on the
         # device), the scan of (a, S_local), the state-independent work while it is in flight (on numpy every
         # product once, polling the scan), then the outputs with the incoming state
         self._saved = None  # its chunk states live in the workspace that this forward overwrites
@@ -317,7 +280,6 @@ class ZeCOGLA:
         of every document's final state) on every rank or on none, and ``dh0 [len(documents.starts), H, K, V]``,
         the gradients of the initial states of the documents that start in this slice.
         """
-        from .collectives import relay_recv, relay_send
 
         if self._saved is None:
             raise RuntimeError("backward() needs a forward() first")
@@ -356,9 +318,8 @@ class ZeCOGLA:
                 return
             # CuPy: the value checks reduce on a side stream while the backward's state passes run
             flags = self._start_value_flags(values) if self.check_values else None
-            if self.scan != "serial":
-                prepared.append(split_backward(q, k, v, g, do, scale=scale, initial_state=s_in,
-                                               chunk_size=self.chunk_size, states=sv.get("states")))
+            prepared.append(split_backward(q, k, v, g, do, scale=scale, initial_state=s_in,
+                                           chunk_size=self.chunk_size, states=sv.get("states")))
             if flags is not None:
                 raise_for_flags(values, flags.result())
 
@@ -366,31 +327,15 @@ class ZeCOGLA:
         err = local_error(check)
         # like the forward: do's dtype, array module and shape agreed (its values checked locally above), and
         # whether the last rank passed dht, in one Allreduce
-        agree = {"scan": self.scan, "B,H,K,V": (B, H, K, V), "check_values": self.check_values,
+        agree = {"topology": self.topology, "B,H,K,V": (B, H, K, V), "check_values": self.check_values,
                  "do": None if err else (str(do.dtype), get_array_module(do).__name__, do.shape[0], do.shape[2],
                                          do.shape[3])}
         (has_dht,) = agree_fast(self.comm, "ZeCOGLA.backward", err, agree,
                                 flags=(int(self.rank == last and dht is not None),))
 
-        xp = get_array_module(q)
         sdt = _state_dtype(q)
         t0 = self._now()
         tm: dict[str, float] = {"checks": t0 - t_in}
-
-        if self.scan == "serial":
-            # LASP-1 backward: receive D_p from the right, run the slice, send dh0 to the left.
-            d_in = xp.zeros((B, H, K, V), dtype=sdt)
-            got = relay_recv(d_in, self.comm, reverse=True, transport=self.transport)
-            if not got:
-                d_in = dht.astype(sdt) if has_dht and dht is not None else None
-            tm["wait"] = self._now() - t0
-            dq, dk, dv, dg, dh0 = chunk_gla_bwd(q, k, v, g, do, scale=scale, initial_state=s_in, dht=d_in,
-                                                chunk_size=self.chunk_size)
-            relay_send(xp.ascontiguousarray(dh0.astype(sdt)), self.comm, reverse=True, transport=self.transport)
-            tm["compute"] = self._now() - t0 - tm["wait"]
-            tm["total"] = self._now() - t_in
-            self.timings.bwd = tm
-            return dq, dk, dv, dg, (dh0 if self.rank == 0 else None)
 
         init = dht.astype(sdt) if (self.rank == last and dht is not None) else None
         # one path for both backends, as the forward: the reverse scan of (a, U), the dht-independent work
@@ -410,7 +355,6 @@ class ZeCOGLA:
     # ------------------------------------------------------------------ packed documents
     def _forward_packed(self, q, k, v, g, initial_state, cu_seqlens):
         """:meth:`forward` with ``cu_seqlens`` (module docstring; the bookkeeping is :mod:`hpczeco.zeco_varlen`)."""
-        from .collectives import relay_recv, relay_send
 
         self._device = get_array_module(q) is not np
         t_in = self._now()
@@ -450,7 +394,7 @@ class ZeCOGLA:
         H, K, V = shapes["H"], shapes["K"], shapes["V"]
         row = (H, K, V)
         sdt = _state_dtype(q)
-        scale = float(self.scale) if self.scale is not None else K ** -0.5
+        scale = check_scale(self.scale, K)
         pieces = len(docs.pieces) > 0
         t0 = self._now()
         tm: dict[str, float] = {"checks": t0 - t_in}
@@ -462,36 +406,21 @@ class ZeCOGLA:
             return local_rows(xp, initial_state, docs, drop_first=docs.continues,
                               first=s_in if docs.continues else None, shape=row, dtype=sdt)
 
-        if self.scan == "serial":
-            # LASP-1: receive the state at the slice start, run the slice's pieces, send the state at its end
-            s_in = xp.zeros((1, H, K, V), dtype=sdt)
-            relay_recv(s_in, self.comm, transport=self.transport)
-            tm["wait"] = self._now() - t0
-            h0_used = used_states(s_in)
-            if pieces:
-                o, finals = chunk_gla_varlen(q, k, v, g, docs.cu_local, scale=scale, initial_state=h0_used,
-                                             output_final_state=True, chunk_size=self.chunk_size, check_values=False)
-                out = finals[-1:]
-            else:
-                o, finals, out = xp.zeros((1, 0, H, V), dtype=q.dtype), None, s_in
-            relay_send(xp.ascontiguousarray(out.astype(sdt)), self.comm, transport=self.transport)
-            tm["compute"] = self._now() - t0 - tm["wait"]
+        if pieces:
+            fs = split_forward(q, k, v, g, scale=scale, chunk_size=self.chunk_size, check_values=False,
+                               cu_seqlens=docs.cu_local,
+                               initial_state=local_rows(xp, initial_state, docs, drop_first=docs.continues,
+                                                        dtype=sdt))
+            a = fs.a if docs.continues else xp.zeros_like(fs.a)  # a piece starting here cuts off S_in
         else:
-            if pieces:
-                fs = split_forward(q, k, v, g, scale=scale, chunk_size=self.chunk_size, check_values=False,
-                                   cu_seqlens=docs.cu_local,
-                                   initial_state=local_rows(xp, initial_state, docs, drop_first=docs.continues,
-                                                            dtype=sdt))
-                a = fs.a if docs.continues else xp.zeros_like(fs.a)  # a piece starting here cuts off S_in
-            else:
-                fs = split_forward(q, k, v, g, scale=scale, chunk_size=self.chunk_size, check_values=False)
-                a = fs.a  # an empty slice: the identity (1, 0)
-            tm["states"] = self._now() - t0
-            s_in = self._scan_overlapped(fs, a, fs.S_local, None, False, tm)
-            t4 = self._now()
-            o, finals = fs.finish(s_in if (pieces and docs.continues) else None)
-            tm["correction"] = self._now() - t4
-            h0_used = used_states(s_in)
+            fs = split_forward(q, k, v, g, scale=scale, chunk_size=self.chunk_size, check_values=False)
+            a = fs.a  # an empty slice: the identity (1, 0)
+        tm["states"] = self._now() - t0
+        s_in = self._scan_overlapped(fs, a, fs.S_local, None, False, tm)
+        t4 = self._now()
+        o, finals = fs.finish(s_in if (pieces and docs.continues) else None)
+        tm["correction"] = self._now() - t4
+        h0_used = used_states(s_in)
         self._final_state = owned_rows(xp, docs.ends, docs, finals, initial_state, row, sdt)
         tm["total"] = self._now() - t0 + tm["checks"]
         self.timings.fwd = tm
@@ -501,7 +430,6 @@ class ZeCOGLA:
     def _backward_packed(self, do, dht):
         """:meth:`backward` after a forward with ``cu_seqlens``."""
         from .base.checks import check_array, check_finite, check_shape
-        from .collectives import relay_recv, relay_send
 
         sv = self._saved
         q, k, v, g, scale, docs, h0_used = (sv[n] for n in ("q", "k", "v", "g", "scale", "docs", "h0_used"))
@@ -527,57 +455,43 @@ class ZeCOGLA:
 
         err = local_error(check)
         agree_fast(self.comm, "ZeCOGLA.backward", err,
-                   {"scan": self.scan, "B,H,K,V": (B, H, K, V), "dht per document": dht is not None})
+                   {"topology": self.topology, "B,H,K,V": (B, H, K, V), "dht per document": dht is not None})
         xp = get_array_module(q)
         sdt = _state_dtype(q)
         pieces = len(docs.pieces) > 0
         t0 = self._now()
         tm: dict[str, float] = {"checks": t0 - t_in}
 
-        if self.scan == "serial":
-            # LASP-1 backward: receive D at the slice end, run the pieces, send the gradient at the slice start
-            d_in = xp.zeros((1, H, K, V), dtype=sdt)
-            relay_recv(d_in, self.comm, reverse=True, transport=self.transport)
-            tm["wait"] = self._now() - t0
-            if pieces:
-                dl = local_rows(xp, dht, docs, drop_last=docs.continues_after,
-                                last=d_in if docs.continues_after else None, shape=row, dtype=sdt)
-                grads = chunk_gla_varlen_bwd(q, k, v, g, do, docs.cu_local, scale=scale, initial_state=h0_used,
-                                             dht=dl, chunk_size=self.chunk_size, check_values=False)
-                out = grads[4][:1] if docs.continues else xp.zeros((1, H, K, V), dtype=sdt)
-            else:  # an empty slice passes the gradient on
-                z = xp.zeros((1, 0, H, K), dtype=q.dtype)
-                grads = (z, z.copy(), xp.zeros((1, 0, H, V), dtype=q.dtype), z.copy(), None)
-                out = d_in
-            relay_send(xp.ascontiguousarray(out.astype(sdt)), self.comm, reverse=True, transport=self.transport)
-            tm["compute"] = self._now() - t0 - tm["wait"]
+        if pieces:
+            bs = split_backward(q, k, v, g, do, scale=scale, initial_state=h0_used, chunk_size=self.chunk_size,
+                                check_values=False, cu_seqlens=docs.cu_local,
+                                dht=local_rows(xp, dht, docs, drop_last=docs.continues_after, dtype=sdt))
+            # the gradient at the slice start goes left only into a document continued from there
+            a, U = (bs.a, bs.U) if docs.continues else (xp.zeros_like(bs.a), xp.zeros_like(bs.U))
         else:
-            if pieces:
-                bs = split_backward(q, k, v, g, do, scale=scale, initial_state=h0_used, chunk_size=self.chunk_size,
-                                    check_values=False, cu_seqlens=docs.cu_local,
-                                    dht=local_rows(xp, dht, docs, drop_last=docs.continues_after, dtype=sdt))
-                # the gradient at the slice start goes left only into a document continued from there
-                a, U = (bs.a, bs.U) if docs.continues else (xp.zeros_like(bs.a), xp.zeros_like(bs.U))
-            else:
-                bs = split_backward(q, k, v, g, do, scale=scale, chunk_size=self.chunk_size, check_values=False)
-                a, U = bs.a, bs.U
-            tm["states"] = self._now() - t0
-            D = self._scan_overlapped(bs, a, U, None, True, tm)
-            t4 = self._now()
-            grads = bs.finish(D if (pieces and docs.continues_after) else None)
-            tm["correction"] = self._now() - t4
+            bs = split_backward(q, k, v, g, do, scale=scale, chunk_size=self.chunk_size, check_values=False)
+            a, U = bs.a, bs.U
+        tm["states"] = self._now() - t0
+        D = self._scan_overlapped(bs, a, U, None, True, tm)
+        t4 = self._now()
+        grads = bs.finish(D if (pieces and docs.continues_after) else None)
+        tm["correction"] = self._now() - t4
         dh0 = owned_rows(xp, docs.starts, docs, grads[4] if pieces else None, dht, row, sdt)
         tm["total"] = self._now() - t_in
         self.timings.bwd = tm
         return (*grads[:4], dh0)
 
 
-def zeco_gla(q, k, v, g, comm, *, initial_state=None, scan: str = "ring", blocks: int | None = None,
-             chunk_size: int = 64, scale: float | None = None):
-    """Functional ZeCO forward: ``(o [B, L_p, H, V], final_state [B, H, K, V])`` of this rank's slice.
+def zeco_gla(q, k, v, g, comm, *, topology: str = "ring", blocks: int | None = None, chunk_size: int = 64,
+             scale: float | None = None, initial_state=None, output_final_state: bool = False, transport: Any = None,
+             check_values: bool = True):
+    """Functional ZeCO forward: ``(o [B, L_p, H, V], final_state [B, H, K, V] or None)`` of this rank's slice.
 
-    Collective over ``comm``; ``final_state`` on the last rank is the global final state.
+    ``q, k, g: [B, L_p, H, K]``, ``v: [B, L_p, H, V]``: rank p's contiguous slice of one sequence. Collective over
+    ``comm``. Options as :class:`ZeCOGLA` (the same keyword options as :func:`hpczeco.torch.zeco_gla`);
+    ``initial_state [B, H, K, V]`` on rank 0 only; ``final_state`` (with ``output_final_state``) is this slice's
+    final state, on the last rank the global final state.
     """
-    layer = ZeCOGLA(comm, scan=scan, blocks=blocks, chunk_size=chunk_size, scale=scale)
+    layer = ZeCOGLA(comm, topology, blocks, chunk_size, scale, transport=transport, check_values=check_values)
     o = layer.forward(q, k, v, g, initial_state=initial_state)
-    return o, layer.final_state
+    return o, (layer.final_state if output_final_state else None)

@@ -13,11 +13,11 @@ On rank ``p`` (:func:`rank_documents`):
   here. A document of length 0 at position ``x`` starts and ends on the rank whose slice holds token ``x`` (the
   last rank for ``x = T``): its final state is its initial state, its ``dh0`` its ``dht``.
 
-The scan element of the slice is the local packed split's (:mod:`hpczeco.gla.varlen_split`), zeroed where the
-first piece begins here (a document start is a zero decay for everything before it): forward ``(a, S_local)``
-with ``a = 0`` unless one document covers the slice and began before it, ``S_local`` the last piece's state;
-backward ``(a, U)`` with both zero unless the first piece continues (``U`` is then the gradient into the state
-at the slice start). So ``S_in`` reaches only the first piece's tokens and ``D`` only the last piece's.
+The scan element of the slice is the local packed split's (:class:`hpczeco.gla.split.PackedForwardSplit`),
+zeroed where the first piece begins here (a document start is a zero decay for everything before it): forward
+``(a, S_local)`` with ``a = 0`` unless one document covers the slice and began before it, ``S_local`` the last
+piece's state; backward ``(a, U)`` with both zero unless the first piece continues (``U`` is then the gradient into
+the state at the slice start). So ``S_in`` reaches only the first piece's tokens and ``D`` only the last piece's.
 """
 
 from __future__ import annotations

@@ -108,6 +108,24 @@ def test_scan_calibrate_flag_and_zeco_tokens_help():
     assert _help(["model"]).count("predicted All-Scan (ring) vs tree vs allgather") == 1
 
 
+@pytest.mark.parametrize("bench", ["bench_scan", "bench_zeco"])
+def test_topologies_are_checked_by_the_one_rule(bench, capsys):
+    """--topologies (a list; --topology where one is taken) is checked by collectives.names.check_topology: a bad
+    name is a usage error naming the accepted ones, before any MPI work."""
+    import importlib
+
+    from hpczeco.collectives.names import TOPOLOGIES
+
+    mod = importlib.import_module(f"hpczeco.drivers.{bench}")
+    parser = mod.build_parser("x") if hasattr(mod, "build_parser") else mod._parser("x")
+    assert parser.parse_args(["--topologies", "ring, tree,serial"]).topologies == ["ring", "tree", "serial"]
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--topologies", "ring,rign"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "topology must be one of" in err and "'rign'" in err and str(TOPOLOGIES) in err
+
+
 # --------------------------------------------------------------------------------------------- training output
 
 

@@ -199,3 +199,13 @@ def test_calibrate_is_collective_and_identical(comm):
         cm.calibrate(comm, sizes=(8,))
     with pytest.raises(ValueError):
         cm.calibrate(comm, method="telepathy")
+
+
+def test_predict_checks_blocks_by_the_scans_rule():
+    """blocks in the model is checked as the scan checks it (collectives.names.check_blocks): an int in 1..K."""
+    for bad, err in ((0, ValueError), (129, ValueError), (True, TypeError), (2.0, TypeError)):
+        with pytest.raises(err, match="blocks must be"):
+            cm.predict("ring", 4, 1 << 20, SHM, blocks=bad, K=128)
+        with pytest.raises(err, match="blocks must be"):
+            cm.predict_hier("ring", 16, 1 << 20, SHM, SHM, 8, blocks=bad, K=128)
+    assert cm.predict("ring", 4, 1 << 20, SHM, blocks=128, K=128) > 0

@@ -14,8 +14,8 @@ import h5py
 import numpy as np
 import pytest
 from helpers import agreed_error, gla_inputs
-from hpczeco.collectives import agree_fast, collective_check, timed
-from hpczeco.collectives.agree import canonical
+from hpczeco.collectives import timed
+from hpczeco.collectives.agree import agree_fast, canonical, collective_check
 from hpczeco.collectives.context import get_context
 from hpczeco.collectives.watchdog import TIMEOUT_ENV
 from hpczeco.drivers.checkpoint import CheckpointError, CheckpointWriter, array_sha256, load_checkpoint, load_latest

@@ -216,7 +216,7 @@ def test_fuzz_chunk_gla_bad_inputs(kind, seed):
 
 zeco_cases = st.fixed_dictionaries({
     "T": st.integers(1, 48), "K": st.integers(1, 6), "V": st.integers(1, 6), "H": st.integers(1, 2),
-    "chunk": st.sampled_from([4, 8, 16]), "scan": st.sampled_from(["ring", "tree", "allgather", "serial"]),
+    "chunk": st.sampled_from([4, 8, 16]), "topology": st.sampled_from(["ring", "tree", "allgather", "serial"]),
     "gates": st.sampled_from(["normal", "mixed", "very-negative"]), "h0": st.booleans(),
     "seed": st.integers(0, 2**31 - 1),
 })  # fmt: skip
@@ -243,7 +243,7 @@ def test_fuzz_zeco_random_slices_match_one_process(case):
     sl = slice(int(bounds[rank]), int(bounds[rank + 1]))
     err = None
     try:
-        layer = ZeCOGLA(comm, scan=case["scan"], chunk_size=case["chunk"])
+        layer = ZeCOGLA(comm, topology=case["topology"], chunk_size=case["chunk"])
         o = layer.forward(q[:, sl], k[:, sl], v[:, sl], g[:, sl], initial_state=h0 if rank == 0 else None)
         dq, dk, dv, dg, dh0 = layer.backward(do[:, sl])
         for name, x, r in zip(("o", "dq", "dk", "dv", "dg"), (o, dq, dk, dv, dg), (o_ref, *grads_ref[:4])):

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from helpers import log_gates, rel
 
-import hpczeco.gla._geometry as geometry_mod
-import hpczeco.gla.fused as fused_mod
+import hpczeco.gla.chunk as chunk_mod
 from hpczeco.gla import chunk_gla, chunk_gla_bwd, recurrent_gla, recurrent_gla_bwd, validate_gla_inputs
 
 pytestmark = pytest.mark.filterwarnings("error")  # no overflow/invalid RuntimeWarnings, even for strong decays
@@ -72,8 +71,8 @@ def test_forward_matches_recurrent(rng, case, dt, kind):
 def test_forward_both_diagonal_paths(rng, monkeypatch, limit):
     """Every diagonal block exact-pairwise (limit 0), factored (huge limit, weak gates only), or the default."""
     if limit != "default":
-        monkeypatch.setitem(geometry_mod.SPAN_LIMIT, np.dtype(np.float64), limit)
-        monkeypatch.setitem(geometry_mod.SPAN_LIMIT, np.dtype(np.float32), limit)
+        monkeypatch.setitem(chunk_mod.SPAN_LIMIT, np.dtype(np.float64), limit)
+        monkeypatch.setitem(chunk_mod.SPAN_LIMIT, np.dtype(np.float32), limit)
     kind = "weak" if limit == 1e30 else "mixed"
     d = make(rng, 2, 150, 2, 16, 8, kind)
     o_ref, s_ref = recurrent_gla(d["q"], d["k"], d["v"], d["g"], initial_state=d["h0"], output_final_state=True)
@@ -87,7 +86,7 @@ def test_forward_both_diagonal_paths(rng, monkeypatch, limit):
 def test_streaming_groups_and_threads(rng, monkeypatch, group_tokens):
     """Several chunk groups (1 chunk each, a few, or one), partial last group, 1 or 3 threads: results agree
     with the reference, and bit-for-bit across thread counts."""
-    monkeypatch.setattr(geometry_mod, "GROUP_TOKENS", group_tokens)
+    monkeypatch.setattr(chunk_mod, "GROUP_TOKENS", group_tokens)
     d = make(rng, 2, 203, 3, 8, 6, "mixed", grads=True)
     ref_o, ref_s = recurrent_gla(d["q"], d["k"], d["v"], d["g"], initial_state=d["h0"], output_final_state=True)
     ref_b = recurrent_gla_bwd(d["q"], d["k"], d["v"], d["g"], d["do"], initial_state=d["h0"], dht=d["dht"])
@@ -200,7 +199,7 @@ def _loss_chunk(q, k, v, g, h0, do, dht, scale, cs):
 def test_backward_finite_differences(rng, monkeypatch, kind, cs):
     """All five gradients of sum(o * do) + sum(S_T * dht) against central differences of chunk_gla (float64)."""
     if kind == "pairwise":  # force the exact pairwise diagonal blocks in both passes
-        monkeypatch.setitem(geometry_mod.SPAN_LIMIT, np.dtype(np.float64), 0.0)
+        monkeypatch.setitem(chunk_mod.SPAN_LIMIT, np.dtype(np.float64), 0.0)
         kind = "mixed"
     B, T, H, K, V = 1, 11, 2, 3, 2
     d = make(rng, B, T, H, K, V, kind, grads=True)
@@ -371,10 +370,18 @@ def test_chunk_size_and_scale(rng):
     for bad in (2.0, True, "64"):
         with pytest.raises(TypeError, match="chunk_size must be an int"):
             chunk_gla(*args, chunk_size=bad)
-    with pytest.raises(ValueError, match="scale must be finite"):
+    with pytest.raises(ValueError, match="scale must be a positive finite number"):
         chunk_gla(*args, scale=float("nan"))
-    with pytest.raises(TypeError, match="scale must be a real number"):
+    with pytest.raises(TypeError, match="scale must be a positive number or None"):
         chunk_gla_bwd(*args, d["do"], scale="0.5")
+    # one rule with ZeCOGLA (hpczeco.base.checks.check_scale): zero and negative scales are refused too
+    for bad in (-1.0, 0.0, -0.5):
+        with pytest.raises(ValueError, match="scale must be a positive finite number"):
+            chunk_gla(*args, scale=bad)
+        with pytest.raises(ValueError, match="scale must be a positive finite number"):
+            chunk_gla_bwd(*args, d["do"], scale=bad)
+        with pytest.raises(ValueError, match="scale must be a positive finite number"):
+            recurrent_gla(*args, scale=bad)
 
 
 def test_validate_returns_dims_and_skips_values(rng):
@@ -395,7 +402,7 @@ def test_device_dispatch(rng, monkeypatch):
     fake = types.ModuleType("hpczeco.gpu.gla")
     fake.chunk_gla = lambda *a, **kw: calls.append(("fwd", a, kw)) or "fwd-result"
     fake.chunk_gla_bwd = lambda *a, **kw: calls.append(("bwd", a, kw)) or "bwd-result"
-    monkeypatch.setattr(fused_mod, "_any_device", lambda *arrays: True)
+    monkeypatch.setattr(chunk_mod, "_any_device", lambda *arrays: True)
     monkeypatch.setitem(sys.modules, "hpczeco.gpu.gla", fake)
     import hpczeco.gpu as gpu_pkg
 

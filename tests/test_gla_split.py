@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import log_gates, rel
 
-import hpczeco.gla._geometry as geometry_mod
+import hpczeco.gla.chunk as geometry_mod
 from hpczeco.gla import chunk_gla, chunk_gla_bwd
 from hpczeco.gla.split import BackwardSplit, ForwardSplit
 
@@ -296,7 +296,7 @@ def test_workspace_reused_across_calls(rng, dt):
     """A SplitWorkspace handed to one split after another (changing inputs, shapes, chunk sizes, S_in and
     initial_state; its arrays poisoned with NaN in between) gives the results of fresh splits: chunk_gla /
     chunk_gla_bwd. Same-shape calls reuse its arrays (no new allocation)."""
-    from hpczeco.gla.workspace import SplitWorkspace
+    from hpczeco.gla.split import SplitWorkspace
 
     ws = SplitWorkspace()
     calls = [(2, 100, 3, 16, 8, 16), (2, 100, 3, 16, 8, 16), (1, 75, 2, 5, 3, 7), (2, 100, 3, 16, 8, 16),
@@ -331,7 +331,7 @@ def test_workspace_reused_across_calls(rng, dt):
 
 
 def test_workspace_take():
-    from hpczeco.gla.workspace import SplitWorkspace
+    from hpczeco.gla.split import SplitWorkspace
 
     ws = SplitWorkspace()
     a = ws.take("x", (3, 4), np.float32)

@@ -331,7 +331,7 @@ def test_public_backward_reuses_the_forward_chunk_states(gla_emu, rng):
 def test_zeco_device_split_adapters_compose_over_two_slices(gla_emu, rng):
     """hpczeco.gla's device split adapters (what ZeCOGLA runs on CuPy arrays) on two slices as two ranks: the
     forward's chunk states go to the backward, and the pieces equal the float64 recurrence of the whole."""
-    from hpczeco.gla.device_split import DeviceBackwardSplit, DeviceForwardSplit  # noqa: PLC0415
+    from hpczeco.gla.split import DeviceBackwardSplit, DeviceForwardSplit  # noqa: PLC0415
 
     B, T, H, K, V, cut = 1, 150, 2, 32, 48, 77  # partial chunks on both sides
     bits, h0, dht, ref = _public(rng, B, T, H, K, V, strong=True)
@@ -441,7 +441,7 @@ def test_zeco_layer_on_raw_bits_device_arrays(fake_cupy, gla_emu, comm, rng, mon
     bits, h0, dht, ref = _public(rng, B, P * L, H, K, V)
     sl = slice(r * L, (r + 1) * L)
     mine = [np.ascontiguousarray(x[:, sl]).view(fake_cupy.ndarray) for x in bits]
-    layer = hpczeco.ZeCOGLA(comm, scan="ring", check_values=False)
+    layer = hpczeco.ZeCOGLA(comm, topology="ring", check_values=False)
     gla_emu.launched.clear()
     o = layer.forward(*mine[:4], initial_state=h0.view(fake_cupy.ndarray) if r == 0 else None)
     assert st.fwd_name("bf16", st.km_of(K, V), False) in gla_emu.launched

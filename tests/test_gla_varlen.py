@@ -12,9 +12,9 @@ from helpers import emulated_gla_runtime, log_gates, rel
 from hpczeco.base import bf16
 from hpczeco.base.packing import COPY_COST, MERGE_TOKENS, plan_buckets
 
-from hpczeco.gla import chunk_gla, chunk_gla_bwd, plain_split, recurrent_gla, recurrent_gla_bwd
-from hpczeco.gla.protocol import split_backward, split_forward
-from hpczeco.gla.varlen import chunk_gla_varlen, chunk_gla_varlen_bwd
+from hpczeco.gla import chunk_gla, chunk_gla_bwd, recurrent_gla, recurrent_gla_bwd
+from hpczeco.gla import split as split_mod
+from hpczeco.gla.split import split_backward, split_forward
 
 pytestmark = pytest.mark.filterwarnings("error")  # no overflow/invalid RuntimeWarnings, even for strong decays
 
@@ -102,22 +102,23 @@ def test_chunk_gla_cu_seqlens_equals_each_document_alone(rng, case, dt, with_sta
 
 @pytest.mark.parametrize("dt", [np.float64, np.float32])
 def test_unchecked_runner_and_scale(rng, dt):
-    """check_values=False (the phase-split forms, what the ZeCO layer uses) and a custom scale."""
+    """check_values=False (the packed splits the ZeCO layer uses: their middle documents run by buckets through the
+    split runners without value scans) and a custom scale."""
     cu = offsets(rng, "edges")
     q, k, v, g, do, h0, dht = packed_inputs(rng, cu, 2, 5, 7, "mixed")
     ins = [cast(x, dt) for x in (q, k, v, g, do, h0, dht)]
     scale = float(rng.uniform(0.2, 2.0))
-    fwd = chunk_gla_varlen(*ins[:4], cu, scale=scale, initial_state=ins[5], output_final_state=True, chunk_size=16,
-                           check_values=False)  # fmt: skip
-    bwd = chunk_gla_varlen_bwd(*ins[:5], cu, scale=scale, initial_state=ins[5], dht=ins[6], chunk_size=16,
-                               check_values=False)  # fmt: skip
+    fwd = split_forward(*ins[:4], scale=scale, chunk_size=16, check_values=False, cu_seqlens=cu,
+                        initial_state=ins[5]).finish()
+    bwd = split_backward(*ins[:5], scale=scale, initial_state=ins[5], chunk_size=16, check_values=False,
+                         cu_seqlens=cu, dht=ins[6]).finish()
     check_against_reference(fwd, bwd, *(cast(x, np.float64) for x in ins), cu, TOL[dt], scale=scale)
     # a NaN is not scanned for: it propagates into its own document only
     qn = ins[0].copy()
     i = int(np.argmax(np.diff(cu)))
     qn[0, cu[i]] = np.nan
     with np.errstate(invalid="ignore"):
-        o, _ = chunk_gla_varlen(qn, *ins[1:4], cu, chunk_size=16, check_values=False)
+        o, _ = split_forward(qn, *ins[1:4], chunk_size=16, check_values=False, cu_seqlens=cu).finish()
     assert np.isnan(o[0, cu[i] : cu[i + 1]]).any() and np.isfinite(np.delete(o[0], np.s_[cu[i] : cu[i + 1]], 0)).all()
 
 
@@ -271,9 +272,9 @@ def test_gpu_varlen_in_the_emulation(emu, rng, dt):
 
 @pytest.mark.timeout(900)
 def test_packed_split_on_device_pieces_in_the_emulation(emu, rng, monkeypatch):
-    """The packed splits with every piece on the device adapters (hpczeco.gla.device_split over the emulated
-    kernels): the ZeCO layer's path on CuPy arrays."""
-    monkeypatch.setattr(plain_split, "is_device_array", lambda x: True)
+    """The packed splits with every piece on the device adapters (hpczeco.gla.split's DeviceForwardSplit /
+    DeviceBackwardSplit over the emulated kernels): the ZeCO layer's path on CuPy arrays."""
+    monkeypatch.setattr(split_mod, "is_device_array", lambda x: True)
     cu = np.array([0, 4, 6, 6, 7, 30])
     q, k, v, g, do, h0, dht = (cast(x, np.float32) for x in packed_inputs(rng, cu, 1, 8, 8))
     S_in, D = (rng.standard_normal((1, 1, 8, 8)).astype(np.float32) for _ in range(2))

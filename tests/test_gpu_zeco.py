@@ -70,7 +70,7 @@ def test_zeco_layer_on_gpus_matches_one_gpu(comm, rng, L):
     g_full = G.chunk_gla_bwd(full["q"], full["k"], full["v"], full["g"], full["do"])
     f32 = lambda x: cp.asnumpy(x.astype(cp.float32))
     for kind in device_transport_kinds(comm):
-        layer = hpczeco.ZeCOGLA(comm, scan="ring", chunk_size=64, transport=kind)
+        layer = hpczeco.ZeCOGLA(comm, topology="ring", chunk_size=64, transport=kind)
         o = layer.forward(mine["q"], mine["k"], mine["v"], mine["g"])
         grads = layer.backward(mine["do"])
         errs = {"o": rel(f32(o), f32(o_full[:, sl]))}

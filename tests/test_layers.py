@@ -81,7 +81,7 @@ def _rel(name: str) -> str:
 
 def test_the_graph_is_read():
     assert len(MODULES) > 100
-    assert "hpczeco.gla.fused" in GRAPH["hpczeco.gla.varlen"]  # a relative import inside a function body too
+    assert "hpczeco.gpu.gla_varlen" in GRAPH["hpczeco.gla.chunk"]  # a relative import inside a function body too
     assert "hpczeco.collectives.timed" in GRAPH["hpczeco.zeco"]
 
 
@@ -148,3 +148,26 @@ def test_no_import_circle():
         if v not in index:
             visit(v)
     assert not circles, f"import circles: {circles}"
+
+
+@pytest.mark.parametrize("package, internals", [
+    ("hpczeco", {"zeco", "gla", "SCANS"}),
+    ("hpczeco.collectives", {"agree_fast", "local_error", "collective_check", "relay_recv", "relay_send",
+                             "check_blocks", "check_topology", "check_transport_name"}),
+    ("hpczeco.gla", {"check_gla_call", "split_forward", "ForwardSplit", "Geom", "run_units"}),
+    ("hpczeco.torch", {"ChunkGLAFunction", "ZeCOGLAFunction", "check_tensors"}),
+])
+def test_package_exports_name_what_users_call(package, internals):
+    """Each package's ``__all__`` lists what users call, every entry resolves, and the library's internals are
+    not among them (they are imported from their submodules)."""
+    import importlib
+
+    if package == "hpczeco.torch":
+        pytest.importorskip("torch")
+    mod = importlib.import_module(package)
+    assert mod.__all__ and len(set(mod.__all__)) == len(mod.__all__)
+    for name in mod.__all__:
+        assert getattr(mod, name) is not None, name
+    assert not internals & set(mod.__all__), internals & set(mod.__all__)
+    if package != "hpczeco":  # the lazy package has the subpackages as attributes once imported
+        assert not internals & set(vars(mod)) - {"zeco", "gla"}, internals & set(vars(mod))

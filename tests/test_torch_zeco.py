@@ -22,7 +22,7 @@ import hpczeco.torch as ht  # noqa: E402
 pytestmark = pytest.mark.mpi
 
 ROOT = Path(__file__).resolve().parents[1]
-SCANS = ["ring", "tree", "allgather", "serial", "exscan"]
+TOPOLOGIES = ["ring", "tree", "allgather", "serial", "exscan"]
 
 
 def rel(x, ref) -> float:
@@ -55,10 +55,10 @@ def whole(rng, B, T, H, K, V, dtype):
 TOL = {torch.float64: 1e-12, torch.float32: 3e-5, torch.bfloat16: 2e-2}
 
 
-@pytest.mark.parametrize("scan", SCANS)
+@pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_states", [False, True])
-def test_zeco_gla_matches_whole_sequence_recurrence(comm, rng, scan, dtype, with_states):
+def test_zeco_gla_matches_whole_sequence_recurrence(comm, rng, topology, dtype, with_states):
     P, r = comm.Get_size(), comm.Get_rank()
     B, H, K, V = 2, 2, 8, 5
     T = int(rng.integers(10, 30)) * P
@@ -73,7 +73,7 @@ def test_zeco_gla_matches_whole_sequence_recurrence(comm, rng, scan, dtype, with
     ref_loss.backward()
 
     mine = [leaf(x[:, lo:hi]) for x in (q, k, v, g)] + [leaf(h0) if r == 0 else None]
-    o, fin = ht.zeco_gla(*mine[:4], comm, scan=scan, initial_state=mine[4], output_final_state=True)
+    o, fin = ht.zeco_gla(*mine[:4], comm, topology=topology, initial_state=mine[4], output_final_state=True)
     assert o.dtype == dtype and o.shape == (B, hi - lo, H, V)
     assert fin.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     tol = TOL[dtype]
@@ -128,7 +128,7 @@ def test_final_state_of_another_rank_in_the_loss_raises_everywhere(comm, rng):
 
 
 BAD = ["dtype", "mixed dtype", "meta device", "not a tensor", "shape", "nan", "initial_state on rank 1",
-       "no grad", "bad scan", "int dtype"]
+       "no grad", "bad topology", "int dtype"]
 
 
 @pytest.mark.parametrize("bad", BAD)
@@ -140,7 +140,7 @@ def test_bad_tensor_on_one_rank_raises_the_same_error_everywhere(comm, rng, bad)
     q, k, v, g, _, h0, _ = whole(rng, B, T, H, K, V, torch.float64)
     lo, hi = T * r // P, T * (r + 1) // P
     xs = [leaf(x[:, lo:hi]) for x in (q, k, v, g)]
-    kw = {"initial_state": h0 if r == 0 else None, "scan": "ring"}
+    kw = {"initial_state": h0 if r == 0 else None, "topology": "ring"}
     if r == culprit:
         if bad == "dtype":
             xs = [x.float() for x in xs]
@@ -160,8 +160,8 @@ def test_bad_tensor_on_one_rank_raises_the_same_error_everywhere(comm, rng, bad)
             kw["initial_state"] = h0
         elif bad == "no grad":
             xs = [x.detach() for x in xs]
-        elif bad == "bad scan":
-            kw["scan"] = "bogus"
+        elif bad == "bad topology":
+            kw["topology"] = "bogus"
         elif bad == "int dtype":
             xs = [x.detach().to(torch.int32) for x in xs]
     if P == 1 and bad in ("initial_state on rank 1", "dtype", "no grad"):
@@ -185,12 +185,12 @@ def test_module_wrapper_equals_the_function(comm, rng):
     q, k, v, g, do, h0, _ = whole(rng, B, T, H, K, V, torch.float32)
     lo, hi = T * r // P, T * (r + 1) // P
     h = h0 if r == 0 else None
-    layer = ht.ZeCOGLAttention(comm, scan="tree", scale=0.25)
-    assert "scan='tree'" in repr(layer) and list(layer.parameters()) == []
+    layer = ht.ZeCOGLAttention(comm, "tree", None, 64, 0.25)  # ZeCOGLA's order: topology, blocks, chunk_size, scale
+    assert "topology='tree'" in repr(layer) and "scale=0.25" in repr(layer) and list(layer.parameters()) == []
     a = [leaf(x[:, lo:hi]) for x in (q, k, v, g)]
     b = [leaf(x[:, lo:hi]) for x in (q, k, v, g)]
     oa, fa = layer(*a, initial_state=h, output_final_state=True)
-    ob, fb = ht.zeco_gla(*b, comm, scan="tree", scale=0.25, initial_state=h, output_final_state=True)
+    ob, fb = ht.zeco_gla(*b, comm, topology="tree", scale=0.25, initial_state=h, output_final_state=True)
     assert torch.equal(oa, ob) and torch.equal(fa, fb)
     (oa * do[:, lo:hi]).sum().backward()
     (ob * do[:, lo:hi]).sum().backward()
@@ -199,6 +199,26 @@ def test_module_wrapper_equals_the_function(comm, rng):
     o, _ = layer(*a)
     ro, _ = recurrent_gla_torch(q, k, v, g, scale=0.25)
     assert rel(o, ro[:, lo:hi]) < 3e-5
+
+
+def test_numpy_and_torch_forms_take_the_same_options():
+    """hpczeco.zeco_gla and hpczeco.torch.zeco_gla: the same keyword options with the same defaults; ZeCOGLA and
+    ZeCOGLAttention: the same leading arguments in the same order."""
+    import inspect
+
+    import hpczeco
+
+    def options(fn):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    assert options(hpczeco.zeco_gla)[5:] == options(ht.zeco_gla)[5:]
+    assert {name for name, kind, _ in options(ht.zeco_gla)[5:] if kind is inspect.Parameter.KEYWORD_ONLY} == {
+        "topology", "blocks", "chunk_size", "scale", "initial_state", "output_final_state", "transport",
+        "check_values"}
+    lead = ["comm", "topology", "blocks", "chunk_size", "scale", "transport"]
+    assert list(inspect.signature(hpczeco.ZeCOGLA).parameters)[:6] == lead
+    assert list(inspect.signature(ht.ZeCOGLAttention).parameters)[:6] == lead
+    assert options(hpczeco.ZeCOGLA)[1:5] == options(ht.ZeCOGLAttention)[1:5]
 
 
 # ----------------------------------------------------------------------------------------------- the example

@@ -60,7 +60,7 @@ def test_zeco_matches_single_process(comm, rng, topology, dtype, with_states):
     _, prefix_state = chunk_gla(f64(q[:, :hi]), f64(k[:, :hi]), f64(v[:, :hi]), f64(g[:, :hi]),
                                 initial_state=f64(h0), output_final_state=True, chunk_size=16)
 
-    layer = ZeCOGLA(comm, scan=topology, blocks=int(rng.integers(1, K + 1)), chunk_size=16)
+    layer = ZeCOGLA(comm, topology=topology, blocks=int(rng.integers(1, K + 1)), chunk_size=16)
     sl = slice(lo, hi)
     o = layer.forward(q[:, sl], k[:, sl], v[:, sl], g[:, sl], initial_state=h0 if r == 0 else None)
     dq, dk, dv, dg, dh0 = layer.backward(do[:, sl], dht=dht if r == P - 1 else None)
@@ -88,7 +88,7 @@ def test_layer_reuses_its_workspace_across_calls(comm, rng):
     makes the backward that of the second forward; a slice length change reallocates."""
     P, r = comm.Get_size(), comm.Get_rank()
     B, H, K, V = 1, 2, 8, 4
-    layer = ZeCOGLA(comm, scan="ring", chunk_size=16)
+    layer = ZeCOGLA(comm, topology="ring", chunk_size=16)
     f64 = lambda x: None if x is None else x.astype(np.float64)  # noqa: E731
     for step, (per_rank, extra_forward) in enumerate([(40, False), (40, True), (40, False), (23, False)]):
         T = per_rank * P
@@ -118,10 +118,13 @@ def test_functional_form(comm, rng):
     q, k, v, g, *_ = make_inputs(rng, 1, 24 * P, 2, 4, 4, np.float64, strong=False)
     o_ref, fin_ref = chunk_gla(q, k, v, g, output_final_state=True)
     sl = slice(24 * r, 24 * (r + 1))
-    o, fin = zeco_gla(q[:, sl], k[:, sl], v[:, sl], g[:, sl], comm)
+    o, fin = zeco_gla(q[:, sl], k[:, sl], v[:, sl], g[:, sl], comm, output_final_state=True)
     assert rel(o, o_ref[:, sl]) < 1e-10
     if r == P - 1:
         assert rel(fin, fin_ref) < 1e-10
+    # without output_final_state only the output (as hpczeco.torch.zeco_gla and fla's chunk_gla)
+    o2, none = zeco_gla(q[:, sl], k[:, sl], v[:, sl], g[:, sl], comm, topology="tree", blocks=1, chunk_size=8)
+    assert none is None and rel(o2, o_ref[:, sl]) < 1e-10
 
 
 def _expect_collective_error(comm, fn, match: str):
@@ -155,9 +158,9 @@ def test_bad_inputs_fail_on_every_rank(comm, rng):
         qn[0, 3, 1, 2] = np.nan
     _expect_collective_error(comm, lambda: layer.forward(qn, k, v, g), "NaN")
     # mismatched scan topology
-    other = ZeCOGLA(comm, scan="tree" if r == bad_rank else "ring")
+    other = ZeCOGLA(comm, topology="tree" if r == bad_rank else "ring")
     if P > 1:
-        _expect_collective_error(comm, lambda: other.forward(q, k, v, g), "scan")
+        _expect_collective_error(comm, lambda: other.forward(q, k, v, g), "topology")
     # initial_state on a rank other than 0
     if P > 1:
         h0 = rng.standard_normal((1, 2, 4, 3))
@@ -189,8 +192,8 @@ def test_check_values_false_skips_only_the_value_scans(comm, rng):
 
 
 def test_constructor_rejects_bad_options(comm):
-    with pytest.raises(ValueError, match="scan"):
-        ZeCOGLA(comm, scan="ringg")
+    with pytest.raises(ValueError, match="topology must be one of"):
+        ZeCOGLA(comm, topology="ringg")
     with pytest.raises(ValueError, match="blocks"):
         ZeCOGLA(comm, blocks=0)
     with pytest.raises(ValueError, match="chunk_size"):

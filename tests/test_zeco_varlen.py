@@ -88,7 +88,7 @@ def test_packed_documents_across_ranks_equal_each_document_alone(comm, rng, topo
     lo, hi = int(bounds[r]), int(bounds[r + 1])
     sl = slice(lo, hi)
     cast = lambda x: None if x is None else x.astype(dtype)  # noqa: E731
-    layer = ZeCOGLA(comm, scan=topology, blocks=int(rng.integers(1, K + 1)), chunk_size=8)
+    layer = ZeCOGLA(comm, topology=topology, blocks=int(rng.integers(1, K + 1)), chunk_size=8)
     o = layer.forward(*(cast(x[:, sl]) for x in (q, k, v, g)), initial_state=cast(h0),
                       cu_seqlens=cu.astype(rng.choice([np.int32, np.int64])))
     docs = layer.documents

@@ -1,16 +1,15 @@
 """Gated linear attention (GLA) on one rank: float64 reference, chunked forward and backward, phase split.
 
-- :func:`recurrent_gla` / :func:`recurrent_gla_bwd`: token-by-token float64 references (``naive.py``)
-- :func:`chunk_gla` / :func:`chunk_gla_bwd`: chunked, vectorised numpy path (``chunk.py``, its body ``fused.py``); CuPy
-  inputs go to :mod:`hpczeco.gpu.gla`
-- :mod:`hpczeco.gla.split`: the same forward and backward cut where the incoming state enters
-  (``ForwardSplit``, ``BackwardSplit``); :mod:`hpczeco.gla.protocol`: the split protocol the ZeCO layer
-  talks to on numpy and CuPy alike (:mod:`hpczeco.gla.device_split` adapts the device kernels)
-- :func:`validate_gla_inputs`: the per-rank input checks (only ``ValueError``/``TypeError``)
+One algorithm a module, the reference beside them (as flash-linear-attention's ``ops/gla``):
 
-The fused and split forms share one thread runner (``_runner.py``), one chunk geometry (``_geometry.py``),
-one set of numba kernels (``_kernels.py``, ``_kernels_grad.py``, ``_pairwise.py``) and the group steps
-built on them (``_steps.py``).
+- :mod:`~hpczeco.gla.naive`: :func:`recurrent_gla` / :func:`recurrent_gla_bwd`, the token-by-token float64
+  references the fast paths are tested against;
+- :mod:`~hpczeco.gla.chunk`: :func:`chunk_gla` / :func:`chunk_gla_bwd`, the chunked numpy path (packed documents
+  with ``cu_seqlens`` too); CuPy inputs go to :mod:`hpczeco.gpu.gla`. Its numba kernels: :mod:`~hpczeco.gla.kernels`;
+- :mod:`~hpczeco.gla.split`: the same forward and backward cut where the incoming state enters, for the ZeCO
+  layer (the split protocol on numpy, CuPy and packed documents: ``split_forward``, ``split_backward``);
+- :mod:`~hpczeco.gla.validate`: :func:`validate_gla_inputs` and the other per-rank input checks (only
+  ``ValueError``/``TypeError``).
 
 Layout ``q, k, g: [B, T, H, K]``, ``v, o: [B, T, H, V]``, states ``[B, H, K, V]``; see docs/DESIGN.md.
 """

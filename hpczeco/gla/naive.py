@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from ..base.backend import to_numpy
-from .validate import check_cu_seqlens, check_document_states, check_scale, validate_gla_inputs
+from ..base.checks import check_scale
+from .validate import check_cu_seqlens, check_document_states, validate_gla_inputs
 
 __all__ = ["recurrent_gla", "recurrent_gla_bwd"]
 

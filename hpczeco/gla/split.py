@@ -1,11 +1,24 @@
-"""Phase-split chunked GLA on the CPU: the forward and backward of :mod:`hpczeco.gla.fused`, cut where the
-incoming state (forward) or the incoming state gradient (backward) enters, so that a sequence-parallel
-layer (ZeCO, :mod:`hpczeco.zeco`) overlaps its scan with the work that does not need it.
+"""The phase split of the chunked GLA: the forward and backward of :mod:`hpczeco.gla.chunk`, cut where the incoming
+state (forward) or the incoming state gradient (backward) enters, so that a sequence-parallel layer (ZeCO,
+:mod:`hpczeco.zeco`) overlaps its scan with the work that does not need it.
+
+The protocol (:class:`SplitForward`, :class:`SplitBackward`), which the layer talks to on numpy and CuPy alike, so
+it has one code path. Order of use, forward: construct (the local pass from a zero state), scan ``(a, S_local)``,
+``overlap(poll)`` while the scan is in flight, ``finish(S_in)`` with its result. Backward: construct, scan ``(a,
+U)`` in reverse, ``overlap(poll)``, ``finish(dht)``. ``finish`` runs once per object. :func:`split_forward` /
+:func:`split_backward` pick the implementation:
+
+* numpy arrays: :class:`ForwardSplit` / :class:`BackwardSplit` (below);
+* CuPy arrays: :class:`DeviceForwardSplit` / :class:`DeviceBackwardSplit`, adapters over :mod:`hpczeco.gpu.gla`'s
+  prepare/finish objects;
+* packed documents (``cu_seqlens``): :class:`PackedForwardSplit` / :class:`PackedBackwardSplit`, whose pieces are
+  plain splits of either kind.
 
 Layout and semantics as :func:`hpczeco.gla.chunk_gla` / :func:`hpczeco.gla.chunk_gla_bwd` (``q, k, g:
-[B, T, H, K]``, ``v, do: [B, T, H, V]``, states ``[B, H, K, V]``); numpy inputs only. Everything is local:
-no communication. With ``G_n`` the gate summed over the chunks before chunk ``n`` (float64, <= 0) and
-``a = exp(sum of g over the slice)``:
+[B, T, H, K]``, ``v, do: [B, T, H, V]``, states ``[B, H, K, V]``). Everything is local: no communication.
+
+numpy. With ``G_n`` the gate summed over the chunks before chunk ``n`` (float64, <= 0) and ``a = exp(sum of g over
+the slice)``:
 
 Forward (:class:`ForwardSplit`)::
 
@@ -25,45 +38,181 @@ Backward (:class:`BackwardSplit`), ``dH_n`` the gradient into chunk ``n``'s end 
 
 Every product of chunk_gla / chunk_gla_bwd is done once (the forward's fused ``[A | Qe] [V; S]`` becomes
 ``A V`` in ``intra`` and ``Qe S`` in ``finish``); the constructors use light exponent kernels (one ``exp``
-per token and key instead of the full sub-chunk exponent buffer). Numerical form as fused.py: every
-exponent is <= 0 (strong decays go through fused.py's exact pairwise diagonal blocks), and dg uses the
+per token and key instead of the full sub-chunk exponent buffer). Numerical form as the fused one: every
+exponent is <= 0 (strong decays go through the exact pairwise diagonal blocks), and dg uses the
 same cancellation-free form. Kept between the phases: the chunk states ``[N + 1, K, V]`` and state
 gradients ``[N, K, V]`` per sequence, and ``[T, K]`` per sequence of operands (``scale q exp(b)`` in the
-forward, ``exp(b_C - b)`` in the backward). ``finish`` adds into the intra results in place, so it runs
-once per object. After the forward's finish, :attr:`ForwardSplit.states` holds the true chunk states; a
-:class:`BackwardSplit` given them (``states=``) skips their recomputation. ``check_values=False`` skips the
-value scans (NaN/Inf, g <= 0) for inputs the caller has validated (the ZeCO layer checks collectively),
+forward, ``exp(b_C - b)`` in the backward), in a :class:`SplitWorkspace` if one is given (reused from call to
+call, so that a layer that runs the split every step touches warm pages). ``finish`` adds into the intra results
+in place, so it runs once per object. After the forward's finish, :attr:`ForwardSplit.states` holds the true chunk
+states; a :class:`BackwardSplit` given them (``states=``) skips their recomputation. ``check_values=False`` skips
+the value scans (NaN/Inf, g <= 0) for inputs the caller has validated (the ZeCO layer checks collectively),
 and of the state handed to ``finish`` (a scan result: a NaN found there on one rank only would end that
-rank alone; it propagates instead).
+rank alone; it propagates instead). ``intra``/``local`` (the protocol's ``overlap``) call ``poll()`` (if given)
+about every millisecond of work, from the calling thread, so ``poll`` may make MPI progress (``handle.test()``)
+without MPI_THREAD_MULTIPLE. Threads, kernels and group steps are those of :mod:`hpczeco.gla.chunk` and
+:mod:`hpczeco.gla.kernels`.
 
-Both classes implement the split protocol of :mod:`hpczeco.gla.protocol` (``a``, the local state,
-``overlap(poll)``, ``finish``); ``intra``/``local`` are their ``overlap``. These call ``poll()`` (if given)
-about every millisecond of work, from the calling thread, so ``poll`` may make MPI progress
-(``handle.test()``) without MPI_THREAD_MULTIPLE. Threads, kernels and group steps are those of fused.py
-(:mod:`hpczeco.gla._runner`, :mod:`hpczeco.gla._kernels`, :mod:`hpczeco.gla._steps`). The kernels that
-only stream token rows walk tokens in the outer loop and a block of sequences inside, so the rows of
-``[B, T, H, D]`` arrays are touched in memory order.
+CuPy. The device kernels fold the incoming state into the chunk states inside ``finish`` (no correction pass), so
+everything that needs no incoming state is queued by the constructor and ``overlap`` has no host work (it does not
+poll). Slices with no tokens or no heads need no kernels: the adapters answer them directly (``a = 1``, zero local
+state; the incoming state passes through). States are float32 (float64 for float64 inputs); inputs and outputs in
+any form :mod:`hpczeco.gpu.gla` takes (float64, float32, float16, bfloat16, raw bf16 bits as ``uint16``). The
+forward's chunk states (the chunk-parallel tensor-core kernels) are handed to the backward as
+:attr:`DeviceForwardSplit.states`, so a layer that keeps them between forward and backward skips one state walk. The
+caller validates the inputs (shapes and dtypes are checked again by :mod:`hpczeco.gpu.gla`, values not at all).
+
+Packed documents. A sequence-parallel layer hands a rank's slice with the slice's own offsets ``cu_seqlens [N + 1]``
+(``N >= 1`` documents or pieces of documents, ``B == 1``); only the first document can continue a document of the
+ranks before, and only the last one can continue into the ranks after. So, with the per-document states
+``[N, H, K, V]``: :class:`PackedForwardSplit`'s ``finish(S_in)`` returns what ``chunk_gla(q, k, v, g,
+cu_seqlens=..., initial_state=h0', output_final_state=True)`` returns, ``h0'`` being ``initial_state`` (zeros if
+None) with ``S_in`` added to row 0; the scan element is ``a = exp(sum of g)`` when ``N == 1``, else 0 (a document
+start is a zero decay for everything before it), ``S_local`` the last document's final state with ``S_in = 0``.
+:class:`PackedBackwardSplit`'s ``finish(D)`` returns ``chunk_gla_bwd(..., initial_state, dht=dht')`` with ``D`` added
+to row ``N - 1`` of ``dht``; ``a`` as above, ``U`` the first document's ``dh0`` with ``D = 0``. The first document is
+a plain split (its ``finish`` needs ``S_in``), the last one (``N >= 2``) a plain split whose scan element
+``S_local + a h0`` is ready after its local pass, and the documents between them run whole (by buckets, split
+runners without value scans) in ``overlap``; in the backward the roles of first and last swap. The constructors
+check shapes, dtypes and ``cu_seqlens``, and the values unless ``check_values=False``; the state handed to
+``finish`` is not checked.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from ..base.backend import is_device_array
+from ..base.backend import get_array_module, is_device_array
 from ..base.checks import check_array, check_shape, dtype_name
-from . import _kernels as _kn
-from . import _kernels_grad as _kg
-from ._geometry import Geom, num_chunks
-from ._runner import Poll, Tick, run_units, unit_blocks
-from ._steps import OperandBuffers, a_matrix, exponents, intra_grads, matmul_rows, rows
-from .validate import check_finite_values, check_gla_call, state_dtype_ok
-from .workspace import SplitWorkspace
+from ..base.packing import BackwardRunner, ForwardRunner, packed_backward, packed_forward
+from . import kernels as _kn
+from .chunk import (
+    Geom,
+    OperandBuffers,
+    Poll,
+    Tick,
+    a_matrix,
+    exponents,
+    intra_grads,
+    matmul_rows,
+    num_chunks,
+    rows,
+    run_units,
+    unit_blocks,
+)
+from .validate import (
+    check_cu_seqlens,
+    check_device_values,
+    check_document_states,
+    check_finite_values,
+    check_gla_call,
+    state_dtype_ok,
+    validate_gla_inputs,
+)
 
-__all__ = ["ForwardSplit", "BackwardSplit"]
+__all__ = [
+    "SplitForward",
+    "SplitBackward",
+    "split_forward",
+    "split_backward",
+    "SplitWorkspace",
+    "ForwardSplit",
+    "BackwardSplit",
+    "DeviceForwardSplit",
+    "DeviceBackwardSplit",
+    "PackedForwardSplit",
+    "PackedBackwardSplit",
+]
 
+
+# --------------------------------------------------------------------------------------------------------- workspace
+
+class SplitWorkspace:
+    """Named scratch arrays reused across calls: ``take(name, shape, dtype)`` hands back the array held under
+    ``name`` when its shape and dtype match (else a new one, which replaces it)."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """An array ``shape`` of ``dtype`` (C-contiguous, contents undefined) held under ``name``."""
+        shape, dtype = tuple(int(s) for s in shape), np.dtype(dtype)
+        x = self._arrays.get(name)
+        if x is None or x.shape != shape or x.dtype != dtype:
+            self._arrays.pop(name, None)  # drop the old one first: peak memory of one array, not two
+            x = self._arrays[name] = np.empty(shape, dtype)
+        return x
+
+    def clear(self) -> None:
+        """Drop every held array."""
+        self._arrays.clear()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return sum(x.nbytes for x in self._arrays.values())
+
+    def names(self) -> list[str]:
+        """The names of the held arrays."""
+        return sorted(self._arrays)
+
+# ------------------------------------------------------------------------------------------------------ the protocol
+
+class SplitForward(Protocol):
+    """A GLA forward of one slice, local pass done. Shapes: ``q, k, g [B, T, H, K]``, ``v [B, T, H, V]``.
+
+    Attributes:
+        a: ``[B, H, K]``, ``exp`` of the gate summed over the slice (the state dtype).
+        S_local: ``[B, H, K, V]``, the slice's final state from a zero initial state (the state dtype).
+    """
+
+    a: Any
+    S_local: Any
+
+    def overlap(self, poll: Poll = None) -> None:
+        """The work that needs no incoming state, calling ``poll()`` (if given) about every millisecond of
+        host work, from the calling thread. Idempotent; :meth:`finish` runs it if it has not run."""
+        ...
+
+    def finish(self, S_in: Any = None) -> tuple[Any, Any]:
+        """``(o [B, T, H, V] input dtype, final state [B, H, K, V])`` with the incoming state ``S_in
+        [B, H, K, V]`` (None: zeros); ``final = diag(a) S_in + S_local``. Once per object."""
+        ...
+
+    @property
+    def states(self) -> Any:
+        """After :meth:`finish`: what :func:`split_backward` may take as ``states`` (the chunk states
+        ``[B, H, N + 1, K, V]`` on numpy, the prepared forward on CuPy), or None where the backend recomputes
+        them."""
+        ...
+
+
+class SplitBackward(Protocol):
+    """A GLA backward of one slice, its state passes done. Shapes as :class:`SplitForward`, ``do [B, T, H, V]``.
+
+    Attributes:
+        a: ``[B, H, K]`` as :attr:`SplitForward.a`.
+        U: ``[B, H, K, V]``, the gradient into the slice's initial state when no gradient flows into its
+            final state, ``scale sum_t (q_t exp(G_t))^T do_t`` (the state dtype).
+    """
+
+    a: Any
+    U: Any
+
+    def overlap(self, poll: Poll = None) -> None:
+        """The work that needs no incoming state gradient, polling as :meth:`SplitForward.overlap`."""
+        ...
+
+    def finish(self, dht: Any = None) -> tuple[Any, Any, Any, Any, Any]:
+        """``(dq, dk, dv, dg, dh0)`` with the gradient ``dht [B, H, K, V]`` into the final state (None:
+        zeros); ``dh0 = U + diag(a) dht``. Once per object."""
+        ...
+
+
+# ------------------------------------------------------------------------------------------------------------- numpy
 
 def _check_numpy(**arrays: Any) -> None:
     for name, x in arrays.items():
@@ -164,9 +313,9 @@ class ForwardSplit(_Split):
     :class:`BackwardSplit` can take instead of recomputing them). ``q, k, g: [B, T, H, K]``, ``v: [B, T, H,
     V]``; validation and dtypes as :func:`hpczeco.gla.chunk_gla` (``check_values=False`` skips the NaN/Inf
     and ``g <= 0`` scans for inputs validated by the caller). ``workspace``
-    (:class:`hpczeco.gla.workspace.SplitWorkspace`): where the chunk states and the q-side operands live
+    (:class:`SplitWorkspace`): where the chunk states and the q-side operands live
     (reused across calls; ``states`` is then the workspace's array, valid until the next split with it).
-    Local: no communication. Implements :class:`hpczeco.gla.protocol.SplitForward`.
+    Local: no communication. Implements :class:`SplitForward`.
     """
 
     S_local: np.ndarray
@@ -319,7 +468,7 @@ class BackwardSplit(_Split):
     slot must equal ``initial_state``, zeros if None). ``check_values=False`` skips the NaN/Inf and
     ``g <= 0`` scans. ``workspace`` as :class:`ForwardSplit` (the state gradients, ``exp(b_C - b)`` and
     recomputed states live there; given ``states`` are only read). Local: no communication. Implements
-    :class:`hpczeco.gla.protocol.SplitBackward`.
+    :class:`SplitBackward`.
     """
 
     U: np.ndarray
@@ -455,7 +604,7 @@ class BackwardSplit(_Split):
                     intra_grads(q, k, g, b, h, n0, gc, geo, s, ob, vr, dor, Sst[n0 : n0 + gc], LA, dA, dd[j], DV[j],
                                 M1, DQ[j], DK[j])  # fmt: skip
                     tick()
-                _kg.local_write(q, k, ub, uh, n0, gc, T, C, s, DQ, DK, dd, DV, self._dq, self._dk, self._dv, self._dg)
+                _kn.local_write(q, k, ub, uh, n0, gc, T, C, s, DQ, DK, dd, DV, self._dq, self._dk, self._dv, self._dg)
 
     def finish(self, dht: Any = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(dq, dk, dv, dg, dh0)`` of ``chunk_gla_bwd`` with the gradient ``dht [B, H, K, V]`` into the final
@@ -499,7 +648,350 @@ class BackwardSplit(_Split):
                     np.matmul(Kd[j, :gc], dH, out=DV2[j, :gc])
                     vr = rows(self._v, b, h, n0, gc, geo, Vb)
                     np.matmul(vr, dH.transpose(0, 2, 1), out=VdH[j, :gc])
-                _kg.add_state_grads(
+                _kn.add_state_grads(
                     self._k, ub, uh, n0, gc, T, C, self._E, VdH, DV2, self._ac, self._Sst, dHt,
                     self._dk, self._dv, self._dg,
                 )  # fmt: skip
+
+# ----------------------------------------------------------------------------------------------------- CuPy adapters
+
+def _state_dtype(xp: Any, x: Any) -> Any:
+    """The state dtype of inputs like ``x``: float64 for float64, else float32 (as :mod:`hpczeco.gpu.gla`)."""
+    return xp.float64 if str(x.dtype) == "float64" else xp.float32
+
+
+class DeviceForwardSplit:
+    """:class:`SplitForward` on CuPy arrays ``q, k, g [B, T, H, K]``, ``v [B, T, H, V]``:
+    ``a [B, H, K]`` and ``S_local [B, H, K, V]`` float32; ``finish(S_in)`` returns ``(o [B, T, H, V] input
+    dtype, final [B, H, K, V] float32)``. ``states``: the prepared forward (``hpczeco.gpu.gla.GLAForward``) whose
+    chunk states :class:`DeviceBackwardSplit` reuses, or None where they are recomputed (simt kernels, empty slice).
+    Keeps references to the inputs: leave them unmodified until :meth:`finish` (and the backward given ``states``)."""
+
+    states: Any = None
+
+    def __init__(self, q: Any, k: Any, v: Any, g: Any, scale: float | None = None, chunk_size: int = 64):
+        B, T, H, K = (int(s) for s in q.shape)
+        V = int(v.shape[3])
+        self._xp = xp = get_array_module(q)
+        self._out = ((B, T, H, V), q.dtype)
+        self._sdt = sdt = _state_dtype(xp, q)
+        if T == 0 or B * H == 0:
+            self._fw = None
+            self.a = xp.ones((B, H, K), dtype=sdt)
+            self.S_local = xp.zeros((B, H, K, V), dtype=sdt)
+            return
+        from ..gpu.gla import chunk_gla_prepare  # noqa: PLC0415
+
+        self._fw = chunk_gla_prepare(q, k, v, g, scale=scale, chunk_size=chunk_size)
+        self.a, self.S_local = self._fw.decay, self._fw.local_final_state
+        self.states = self._fw if self._fw.impl == "tc-chunk" else None
+
+    def overlap(self, poll: Poll = None) -> None:
+        """No host work: the local pass is queued on the device, the outputs need ``S_in``."""
+
+    def finish(self, S_in: Any = None) -> tuple[Any, Any]:
+        """``(o, final)`` with the incoming state ``S_in [B, H, K, V]`` (None: zeros)."""
+        xp = self._xp
+        if self._fw is None:
+            shape, dtype = self._out
+            B, _, H, V = shape
+            final = (xp.zeros((B, H, self.a.shape[2], V), dtype=self._sdt) if S_in is None
+                     else xp.ascontiguousarray(S_in.astype(self._sdt)))
+            return xp.zeros(shape, dtype=dtype), final
+        return self._fw.finish(initial_state=S_in, output_final_state=True)
+
+
+class DeviceBackwardSplit:
+    """:class:`SplitBackward` on CuPy arrays (shapes as :class:`DeviceForwardSplit`,
+    ``do [B, T, H, V]``, ``initial_state [B, H, K, V]`` or None): ``a [B, H, K]`` and ``U [B, H, K, V]``
+    float32; ``finish(dht)`` returns ``(dq, dk, dv, dg)`` in the input dtype and ``dh0 [B, H, K, V]``
+    float32. ``states``: :attr:`DeviceForwardSplit.states` of the forward of the same ``q, k, v, g`` (its chunk
+    states are reused), or None. Keeps references to the inputs: leave them unmodified until :meth:`finish`."""
+
+    def __init__(self, q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None = None,
+                 initial_state: Any = None, chunk_size: int = 64, states: Any = None):
+        B, T, H, K = (int(s) for s in q.shape)
+        V = int(v.shape[3])
+        self._xp = xp = get_array_module(q)
+        self._shapes = ((B, T, H, K), (B, T, H, V), q.dtype)
+        self._h0 = initial_state
+        self._sdt = sdt = _state_dtype(xp, q)
+        if T == 0 or B * H == 0:
+            self._bw = None
+            self.a = xp.ones((B, H, K), dtype=sdt)
+            self.U = xp.zeros((B, H, K, V), dtype=sdt)
+            return
+        from ..gpu.gla import chunk_gla_bwd_prepare  # noqa: PLC0415
+
+        self._bw = chunk_gla_bwd_prepare(q, k, v, g, do, scale=scale, chunk_size=chunk_size, fwd=states)
+        self.a, self.U = self._bw.decay, self._bw.dh0_local
+
+    def overlap(self, poll: Poll = None) -> None:
+        """No host work: the state passes are queued on the device, the gradients need ``dht``."""
+
+    def finish(self, dht: Any = None) -> tuple[Any, Any, Any, Any, Any]:
+        """``(dq, dk, dv, dg, dh0)`` with the gradient ``dht [B, H, K, V]`` into the final state (None: zeros)."""
+        xp = self._xp
+        if self._bw is None:
+            qk, vshape, dtype = self._shapes
+            dh0 = xp.zeros(self.U.shape, dtype=self._sdt) if dht is None else dht.astype(self._sdt)
+            return (xp.zeros(qk, dtype=dtype), xp.zeros(qk, dtype=dtype), xp.zeros(vshape, dtype=dtype),
+                    xp.zeros(qk, dtype=dtype), dh0)  # fmt: skip
+        return self._bw.finish(initial_state=self._h0, dht=dht)
+
+# ---------------------------------------------------------------------------------------- one sequence by array type
+
+def _plain_split_forward(q: Any, k: Any, v: Any, g: Any, scale: float | None = None, chunk_size: int = 64, *,
+                        check_values: bool = True, workspace: SplitWorkspace | None = None,
+                        ) -> ForwardSplit | DeviceForwardSplit:
+    """The forward split of ``q, k, g: [B, T, H, K]``, ``v: [B, T, H, V]`` by array type (see
+    :func:`split_forward`; ``check_values`` and ``workspace`` apply to numpy only)."""
+    if is_device_array(q):
+        return DeviceForwardSplit(q, k, v, g, scale=scale, chunk_size=chunk_size)
+    return ForwardSplit(q, k, v, g, scale=scale, chunk_size=chunk_size, check_values=check_values, workspace=workspace)
+
+
+def _plain_split_backward(q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None = None,
+                         initial_state: Any = None, chunk_size: int = 64, *, states: Any = None,
+                         check_values: bool = True, workspace: SplitWorkspace | None = None,
+                         ) -> BackwardSplit | DeviceBackwardSplit:
+    """The backward split (``do: [B, T, H, V]``, ``initial_state [B, H, K, V]`` or None) by array type (see
+    :func:`split_backward`)."""
+    if is_device_array(q):
+        return DeviceBackwardSplit(q, k, v, g, do, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
+                                   states=states)
+    return BackwardSplit(q, k, v, g, do, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
+                         states=states, check_values=check_values, workspace=workspace)
+
+
+def _split_runners(scale: float | None, chunk_size: int) -> tuple[ForwardRunner, BackwardRunner]:
+    """The plain GLA through the split protocol without value scans (numpy: :class:`ForwardSplit` /
+    :class:`BackwardSplit`, CuPy: the device adapters), as :mod:`hpczeco.base.packing`'s runners: the packed
+    splits' middle documents."""
+
+    def fwd(q, k, v, g, h0, poll):
+        fs = _plain_split_forward(q, k, v, g, scale=scale, chunk_size=chunk_size, check_values=False)
+        fs.overlap(poll)
+        return fs.finish(h0)
+
+    def bwd(q, k, v, g, do, h0, dht, poll):
+        bs = _plain_split_backward(q, k, v, g, do, scale=scale, initial_state=h0, chunk_size=chunk_size,
+                                  check_values=False)
+        bs.overlap(poll)
+        return bs.finish(dht)
+
+    return fwd, bwd
+
+
+# -------------------------------------------------------------------------------------------------- packed documents
+
+def _row(x: Any, i: int) -> Any:
+    return None if x is None else x[i : i + 1]
+
+
+def _add(x: Any, y: Any) -> Any:
+    """``x + y`` where None means zeros."""
+    if x is None:
+        return y
+    return x if y is None else x + y
+
+
+def _tokens(x: Any, a: int, b: int) -> Any:
+    return x[:, a:b]
+
+
+class _Packed:
+    def _setup(self, q: Any, k: Any, v: Any, g: Any, cu_seqlens: Any, states: dict[str, Any], do: Any,
+               check_values: bool) -> None:
+        B, T, H, K, V = validate_gla_inputs(q, k, v, g, do=do, check_values=check_values)
+        self.cu = cu = check_cu_seqlens(cu_seqlens, B, T)
+        self.N = N = len(cu) - 1
+        for name, x in states.items():
+            if x is not None:
+                check_document_states(name, x, N, H, K, V, q, check_values=check_values)
+        if check_values and self._device(q):
+            present = {n: x for n, x in states.items() if x is not None}
+            if present:
+                check_device_values(present)
+        self.xp = get_array_module(q)
+        self.shape = (B, T, H, K, V)
+        self._first = (0, int(cu[1]))
+        self._last = (int(cu[N - 1]), T)
+        self._mid = (int(cu[1]), int(cu[N - 1]))  # documents 1 .. N - 2
+
+    @staticmethod
+    def _device(x: Any) -> bool:
+        return get_array_module(x) is not np
+
+
+class PackedForwardSplit(_Packed):
+    """:class:`SplitForward` of a slice of packed documents (module docstring): ``q, k, g
+    [1, T, H, K]``, ``v [1, T, H, V]``, ``cu_seqlens [N + 1]`` (the slice's offsets), ``initial_state [N, H, K, V]``
+    or None. ``a [1, H, K]``, ``S_local [1, H, K, V]``; ``finish(S_in [1, H, K, V] or None)`` returns ``(o [1, T,
+    H, V], final [N, H, K, V])``. ``states`` is None (the backward recomputes its chunk states)."""
+
+    states = None
+
+    def __init__(self, q: Any, k: Any, v: Any, g: Any, cu_seqlens: Any, scale: float | None = None,
+                 initial_state: Any = None, chunk_size: int = 64, *, check_values: bool = True):
+        self._setup(q, k, v, g, cu_seqlens, {"initial_state": initial_state}, None, check_values)
+        self._args = (q, k, v, g)
+        self._scale, self._chunk, self._h0 = scale, chunk_size, initial_state
+        self._fs = _plain_split_forward(*(_tokens(x, *self._first) for x in self._args), scale=scale,
+                                       chunk_size=chunk_size, check_values=False)
+        self._mid_out = self._last_out = None
+        self._done = False
+        if self.N == 1:
+            self.a = self._fs.a
+            self.S_local = _add(self._fs.S_local, _scaled(self._fs.a, _row(initial_state, 0)))
+            self._ls = None
+        else:
+            self._ls = _plain_split_forward(*(_tokens(x, *self._last) for x in self._args), scale=scale,
+                                           chunk_size=chunk_size, check_values=False)
+            self.a = self.xp.zeros_like(self._fs.a)
+            self.S_local = _add(self._ls.S_local, _scaled(self._ls.a, _row(initial_state, self.N - 1)))
+
+    def overlap(self, poll: Poll = None) -> None:
+        """The first document's intra-chunk work, the documents after it whole. Idempotent."""
+        if self._done:
+            return
+        self._fs.overlap(poll)
+        if self.N >= 2:
+            self._ls.overlap(poll)
+            self._last_out = self._ls.finish(_row(self._h0, self.N - 1))
+        if self.N >= 3:
+            a, b = self._mid
+            h0 = None if self._h0 is None else self._h0[1 : self.N - 1]
+            fwd, _ = _split_runners(self._scale, self._chunk)
+            self._mid_out = packed_forward(fwd, *(_tokens(x, a, b) for x in self._args), self.cu[1:-1] - a, h0,
+                                           self._chunk, poll)  # fmt: skip
+        self._done = True
+
+    def finish(self, S_in: Any = None) -> tuple[Any, Any]:
+        """``(o [1, T, H, V], final [N, H, K, V])`` with ``S_in`` added to the first document's initial state."""
+        self.overlap()
+        o0, f0 = self._fs.finish(_add(_row(self._h0, 0), S_in))
+        if self.N == 1:
+            return o0, f0
+        pieces = [(self._first, o0)]
+        finals = [f0]
+        if self._mid_out is not None:
+            pieces.append((self._mid, self._mid_out[0]))
+            finals.append(self._mid_out[1])
+        pieces.append((self._last, self._last_out[0]))
+        finals.append(self._last_out[1])
+        B, T, H, K, V = self.shape
+        o = self.xp.empty((B, T, H, V), dtype=o0.dtype)
+        for (a, b), x in pieces:
+            o[:, a:b] = x
+        sdt = np.result_type(*(f.dtype for f in finals))
+        return o, self.xp.concatenate([f.astype(sdt, copy=False) for f in finals])
+
+
+class PackedBackwardSplit(_Packed):
+    """:class:`SplitBackward` of a slice of packed documents (module docstring): shapes as
+    :class:`PackedForwardSplit`, ``do [1, T, H, V]``, ``initial_state`` and ``dht`` ``[N, H, K, V]`` or None.
+    ``a [1, H, K]``, ``U [1, H, K, V]``; ``finish(D [1, H, K, V] or None)`` returns ``(dq, dk, dv, dg [1, T, H, *],
+    dh0 [N, H, K, V])``."""
+
+    def __init__(self, q: Any, k: Any, v: Any, g: Any, do: Any, cu_seqlens: Any, scale: float | None = None,
+                 initial_state: Any = None, dht: Any = None, chunk_size: int = 64, *, check_values: bool = True):
+        self._setup(q, k, v, g, cu_seqlens, {"initial_state": initial_state, "dht": dht}, do, check_values)
+        self._args = (q, k, v, g, do)
+        self._scale, self._chunk, self._h0, self._dht = scale, chunk_size, initial_state, dht
+        N = self.N
+        self._ls = _plain_split_backward(*(_tokens(x, *self._last) for x in self._args), scale=scale,
+                                        initial_state=_row(initial_state, N - 1), chunk_size=chunk_size,
+                                        check_values=False)
+        self._mid_out = self._first_out = None
+        self._done = False
+        if N == 1:
+            self.a = self._ls.a
+            self.U = _add(self._ls.U, _scaled(self._ls.a, _row(dht, 0)))
+            self._fs = None
+        else:
+            self._fs = _plain_split_backward(*(_tokens(x, *self._first) for x in self._args), scale=scale,
+                                            initial_state=_row(initial_state, 0), chunk_size=chunk_size,
+                                            check_values=False)
+            self.a = self.xp.zeros_like(self._fs.a)
+            self.U = _add(self._fs.U, _scaled(self._fs.a, _row(dht, 0)))
+
+    def overlap(self, poll: Poll = None) -> None:
+        """The last document's local work, the documents before it whole. Idempotent."""
+        if self._done:
+            return
+        self._ls.overlap(poll)
+        if self.N >= 2:
+            self._fs.overlap(poll)
+            self._first_out = self._fs.finish(_row(self._dht, 0))
+        if self.N >= 3:
+            a, b = self._mid
+            sl = slice(1, self.N - 1)
+            h0 = None if self._h0 is None else self._h0[sl]
+            dht = None if self._dht is None else self._dht[sl]
+            _, bwd = _split_runners(self._scale, self._chunk)
+            self._mid_out = packed_backward(bwd, *(_tokens(x, a, b) for x in self._args), self.cu[1:-1] - a, h0, dht,
+                                            self._chunk, poll)  # fmt: skip
+        self._done = True
+
+    def finish(self, D: Any = None) -> tuple[Any, Any, Any, Any, Any]:
+        """``(dq, dk, dv, dg, dh0 [N, H, K, V])`` with ``D`` added to the last document's ``dht``."""
+        self.overlap()
+        last = self._ls.finish(_add(_row(self._dht, self.N - 1), D))
+        if self.N == 1:
+            return last
+        pieces = [(self._first, self._first_out)]
+        if self._mid_out is not None:
+            pieces.append((self._mid, self._mid_out))
+        pieces.append((self._last, last))
+        B, T, H, K, V = self.shape
+        xp = self.xp
+        grads = [xp.empty((B, T, H, K if i != 2 else V), dtype=last[i].dtype) for i in range(4)]
+        for (a, b), res in pieces:
+            for out, x in zip(grads, res[:4]):
+                out[:, a:b] = x
+        sdt = np.result_type(*(r[4].dtype for _, r in pieces))
+        return (*grads, xp.concatenate([r[4].astype(sdt, copy=False) for _, r in pieces]))
+
+
+def _scaled(a: Any, x: Any) -> Any:
+    """``diag(a) x`` for a decay ``a [1, H, K]`` and a state row ``x [1, H, K, V]`` (None: None)."""
+    return None if x is None else a[..., None] * x
+
+
+# ----------------------------------------------------------------------------------------------------- the entry
+
+def split_forward(q: Any, k: Any, v: Any, g: Any, scale: float | None = None, chunk_size: int = 64, *,
+                  check_values: bool = True, cu_seqlens: Any = None, initial_state: Any = None,
+                  workspace: SplitWorkspace | None = None) -> SplitForward:
+    """The forward split for these arrays: :class:`ForwardSplit` for numpy (validated as
+    :func:`hpczeco.gla.chunk_gla`; ``check_values=False`` skips the value scans), the device adapter for CuPy
+    (shapes and dtypes checked by :mod:`hpczeco.gpu.gla`; the value scans are the caller's). With ``cu_seqlens
+    [N + 1]``: :class:`PackedForwardSplit` (``initial_state [N, H, K, V]`` or None, the
+    documents' own initial states; ``S_in`` adds to row 0). ``initial_state`` needs ``cu_seqlens``. ``workspace``
+    (:class:`SplitWorkspace`): where the numpy split keeps its arrays between calls (the
+    other forms ignore it). Local."""
+    if cu_seqlens is not None:
+        return PackedForwardSplit(q, k, v, g, cu_seqlens, scale=scale, initial_state=initial_state,
+                                  chunk_size=chunk_size, check_values=check_values)
+    if initial_state is not None:
+        raise ValueError("split_forward takes initial_state only with cu_seqlens (else it is finish()'s S_in)")
+    return _plain_split_forward(q, k, v, g, scale=scale, chunk_size=chunk_size, check_values=check_values,
+                               workspace=workspace)
+
+
+def split_backward(q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None = None, initial_state: Any = None,
+                   chunk_size: int = 64, *, states: Any = None, check_values: bool = True, cu_seqlens: Any = None,
+                   dht: Any = None, workspace: SplitWorkspace | None = None) -> SplitBackward:
+    """The backward split for these arrays (``initial_state [B, H, K, V]`` or None; ``states`` from
+    :attr:`SplitForward.states` or None), chosen and checked as :func:`split_forward`. With ``cu_seqlens``:
+    :class:`PackedBackwardSplit` (``initial_state``, ``dht`` ``[N, H, K, V]`` or None;
+    the ``dht`` handed to ``finish`` adds to row ``N - 1``; ``states`` is not used). ``workspace`` as
+    :func:`split_forward`. Local."""
+    if cu_seqlens is not None:
+        return PackedBackwardSplit(q, k, v, g, do, cu_seqlens, scale=scale, initial_state=initial_state, dht=dht,
+                                   chunk_size=chunk_size, check_values=check_values)
+    if dht is not None:
+        raise ValueError("split_backward takes dht only with cu_seqlens (else it is finish()'s argument)")
+    return _plain_split_backward(q, k, v, g, do, scale=scale, initial_state=initial_state, chunk_size=chunk_size,
+                                states=states, check_values=check_values, workspace=workspace)

@@ -15,7 +15,6 @@ float32.
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any
 
 import numpy as np
@@ -24,9 +23,11 @@ from ..base.backend import get_array_module, is_device_array
 from ..base.checks import (
     FLOAT_DTYPES,
     check_array,
+    check_chunk_size,
     check_finite,
     check_log_gate,
     check_same_dtype,
+    check_scale,
     check_shape,
     dtype_name,
 )
@@ -34,9 +35,8 @@ from ..base.packing import check_cu_seqlens
 
 __all__ = [
     "validate_gla_inputs",
-    "check_chunk_size",
     "check_gla_call",
-    "check_scale",
+    "check_varlen_call",
     "check_finite_values",
     "check_device_values",
     "raise_for_flags",
@@ -52,7 +52,6 @@ __all__ = [
 _HALF = ("float16", "bfloat16")
 #: the dtype of raw bfloat16 bit patterns (CuPy arrays only)
 RAW_BF16 = "uint16"
-GPU_MAX_CHUNK = 64  # the largest chunk the GPU kernels take (hpczeco.gpu.gla)
 
 
 def compute_dtype_name(dtype_name_: str) -> str:
@@ -109,29 +108,6 @@ def check_gate_values(name: str, g: Any) -> None:
         if mx <= 0.0 and math.isfinite(mn):
             return
     check_log_gate(name, g)
-
-
-def check_chunk_size(chunk_size: Any, device: bool = False) -> int:
-    """``chunk_size`` must be an int >= 1; for device (CuPy) arrays also <= 64 (the GPU kernels' limit,
-    :mod:`hpczeco.gpu.gla`). The one rule, applied where the chunk size enters."""
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
-        raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
-    if int(chunk_size) < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if device and int(chunk_size) > GPU_MAX_CHUNK:
-        raise ValueError(f"chunk_size must be in [1, {GPU_MAX_CHUNK}] on the GPU, got {chunk_size}")
-    return int(chunk_size)
-
-
-def check_scale(scale: Any, K: int) -> float:
-    """``scale`` is None (meaning ``K**-0.5``) or a finite real number; returns the value to use."""
-    if scale is None:
-        return float(K) ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    if not math.isfinite(float(scale)):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return float(scale)
 
 
 def validate_gla_inputs(
@@ -211,14 +187,36 @@ def check_gla_call(
     check_values: bool = True,
 ) -> tuple[int, int, int, int, int, float, int, np.dtype]:
     """The checks of a chunked GLA call (:func:`hpczeco.gla.chunk_gla`, :func:`~hpczeco.gla.chunk_gla_bwd`,
-    the split classes): the arrays (:func:`validate_gla_inputs`), ``chunk_size`` (:func:`check_chunk_size`,
-    with the GPU limit for device arrays) and ``scale``. Returns ``(B, T, H, K, V, scale, chunk_size,
+    the split classes): the arrays (:func:`validate_gla_inputs`), ``chunk_size`` and ``scale`` by their one rule
+    (:func:`hpczeco.base.checks.check_chunk_size`, with the GPU limit for device arrays, and
+    :func:`~hpczeco.base.checks.check_scale`: None or > 0). Returns ``(B, T, H, K, V, scale, chunk_size,
     compute dtype)``."""
     chunk_size = check_chunk_size(chunk_size, device=is_device_array(q))
     B, T, H, K, V = validate_gla_inputs(q, k, v, g, initial_state=initial_state, do=do, dht=dht,
                                         check_values=check_values)
     s = check_scale(scale, K)
     return B, T, H, K, V, s, chunk_size, np.dtype(compute_dtype_name(str(q.dtype)))
+
+
+def check_varlen_call(q: Any, k: Any, v: Any, g: Any, cu_seqlens: Any, scale: Any, chunk_size: Any,
+                      initial_state: Any = None, do: Any = None, dht: Any = None) -> np.ndarray:
+    """The checks of a packed call (:func:`hpczeco.gla.chunk_gla` with ``cu_seqlens``), before any work: the token
+    arrays (:func:`validate_gla_inputs`), ``cu_seqlens`` (:func:`check_cu_seqlens`), the per-document states
+    ``[N, H, K, V]``, ``scale`` and ``chunk_size``. Values: of device arrays here; host values are scanned by the
+    fused kernels of each bucket (every token and state row is in one bucket). Returns the host offsets. Local."""
+    device = is_device_array(q)
+    chunk_size = check_chunk_size(chunk_size, device=device)
+    B, T, H, K, V = validate_gla_inputs(q, k, v, g, do=do, check_values=device)
+    check_scale(scale, K)
+    cu = check_cu_seqlens(cu_seqlens, B, T)
+    for name, x in (("initial_state", initial_state), ("dht", dht)):
+        if x is not None:
+            check_document_states(name, x, len(cu) - 1, H, K, V, q, check_values=False)
+    if device:
+        states = {n: x for n, x in (("initial_state", initial_state), ("dht", dht)) if x is not None}
+        if states:
+            check_device_values(states)
+    return cu
 
 
 def check_device_values(arrays: dict[str, Any], gate: str | None = None) -> None:

@@ -10,7 +10,8 @@ Nothing in the rest of hpczeco imports this package (or torch). ``python -m hpcz
 the autograd call against the bare kernel call on a GPU (:mod:`hpczeco.torch.bench`).
 """
 
-from .chunk import ChunkGLAFunction, chunk_gla, supports_cu_seqlens
-from .zeco import ZeCOGLAFunction, ZeCOGLAttention, zeco_gla
+from .chunk import chunk_gla, supports_cu_seqlens
+from .zeco import ZeCOGLAttention, zeco_gla
 
-__all__ = ["chunk_gla", "zeco_gla", "ZeCOGLAttention", "supports_cu_seqlens", "ChunkGLAFunction", "ZeCOGLAFunction"]
+# what users call; the autograd Functions behind them (chunk.ChunkGLAFunction, zeco.ZeCOGLAFunction) are internals
+__all__ = ["chunk_gla", "zeco_gla", "ZeCOGLAttention", "supports_cu_seqlens"]

@@ -1,7 +1,7 @@
 """Checks of the torch arguments (local).
 
 The checks raise only ``TypeError``/``ValueError`` naming the argument, so that
-:func:`hpczeco.collectives.agree_fast` (called by :func:`hpczeco.torch.zeco_gla`) can turn an error on one rank
+:func:`hpczeco.collectives.agree.agree_fast` (called by :func:`hpczeco.torch.zeco_gla`) can turn an error on one rank
 into the same error on every rank before any message of the operation is sent.
 """
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..base.checks import check_scale
 from ._arrays import compute_dtype, cuda_stream, device_index, from_device, from_host, to_device, to_host
 from ._checks import check_tensors
 
@@ -206,8 +207,7 @@ def chunk_gla(
     dev, _ = check_tensors(q=q, k=k, v=v, g=g, initial_state=initial_state)
     if cu_seqlens is not None:
         _check_cu_seqlens(cu_seqlens, q, initial_state)
-    if scale is None:
-        scale = float(q.shape[-1]) ** -0.5
+    scale = check_scale(scale, int(q.shape[-1]))
     want_final = bool(output_final_state)
     # the kernels first (on the GPU they run while the host records the autograd node), then the node
     done = _run_forward(q, k, v, g, initial_state, scale, want_final, cu_seqlens)

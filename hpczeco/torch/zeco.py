@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..collectives import CollectiveInputError, agree_fast, local_error
+from ..collectives import CollectiveInputError
+from ..collectives.agree import agree_fast, local_error
 from ._arrays import compute_dtype, cuda_stream, cupy_module, device_index, from_device, from_host, to_device, to_host
 from ._checks import check_tensors
 
@@ -109,23 +110,24 @@ def zeco_gla(
     v: torch.Tensor,
     g: torch.Tensor,
     comm: Any,
-    scan: str = "ring",
+    *,
+    topology: str = "ring",
     blocks: int | None = None,
+    chunk_size: int = 64,
     scale: float | None = None,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
-    *,
-    chunk_size: int = 64,
     transport: Any = None,
     check_values: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sequence-parallel GLA on this rank's slice: ``(o [B, L_p, H, V], final_state [B, H, K, V] or None)``.
 
     ``q, k, g: [B, L_p, H, K]``, ``v: [B, L_p, H, V]``: rank p's contiguous slice of one sequence (ranks in
-    order). Collective over ``comm`` (an mpi4py communicator), forward and backward. ``scan``, ``blocks``,
-    ``chunk_size``, ``transport``, ``check_values`` as :class:`hpczeco.ZeCOGLA`; ``scale`` defaults to
-    ``K ** -0.5``. ``initial_state``: on rank 0 only; ``final_state``: this slice's final state, differentiable
-    on the last rank only (see the module docstring). Devices and dtypes as :func:`hpczeco.torch.chunk_gla`
+    order). Collective over ``comm`` (an mpi4py communicator), forward and backward. The keyword options are
+    :func:`hpczeco.zeco_gla`'s: ``topology``, ``blocks``, ``chunk_size``, ``scale`` (default ``K ** -0.5``),
+    ``transport``, ``check_values`` as :class:`hpczeco.ZeCOGLA`. ``initial_state``: on rank 0 only;
+    ``final_state`` (with ``output_final_state``): this slice's final state, differentiable on the last rank only
+    (see the module docstring). Devices and dtypes as :func:`hpczeco.torch.chunk_gla`
     (CUDA bfloat16 travels zero-copy as raw bits, ``uint16``, the form hpczeco's ZeCO layer takes).
     Gradients for q, k, v, g and (rank 0) initial_state.
     """
@@ -137,8 +139,7 @@ def zeco_gla(
 
     def check() -> None:
         dev, dtype = check_tensors(q=q, k=k, v=v, g=g, initial_state=initial_state)
-        layer = ZeCOGLA(comm, scan=scan, blocks=blocks, chunk_size=chunk_size, scale=scale, transport=transport,
-                        check_values=check_values)
+        layer = ZeCOGLA(comm, topology, blocks, chunk_size, scale, transport=transport, check_values=check_values)
         array_dtype = dtype
         if dev.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
             array_dtype = torch.float32
@@ -174,22 +175,23 @@ class ZeCOGLAttention(torch.nn.Module):
     """:func:`zeco_gla` as a module (no parameters): ``forward(q, k, v, g, initial_state=None,
     output_final_state=False) -> (o, final_state or None)`` over the communicator given here.
 
-    ``q, k, g: [B, L_p, H, K]``, ``v: [B, L_p, H, V]`` (this rank's slice); options as :class:`hpczeco.ZeCOGLA`.
+    ``q, k, g: [B, L_p, H, K]``, ``v: [B, L_p, H, V]`` (this rank's slice); options as :class:`hpczeco.ZeCOGLA`, in
+    its order ``(comm, topology, blocks, chunk_size, scale)``.
     """
 
-    def __init__(self, comm: Any, scan: str = "ring", blocks: int | None = None, scale: float | None = None,
-                 chunk_size: int = 64, transport: Any = None, check_values: bool = True):
+    def __init__(self, comm: Any, topology: str = "ring", blocks: int | None = None, chunk_size: int = 64,
+                 scale: float | None = None, transport: Any = None, check_values: bool = True):
         super().__init__()
-        self.comm, self.scan, self.blocks, self.scale = comm, scan, blocks, scale
-        self.chunk_size, self.transport, self.check_values = chunk_size, transport, check_values
+        self.comm, self.topology, self.blocks = comm, topology, blocks
+        self.chunk_size, self.scale, self.transport, self.check_values = chunk_size, scale, transport, check_values
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                 initial_state: torch.Tensor | None = None,
                 output_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return zeco_gla(q, k, v, g, self.comm, scan=self.scan, blocks=self.blocks, scale=self.scale,
-                        initial_state=initial_state, output_final_state=output_final_state,
-                        chunk_size=self.chunk_size, transport=self.transport, check_values=self.check_values)
+        return zeco_gla(q, k, v, g, self.comm, topology=self.topology, blocks=self.blocks, chunk_size=self.chunk_size,
+                        scale=self.scale, initial_state=initial_state, output_final_state=output_final_state,
+                        transport=self.transport, check_values=self.check_values)
 
     def extra_repr(self) -> str:
-        return (f"ranks={self.comm.Get_size()}, scan={self.scan!r}, blocks={self.blocks}, scale={self.scale}, "
-                f"chunk_size={self.chunk_size}")
+        return (f"ranks={self.comm.Get_size()}, topology={self.topology!r}, blocks={self.blocks}, "
+                f"chunk_size={self.chunk_size}, scale={self.scale}")

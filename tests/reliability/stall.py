@@ -14,7 +14,8 @@ import sys
 import time
 
 import numpy as np
-from hpczeco.collectives.scan import relay_recv, relay_send, scan, scan_start
+from hpczeco.collectives.ring import relay_recv, relay_send
+from hpczeco.collectives.scan import scan, scan_start
 from mpi4py import MPI
 
 mode, timeout = sys.argv[1], float(sys.argv[2])

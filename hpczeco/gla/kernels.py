@@ -1,6 +1,6 @@
-"""Numba kernels of the CPU GLA (fused element-wise work; the matmuls stay in BLAS via numpy): exponents,
-matmul operands, token-row copies and state recurrences. Backward-only kernels are in
-:mod:`hpczeco.gla._kernels_grad`, the exact pairwise diagonal blocks in :mod:`hpczeco.gla._pairwise`.
+"""Numba kernels of the CPU chunked GLA (:mod:`hpczeco.gla.chunk`, :mod:`hpczeco.gla.split`): fused element-wise
+work, the matmuls stay in BLAS via numpy. Exponents, matmul operands, token-row copies and state recurrences; the
+backward's ``dA`` mask, gradient combination and writes; the exact pairwise diagonal blocks.
 
 Kernels work on one (batch b, head h) sequence, or on a block of sequences ``(ub[u], uh[u])``, and a group
 of ``G`` consecutive chunks from chunk ``n0``: token ``t = n C + pos`` of chunk ``n`` sits at row ``pos``
@@ -14,11 +14,23 @@ Exponent buffer ``X [G, LX, K]`` (see :func:`layout`): rows ``[0, Cp)`` ``b - r_
 ``r_I - e_J`` for ``J < I`` and the clamped span on the diagonal), ``r_I`` (ns rows), ``b_C - e_J``
 (ns rows) and ``b_C`` (1 row). ``np.exp`` is applied to it in place before the operand kernel.
 
+Backward: the fused backward (:func:`bwd_finish`) writes every term at once; the phase-split one writes the
+dht-independent terms first (:func:`local_write`) and adds the ``dH`` terms once the incoming state gradient is
+known (:func:`add_state_grads`).
+
+Pairwise blocks: where the span of a sub-chunk (minus the gate summed after its first token) exceeds the span
+limit (:data:`hpczeco.gla.chunk.SPAN_LIMIT`), its diagonal block of ``A`` is computed in the exact form
+``scale sum_k q_ik k_jk exp(b_ik - b_jk)`` (every exponent <= 0) instead of the factored one, and the
+backward adds that block's parts of dq and dk the same way (:func:`pairwise_A`, :func:`pairwise_dqdk`; ``exp``
+of the packed exponents runs in numpy, the rest in numba).
+
 Optional outputs are ``None``: numba compiles one specialisation per combination and prunes the branches
 of the absent ones, so each caller gets a kernel that does only its own work.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numba as nb
 import numpy as np
@@ -39,6 +51,13 @@ __all__ = [
     "state_bwd",
     "correct_states",
     "corrected_states",
+    "mask_dA",
+    "combine",
+    "bwd_finish",
+    "local_write",
+    "add_state_grads",
+    "pairwise_A",
+    "pairwise_dqdk",
 ]
 
 
@@ -453,3 +472,301 @@ def corrected_states(Sl, e, S0, ub, uh, n0, G, out):
                     orow = o[kk]
                     for vv in range(V):
                         orow[vv] = sr[vv]
+
+# ---------------------------------------------------------------------------------------------------------- backward
+
+@nb.njit(cache=True, nogil=True)
+def mask_dA(dA, dd, G, ns, c):
+    """Move the diagonal of ``dA [G, Cp, Cp]`` to ``dd [G, Cp]`` and keep only the strictly lower part of
+    the diagonal blocks and the blocks below them."""
+    cp = ns * c
+    for gi in range(G):
+        for pos in range(cp):
+            dd[gi, pos] = dA[gi, pos, pos]
+            r = dA[gi, pos]
+            for j in range(pos, cp):
+                r[j] = 0
+
+
+@nb.njit(cache=True, nogil=True)
+def combine(X, G, ns, c, scale, M1, DQ, DK, VdH):
+    """In place: ``DQ = scale eq (er M1 + DQ)`` (dq without its diagonal term), ``DK = ek DK`` (intra part
+    of dk without its diagonal term) and, unless ``VdH`` is None, ``VdH = ek eb VdH`` (the inter part of dk)."""
+    K = DQ.shape[2]
+    cp = ns * c
+    oR = 2 * cp + ns * (ns + 1) // 2
+    oB = oR + ns
+    for gi in range(G):
+        Xg = X[gi]
+        for i in range(ns):
+            er = Xg[oR + i]
+            eb = Xg[oB + i]
+            for p in range(c):
+                pos = i * c + p
+                eq = Xg[pos]
+                ek = Xg[cp + pos]
+                m1 = M1[gi, pos]
+                dq = DQ[gi, pos]
+                dk = DK[gi, pos]
+                for kk in range(K):
+                    dq[kk] = scale * eq[kk] * (er[kk] * m1[kk] + dq[kk])
+                for kk in range(K):
+                    dk[kk] = ek[kk] * dk[kk]
+                if VdH is not None:
+                    vd = VdH[gi, pos]
+                    for kk in range(K):
+                        vd[kk] *= ek[kk] * eb[kk]
+
+
+@nb.njit(cache=True, nogil=True)
+def bwd_finish(q, k, b, h, n0, G, T, C, scale, X, oA, DQ, DKI, DKE, dd, DV, DV2, Sst, dHe, dq, dk, dv, dg):
+    """Write ``dq, dk, dv, dg`` of the group's tokens (one sequence, every term).
+
+    ``dg_t = sum_{tau >= t} (q DQ - k DKI)_tau + sum_{j < t} (k DKE)_j + exp(b_C) sum_v(S_prev dH_end)``
+    (sums inside the chunk); ``dq = DQ + scale dd k``, ``dk = DKI + DKE + scale dd q``, ``dv = DV + DV2``.
+    """
+    K = q.shape[3]
+    V = dv.shape[3]
+    dt = DQ.dtype
+    acc = np.empty(K, dt)
+    base = np.empty(K, dt)
+    excl = np.empty((DQ.shape[1], K), dt)
+    for gi in range(G):
+        n = n0 + gi
+        nv = min(C, T - n * C)  # valid rows are a prefix of the chunk
+        for kk in range(K):
+            s = 0.0
+            for vv in range(V):
+                s += Sst[n, kk, vv] * dHe[gi, kk, vv]
+            base[kk] = X[gi, oA, kk] * s
+            acc[kk] = 0
+        for pos in range(nv):
+            t = n * C + pos
+            for kk in range(K):
+                excl[pos, kk] = acc[kk]
+            for kk in range(K):
+                acc[kk] += k[b, t, h, kk] * DKE[gi, pos, kk]
+        for kk in range(K):
+            acc[kk] = 0
+        for pos in range(nv - 1, -1, -1):
+            t = n * C + pos
+            sd = scale * dd[gi, pos]
+            for kk in range(K):
+                acc[kk] += q[b, t, h, kk] * DQ[gi, pos, kk] - k[b, t, h, kk] * DKI[gi, pos, kk]
+            for kk in range(K):
+                dg[b, t, h, kk] = acc[kk] + excl[pos, kk] + base[kk]
+            for kk in range(K):
+                dq[b, t, h, kk] = DQ[gi, pos, kk] + sd * k[b, t, h, kk]
+            for kk in range(K):
+                dk[b, t, h, kk] = DKI[gi, pos, kk] + DKE[gi, pos, kk] + sd * q[b, t, h, kk]
+            for vv in range(V):
+                dv[b, t, h, vv] = DV[gi, pos, vv] + DV2[gi, pos, vv]
+
+
+@nb.njit(cache=True, nogil=True)
+def local_write(q, k, ub, uh, n0, G, T, C, scale, DQ, DKI, dd, DV, dq, dk, dv, dg):
+    """Write the dht-independent parts (scratch ``[u, gi, pos]``): ``dq = DQ + scale dd k`` (complete),
+    ``dk = DKI + scale dd q``, ``dv = DV``, ``dg_t = sum_{tau >= t} (q DQ - k DKI)_tau`` (inside the chunk)."""
+    K = q.shape[3]
+    V = dv.shape[3]
+    nu = ub.size
+    acc = np.empty((nu, K), DQ.dtype)
+    for gi in range(G):
+        n = n0 + gi
+        nv = min(C, T - n * C)
+        for u in range(nu):
+            for kk in range(K):
+                acc[u, kk] = 0
+        for pos in range(nv - 1, -1, -1):
+            t = n * C + pos
+            for u in range(nu):
+                b = ub[u]
+                h = uh[u]
+                qr = q[b, t, h]
+                kr = k[b, t, h]
+                dqr = DQ[u, gi, pos]
+                dkr = DKI[u, gi, pos]
+                sd = scale * dd[u, gi, pos]
+                ac = acc[u]
+                dgo = dg[b, t, h]
+                dqo = dq[b, t, h]
+                dko = dk[b, t, h]
+                for kk in range(K):
+                    ac[kk] += qr[kk] * dqr[kk] - kr[kk] * dkr[kk]
+                for kk in range(K):
+                    dgo[kk] = ac[kk]
+                for kk in range(K):
+                    dqo[kk] = dqr[kk] + sd * kr[kk]
+                for kk in range(K):
+                    dko[kk] = dkr[kk] + sd * qr[kk]
+                dvo = dv[b, t, h]
+                d1 = DV[u, gi, pos]
+                for vv in range(V):
+                    dvo[vv] = d1[vv]
+
+
+@nb.njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def _row_dots(S, D, a, out):
+    """``out[kk] = a[kk] sum_v S[kk, v] D[kk, v]`` (``S, D [K, V]``)."""
+    K, V = S.shape
+    for kk in range(K):
+        sr = S[kk]
+        dr = D[kk]
+        acc = 0.0
+        for vv in range(V):
+            acc += sr[vv] * dr[vv]
+        out[kk] = a[kk] * acc
+
+
+@nb.njit(cache=True, nogil=True)
+def add_state_grads(k, ub, uh, n0, G, T, C, E, VdH, DV2, ac, Sst, dHe, dk, dv, dg):
+    """Add the dH terms in place (scratch ``[u, gi, ...]``, ``E [B, H, N, Cp, K]``): ``dk += E VdH``,
+    ``dv += DV2``, ``dg += sum_{j < t} (k E VdH)_j + ac sum_v(S_prev dH)`` (sums inside the chunk)."""
+    K = k.shape[3]
+    V = dv.shape[3]
+    nu = ub.size
+    acc = np.empty((nu, K), E.dtype)
+    x = np.empty(K, E.dtype)
+    for gi in range(G):
+        n = n0 + gi
+        nv = min(C, T - n * C)
+        for u in range(nu):
+            _row_dots(Sst[ub[u], uh[u], n], dHe[u, gi], ac[ub[u], uh[u], n], acc[u])
+        for pos in range(nv):
+            t = n * C + pos
+            for u in range(nu):
+                b = ub[u]
+                h = uh[u]
+                kr = k[b, t, h]
+                er = E[b, h, n, pos]
+                z = VdH[u, gi, pos]
+                ar = acc[u]
+                dgo = dg[b, t, h]
+                dko = dk[b, t, h]
+                for kk in range(K):
+                    x[kk] = er[kk] * z[kk]
+                for kk in range(K):
+                    dko[kk] += x[kk]
+                for kk in range(K):
+                    dgo[kk] += ar[kk]
+                for kk in range(K):
+                    ar[kk] += kr[kk] * x[kk]
+                dvo = dv[b, t, h]
+                d2 = DV2[u, gi, pos]
+                for vv in range(V):
+                    dvo[vv] += d2[vv]
+
+# ------------------------------------------------------------------------------------ exact pairwise diagonal blocks
+
+def pairwise_A(q, k, g, b: int, h: int, n0: int, bad: np.ndarray, geo: Any, s: float, L: np.ndarray):
+    """Exact pairwise diagonal blocks of ``A`` for the flagged sub-chunks ``bad [gc, ns]`` of the group at
+    chunk ``n0`` (written into ``L [G, Cp, *]``). Returns what :func:`pairwise_dqdk` needs."""
+    c, K = geo.c, geo.K
+    gb, ib = (x.astype(np.int64) for x in np.nonzero(bad))
+    dt = L.dtype
+    Qb, Kb = np.empty((gb.size, c, K), dt), np.empty((gb.size, c, K), dt)
+    E = np.empty((gb.size, c * (c + 1) // 2, K), dt)
+    _pw_prepare(q, k, g, b, h, n0, gb, ib, geo.T, geo.C, c, Qb, Kb, E)
+    np.exp(E, out=E)
+    _pw_A(Qb, Kb, E, gb, ib, c, s, L)
+    return gb, ib, Qb, Kb, E
+
+
+def pairwise_dqdk(pw, c: int, s: float, dA: np.ndarray, DQ: np.ndarray, DK: np.ndarray) -> None:
+    """Add the exact diagonal-block parts of dq, dk (strictly lower ``dA``, unscaled) for the flagged blocks
+    (``pw`` from :func:`pairwise_A`)."""
+    gb, ib, Qb, Kb, E = pw
+    _pw_dqdk(Qb, Kb, E, dA, gb, ib, c, s, DQ, DK)
+
+
+@nb.njit(cache=True, nogil=True)
+def _pw_prepare(q, k, g, b, h, n0, gb, ib, T, C, c, Qb, Kb, D):
+    """For the flagged diagonal blocks ``(gb[j], ib[j])`` (group chunk, sub-chunk): their tokens' q and k
+    (``Qb, Kb [nb, c, K]``, zeros for no-op rows) and the packed exponents ``D [nb, c (c+1)/2, K]`` =
+    ``b_i - b_j`` (<= 0) for the pairs ``j <= i`` in row-major order."""
+    K = q.shape[3]
+    dt = D.dtype
+    lc = np.empty((c, K), dt)
+    for j in range(gb.size):
+        n = n0 + gb[j]
+        for r in range(c):
+            pos = ib[j] * c + r
+            t = n * C + pos
+            qr = Qb[j, r]
+            kr = Kb[j, r]
+            lr = lc[r]
+            if pos < C and t < T:
+                qi = q[b, t, h]
+                ki = k[b, t, h]
+                gi = g[b, t, h]
+                for kk in range(K):
+                    qr[kk] = qi[kk]
+                for kk in range(K):
+                    kr[kk] = ki[kk]
+                for kk in range(K):
+                    lr[kk] = gi[kk]
+            else:
+                for kk in range(K):
+                    qr[kk] = 0
+                    kr[kk] = 0
+                    lr[kk] = 0
+            if r > 0:
+                prev = lc[r - 1]
+                for kk in range(K):
+                    lr[kk] += prev[kk]
+        p = 0
+        for r in range(c):
+            lr = lc[r]
+            for s in range(r + 1):
+                ls = lc[s]
+                dr = D[j, p]
+                for kk in range(K):
+                    dr[kk] = lr[kk] - ls[kk]
+                p += 1
+
+
+@nb.njit(cache=True, nogil=True, fastmath={"reassoc", "nsz", "contract"})
+def _pw_A(Qb, Kb, E, gb, ib, c, scale, L):
+    """``L`` diagonal block of every flagged sub-chunk = scale sum_k q_ik k_jk exp(b_ik - b_jk) (j <= i)."""
+    K = Qb.shape[2]
+    for j in range(gb.size):
+        o = ib[j] * c
+        p = 0
+        for r in range(c):
+            qr = Qb[j, r]
+            lr = L[gb[j], o + r]
+            for s in range(r + 1):
+                ks = Kb[j, s]
+                er = E[j, p]
+                acc = 0.0
+                for kk in range(K):
+                    acc += qr[kk] * ks[kk] * er[kk]
+                lr[o + s] = scale * acc
+                p += 1
+            for s in range(r + 1, c):
+                lr[o + s] = 0
+
+
+@nb.njit(cache=True, nogil=True)
+def _pw_dqdk(Qb, Kb, E, dA, gb, ib, c, scale, DQ, DK):
+    """Add the flagged diagonal blocks' parts to dq and dk: ``DQ_i += scale sum_j dA_ij e_ij k_j``,
+    ``DK_j += scale sum_i dA_ij e_ij q_i`` (``dA`` strictly lower, unscaled; ``e_ij = exp(b_i - b_j)``)."""
+    K = Qb.shape[2]
+    for j in range(gb.size):
+        o = ib[j] * c
+        z = gb[j]
+        p = 0
+        for r in range(c):
+            qr = Qb[j, r]
+            dqr = DQ[z, o + r]
+            for s in range(r + 1):
+                w = scale * dA[z, o + r, o + s]
+                if w != 0.0:
+                    ks = Kb[j, s]
+                    er = E[j, p]
+                    dks = DK[z, o + s]
+                    for kk in range(K):
+                        t = w * er[kk]
+                        dqr[kk] += t * ks[kk]
+                        dks[kk] += t * qr[kk]
+                p += 1
