@@ -140,7 +140,7 @@ class ZeCOMixer:
     def __init__(self, comm, scan: str = "ring", blocks: int | None = None, chunk_size: int = 64):
         from hpczeco.zeco import ZeCOGLA
 
-        self.layer = ZeCOGLA(comm, scan=scan, blocks=blocks, chunk_size=chunk_size)
+        self.layer = ZeCOGLA(comm, topology=scan, blocks=blocks, chunk_size=chunk_size)
 
     def forward(self, q, k, v, g):
         return self.layer.forward(q, k, v, g)

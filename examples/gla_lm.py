@@ -55,7 +55,7 @@ class SequenceParallelGLA(nn.Module):
 
     def __init__(self, comm, scan: str = "ring"):
         super().__init__()
-        self.attn = ZeCOGLAttention(comm, scan=scan)
+        self.attn = ZeCOGLAttention(comm, topology=scan)
 
     def forward(self, q, k, v, g):
         return self.attn(q, k, v, g)[0]

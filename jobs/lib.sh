@@ -169,7 +169,7 @@ hz_requeue() {
 hz_train() {
     local np=$1; shift
     local args=(--steps "$TRAIN_STEPS" --seq "$TRAIN_SEQ" --batch "$TRAIN_BATCH" --dtype "$TRAIN_DTYPE"
-                --scan "$TRAIN_SCAN" --corpus-bytes "$TRAIN_CORPUS_BYTES" --blas-threads "$HZ_THREADS"
+                --topology "$TRAIN_SCAN" --corpus-bytes "$TRAIN_CORPUS_BYTES" --blas-threads "$HZ_THREADS"
                 --log "$HPCZECO_OUT/train.jsonl" --ckpt-dir "$HPCZECO_OUT/ckpt" --ckpt-every "$TRAIN_CKPT_EVERY"
                 --no-progress)
     [[ -n "${TRAIN_TEXT:-}" ]] && args+=(--text "$TRAIN_TEXT")
