@@ -34,6 +34,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "gpu-gla": ("hpczeco.drivers.bench_gpu_gla", "GLA GPU kernels vs flash-linear-attention (one GPU)"),
     "gpu-daaf": ("hpczeco.drivers.bench_gpu_daaf", "DAAF GPU kernels vs FlexAttention, time to first token"),
     "gpu-multi": ("hpczeco.drivers.bench_gpu_multi", "device transports, scans and ZeCO on GPUs (under mpirun)"),
+    "torch": ("hpczeco.drivers.bench_torch", "PyTorch autograd glue vs the bare kernel calls (one GPU)"),
 }
 
 
