@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from hpczeco.drivers.gpu_daaf_model import bench_plans, daaf_pairs  # noqa: E402
+from hpczeco.drivers.gpu_daaf_model import bench_plans  # noqa: E402
+
+from hpczeco.daaf import attention_pairs  # noqa: E402
 
 W = 128
 H = 16
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     for T in (int(x) for x in a.seqs.split(",")):
         for name, g in bench_plans(T).items():
-            useful = daaf_pairs(g, W)
+            useful = attention_pairs(g, W)
             print(f"T={T} {name}: {useful / 1e6:.1f} M useful pairs per head")
             for bm, bn in SHAPES:
                 n = key_tiles(g, bm, bn)

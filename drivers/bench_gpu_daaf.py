@@ -43,7 +43,6 @@ from . import benchkit
 from .gpu_daaf_model import (
     TinyModel,
     bench_plans,
-    daaf_pairs,
     flash_backend,
     make_flex,
     needle_rates,
@@ -191,6 +190,8 @@ def _timings_at(rec, impls: list[str], scheds: list[int], T: int, reps: int, H: 
     import torch  # noqa: PLC0415
     from hpczeco.gpu import daaf as gd  # noqa: PLC0415
 
+    from hpczeco.daaf import attention_pairs  # noqa: PLC0415
+
     q, k, v = (torch.randn(1, T, H, D, device="cuda", generator=gen, dtype=torch.float32).to(torch.bfloat16)
                for _ in range(3))
     qh, kh, vh = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # [B, H, T, D] for flex and SDPA
@@ -212,7 +213,7 @@ def _timings_at(rec, impls: list[str], scheds: list[int], T: int, reps: int, H: 
             rec.failed(f"T={T} FlexAttention import", exc)
     runs = [(i, None) for i in impls if i in gd.IMPLS] + [(i, s) for i in impls if i not in gd.IMPLS for s in scheds]
     for pname, g in bench_plans(T).items():
-        pairs = daaf_pairs(g, W)
+        pairs = attention_pairs(g, W)
         gidx = np.flatnonzero(g).astype(np.int32)
         gt = torch.from_numpy(g).cuda()
         outs, rows = {}, {}
