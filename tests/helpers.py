@@ -7,8 +7,11 @@ Test files import it as ``from helpers import ...`` (pytest puts ``tests/`` on `
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import re
+import types
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +22,8 @@ __all__ = [
     "daaf_inputs",
     "device_transport_kinds",
     "emulated_gla_runtime",
+    "FAKE_CUPY_PATH",
+    "fake_cupy",
     "gla_inputs",
     "log_gates",
     "rel",
@@ -150,6 +155,19 @@ def device_transport_kinds(comm: Any) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------- emulation
+
+#: the folder to put first on ``sys.path`` (in a process of its own) for ``import cupy`` to be the stand-in
+FAKE_CUPY_PATH = Path(__file__).resolve().parent / "fake_cupy"
+
+
+def fake_cupy() -> types.ModuleType:
+    """A fresh copy of the numpy stand-in for CuPy (``tests/fake_cupy/cupy``, with its own counters of host
+    synchronisations and uploads), to put in ``sys.modules["cupy"]`` and an emulator runtime's ``xp``."""
+    spec = importlib.util.spec_from_file_location("cupy", FAKE_CUPY_PATH / "cupy" / "__init__.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import emulated_gla_runtime, gla_inputs, rel
+from helpers import FAKE_CUPY_PATH, emulated_gla_runtime, gla_inputs, rel
 from hpczeco.base import bf16
 from hpczeco.base.backend import cupy_available
 
@@ -429,22 +429,11 @@ def test_validate_gla_inputs_on_bf16_device_arrays(gpu, rng):
 _BENCH_DRY_RUN = r"""
 import json, re, sys
 import numpy as np
-sys.path.insert(0, sys.argv[1])  # gpu/emu/fake_cupy: numpy arrays that look like CuPy arrays
+sys.path.insert(0, sys.argv[1])  # tests/fake_cupy: numpy arrays that look like CuPy arrays
 import cupy
 from hpczeco.drivers import bench_gpu_gla as bg, benchkit
 from hpczeco.gpu import emu as gemu, gla as G
 
-class RandomState:  # what the bench calls of cupy.random.RandomState
-    def __init__(self, seed):
-        self.g = np.random.default_rng(seed)
-    def standard_normal(self, size, dtype="float64"):
-        return self.g.standard_normal(size).astype(dtype).view(cupy.ndarray)
-    def uniform(self, low, high, size):
-        return self.g.uniform(low, high, size).view(cupy.ndarray)
-
-cupy.random = type(sys)("cupy.random")
-cupy.random.RandomState = RandomState
-cupy.get_default_memory_pool = lambda: type("Pool", (), {"free_all_blocks": lambda self: None})()
 names = [n for n in G.kernel_names() if not re.search(r"(?<!b)f16", n)]
 rt = gemu.EmuRuntime(G.kernel_source(), names)
 rt.xp = cupy
@@ -474,7 +463,7 @@ def test_bench_gpu_gla_dry_run(tmp_path):
     if gemu.compiler() is None:
         pytest.skip("no C++ compiler (g++) for the CUDA emulation")
     out = tmp_path / "bench"
-    res = subprocess.run([sys.executable, "-c", _BENCH_DRY_RUN, str(gemu._HERE / "fake_cupy"), str(out)],
+    res = subprocess.run([sys.executable, "-c", _BENCH_DRY_RUN, str(FAKE_CUPY_PATH), str(out)],
                          capture_output=True, text=True, timeout=1700)  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads((out / "gpu_gla.json").read_text())
