@@ -2,7 +2,7 @@
 a small random-weight decoder, planted needles, and the PyTorch attentions DAAF is compared with.
 
 Used by :mod:`hpczeco.drivers.bench_gpu_daaf` (which times them) and ``tests/test_gpu_daaf_checks.py``
-(which checks them), and by the Hopper kernels' checks (``devtools/daaf_device_check.py``,
+(which checks them), and by the Hopper kernels' checks (:mod:`hpczeco.drivers.gpu_daaf_checks`,
 ``tests/test_daaf_hopper_emu.py``: :func:`key_regions`). Everything here needs PyTorch with CUDA except
 :func:`bench_plans`, :func:`key_regions` and :func:`synthetic_tokens` (numpy). The pair count of a plan (its
 useful TFLOP/s) is the planner's :func:`hpczeco.daaf.attention_pairs`.
