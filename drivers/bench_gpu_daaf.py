@@ -83,6 +83,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                          "(hpczeco.gpu.daaf.impl_names())")
     ap.add_argument("--scheds", default="3", help="schedules of the Hopper kernels to time (bits: 1 longest rows "
                                                   "first, 2 heads fastest)")
+    ap.add_argument("--plans", default="", help="restrict the kernel timings to these plans: a comma list of "
+                                                "w128, w128+first4096, w128+8x512 (default all)")
     ap.add_argument("--ttft-impl", default="auto", help="DAAF kernel of the TTFT runs and needles")
     ap.add_argument("--models", default="small,7b",
                     help=f"TTFT models: {'; '.join(f'{k}: {v}' for k, v in MODELS.items())}")
@@ -165,7 +167,8 @@ def run(args) -> int:
     if not args.no_kernels:
         for T in seqs:
             try:
-                _timings_at(rec, impls, scheds, T, args.reps, args.heads, args.dim, not args.no_flex, gen)
+                _timings_at(rec, impls, scheds, T, args.reps, args.heads, args.dim, not args.no_flex, gen,
+                            _csv(args.plans))
             except Exception as exc:  # noqa: BLE001 - record and go on with the next length
                 rec.failed(f"T={T} timings", exc)
             torch.cuda.empty_cache()
@@ -260,7 +263,7 @@ def _event_ms(fn, reps: int, warmup: int = 3) -> dict:
 
 
 def _timings_at(rec, impls: list[str], scheds: list[int], T: int, reps: int, H: int, D: int, use_flex: bool,
-                gen) -> None:
+                gen, plans: list[str] | None = None) -> None:
     import torch  # noqa: PLC0415
     from hpczeco.gpu import daaf as gd  # noqa: PLC0415
 
@@ -287,6 +290,8 @@ def _timings_at(rec, impls: list[str], scheds: list[int], T: int, reps: int, H: 
             rec.failed(f"T={T} FlexAttention import", exc)
     runs = [(i, None) for i in impls if i in gd.IMPLS] + [(i, s) for i in impls if i not in gd.IMPLS for s in scheds]
     for pname, g in bench_plans(T).items():
+        if plans and pname not in plans:
+            continue
         pairs = attention_pairs(g, W)
         gidx = np.flatnonzero(g).astype(np.int32)
         gt = torch.from_numpy(g).cuda()

@@ -49,6 +49,8 @@ TOL = {"bf16": 1e-2, "f16": 5e-3}
 UNIT_TOL = 1e-4
 FLEX_DIFF_TOL = 2e-2
 TABLE = "device_checks"
+#: a child's exit status when it ran and some check failed (recorded); 3 is compute-sanitizer's on an error
+CHECK_FAILED = 4
 #: T, window, key-region layout of the small cases (:func:`small`)
 SMALL_CASES = ((200, 16, "regions"), (130, 128, "none"))
 
@@ -246,29 +248,31 @@ def run_child(rec: Any, out: Path, what: str, seed: int, impl: str = "", quick: 
     stem = _child_stem(what, impl, tag)
     path = Path(out) / f"{stem}.json"
     path.unlink(missing_ok=True)
-    root = str(Path(__file__).resolve().parents[1])  # the hpczeco package's parent (a source checkout's root)
+    import hpczeco  # noqa: PLC0415
+
+    root = str(Path(hpczeco.__file__).resolve().parents[1])  # where hpczeco imports from (a checkout's root)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     cmd = [*prefix, sys.executable, "-m", "hpczeco.drivers.gpu_daaf_checks", what, "--out", str(out), "--seed",
            str(seed), "--stem", stem] + (["--impl", impl] if impl else []) + (["--quick"] if quick else [])
     t0 = time.perf_counter()
-    ran = False
     label = " ".join(x for x in (what, tag, impl) if x)
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        sys.stdout.write(r.stdout if not prefix else "".join(
-            x for x in r.stdout.splitlines(keepends=True) if not x.startswith("=========")))
-        ran = r.returncode in (0, 1)  # 1: some check failed (recorded by the child)
-        if not ran:
-            tail = (r.stdout[-2000:] if prefix else "") + r.stderr[-2000:]
-            _add(rec, {"stage": what, "check": f"{label} child process", "ok": False, "value": None, "tol": None,
-                       "detail": f"exit {r.returncode}: {tail}"},
-                 f"FAIL  {what}: {label} child process exit {r.returncode}: {tail[-1500:]}")
     except subprocess.TimeoutExpired as exc:
+        r = None
         failed(rec, what, f"{label} child process", exc)
     rows = json.loads(path.read_text()).get(TABLE, []) if path.exists() else []
     rec.tables.setdefault(TABLE, []).extend(rows)
     rec.save()
-    ok = ran and bool(rows) and all(x["ok"] for x in rows)
+    if r is not None:
+        sys.stdout.write(r.stdout if not prefix else "".join(
+            x for x in r.stdout.splitlines(keepends=True) if not x.startswith("=========")))
+        if r.returncode not in (0, CHECK_FAILED) or not rows:  # crashed, killed, a sanitizer error, or no checks
+            tail = (r.stdout[-2000:] if prefix else "") + r.stderr[-2000:]
+            _add(rec, {"stage": what, "check": f"{label} child process", "ok": False, "value": None, "tol": None,
+                       "detail": f"exit {r.returncode}, {len(rows)} checks recorded: {tail}"},
+                 f"FAIL  {what}: {label} child process exit {r.returncode}, {len(rows)} checks: {tail[-1500:]}")
+    ok = r is not None and r.returncode == 0 and bool(rows) and all(x["ok"] for x in rows)
     rec.say(f"INFO  {what}: {label} child: {len(rows)} checks, {'all passed' if ok else 'FAILED'}, "
             f"{time.perf_counter() - t0:.1f} s")
     return ok
@@ -308,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         small(rec, cp, a.impl, a.seed)
     rec.save()
     rows = rec.tables.get(TABLE, [])
-    return 0 if rows and all(r["ok"] for r in rows) else 1
+    return 0 if rows and all(r["ok"] for r in rows) else CHECK_FAILED
 
 
 # --------------------------------------------------------------------------- timings: flex, targets

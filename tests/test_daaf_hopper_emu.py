@@ -462,6 +462,34 @@ def test_bench_device_checks_fail_on_a_wrong_output(check_cp, tmp_path, monkeypa
     assert len(rows) == 2 and not any(r["ok"] for r in rows) and all(r["value"] > chk.TOL["bf16"] for r in rows)
 
 
+_FAKE_CHILD = r"""
+import json, sys
+args = sys.argv[1:]
+out, stem = args[args.index("--out") + 1], args[args.index("--stem") + 1]
+rows = [{"stage": args[args.index("-m") + 2], "check": "c", "ok": True, "value": 0.0, "tol": 1.0}]
+with open(f"{out}/{stem}.json", "w") as fh:
+    json.dump({"device_checks": rows}, fh)
+"""
+
+
+def test_bench_device_check_children(tmp_path):
+    """The bench runs each stage in a process of its own: its records are merged; a child that crashes (or records
+    nothing) is a failed check, not a silent pass."""
+    import sys
+
+    from hpczeco.drivers import benchkit
+    from hpczeco.drivers import gpu_daaf_checks as chk
+
+    script = tmp_path / "child.py"
+    script.write_text(_FAKE_CHILD)
+    rec = benchkit.Recorder(tmp_path, "t")
+    assert chk.run_child(rec, tmp_path, "probe", 1, "hws", prefix=(sys.executable, str(script)))
+    assert rec.tables[chk.TABLE] == [{"stage": "probe", "check": "c", "ok": True, "value": 0.0, "tol": 1.0}]
+    assert not chk.run_child(rec, tmp_path, "unit", 1, prefix=(sys.executable, "-c", "import sys; sys.exit(5)"))
+    last = rec.tables[chk.TABLE][-1]
+    assert last["check"] == "unit child process" and not last["ok"] and last["detail"].startswith("exit 5, 0 checks")
+
+
 def test_bench_plans_pairs_flex_checks_and_targets(rng, tmp_path):
     """The bench's plans and pair count (its TFLOP/s) equal the reference mask's; the timed outputs' distance to
     Flex becomes checks; the targets summary: best and auto pick per (T, plan) against 0.8 (window) / 1.0 (key
