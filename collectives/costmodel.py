@@ -76,7 +76,7 @@ Formulas (critical path; ``P`` ranks, ``k`` ring pieces, ``L = ceil(log2 P)``):
 
 Presets (:data:`PRESETS`; for predictions on machines you are not running on):
 
-* ``nvlink4`` and ``ib-ndr``: fitted (:mod:`.costfit`, ``hpczeco model --fit-paper``) to the ZeCO
+* ``nvlink4`` and ``ib-ndr``: fitted (:mod:`hpczeco.drivers.costfit`, ``hpczeco model --fit-paper``) to the ZeCO
   paper's Table 2 (H100 nodes of 8 GPUs, NVLink 4 inside a node and InfiniBand NDR between nodes;
   All-Scan and AllGather at 8..256 GPUs), under these assumptions: the state is one layer's
   ``H=32, K=V=128`` in bf16 (1 MiB per GPU), ranks 0..7 share a node (:func:`predict_hier`), the
@@ -212,7 +212,7 @@ _HBM_GAMMA = 3.0 / 3.0e12  # 3 bytes moved per state byte at ~3 TB/s
 #: fixed cost of one layer's communication call in the paper's code (fitted with the two links below)
 _PAPER_OVERHEAD = 79e-6
 PRESETS: dict[str, LinkParams] = {
-    # fitted to the ZeCO paper's Table 2 (collectives.costfit.fit_paper; RMS log residual 0.090)
+    # fitted to the ZeCO paper's Table 2 (drivers/costfit.py fit_paper; RMS log residual 0.090)
     "nvlink4": LinkParams(alpha=4.32e-6, beta=1 / 28.6e9, gamma=_HBM_GAMMA, delta=2e-6, overhead=_PAPER_OVERHEAD,
                           name="nvlink4"),
     "ib-ndr": LinkParams(alpha=3.68e-6, beta=1 / 30.5e9, gamma=_HBM_GAMMA, delta=2e-6, overhead=_PAPER_OVERHEAD,

@@ -162,9 +162,10 @@ def needles(q, k, v, p, depths, rng) -> dict:
 
 
 def bench_length(T: int, args, model, log) -> dict:
-    from hpczeco.daaf import plan, tokenize
+    from hpczeco.daaf import plan
     from hpczeco.daaf.controller import mass_recall, sample_rows, sampled_error
-    from hpczeco.daaf.texts import mixed_tokens
+
+    from .daaf_demo import mixed_tokens, tokenize
 
     _, is_src, text = mixed_tokens(T, args.source_share, args.segment, args.seed)
 
@@ -241,8 +242,9 @@ def bench_length(T: int, args, model, log) -> dict:
 
 
 def make_requests(args, rng, say=lambda s: None):
-    from hpczeco.daaf import plan, tokenize
-    from hpczeco.daaf.texts import mixed_tokens
+    from hpczeco.daaf import plan
+
+    from .daaf_demo import mixed_tokens, tokenize
 
     lens = _ints(args.request_lengths)
     reqs = []
@@ -261,7 +263,9 @@ def make_requests(args, rng, say=lambda s: None):
 
 
 def serve_sim(args, model, log) -> dict:
-    from hpczeco.daaf import Request, metrics, plan, simulate, tokenize
+    from hpczeco.daaf import Request, metrics, plan
+
+    from .daaf_demo import simulate, tokenize
 
     rng = np.random.default_rng(args.seed + 99)
     reqs = make_requests(args, rng, log)
@@ -294,7 +298,9 @@ def serve_sim(args, model, log) -> dict:
 
 def serve_real(args, comm, model, log) -> dict:
     """Serve the requests for real over MPI: rank 0 dispatches, ranks 1..P-1 prefill."""
-    from hpczeco.daaf import Request, metrics, plan, serve_mpi, tokenize
+    from hpczeco.daaf import Request, metrics, plan, serve_mpi
+
+    from .daaf_demo import tokenize
 
     rng = np.random.default_rng(args.seed + 99)
     reqs = make_requests(args, rng, log) if comm.Get_rank() == 0 else None
@@ -339,9 +345,10 @@ def serve_real(args, comm, model, log) -> dict:
 
 
 def controller_rounds(args, model, log) -> dict:
-    from hpczeco.daaf import WeightController, attention, exact_attention, plan, run_rounds, tokenize
+    from hpczeco.daaf import WeightController, attention, exact_attention, plan
     from hpczeco.daaf.controller import sample_rows, sampled_error
-    from hpczeco.daaf.texts import mixed_tokens
+
+    from .daaf_demo import mixed_tokens, run_rounds, tokenize
 
     T = min(_ints(args.lengths)[0], 8192)
     _, _, text = mixed_tokens(T, args.source_share, args.segment, args.seed)
@@ -417,8 +424,9 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench daaf") -> int
     args = build_parser(prog).parse_args(argv)
     from mpi4py import MPI
 
-    from hpczeco.daaf import ModelConfig, PrefillModel, plan
-    from hpczeco.daaf.texts import mixed_tokens
+    from hpczeco.daaf import plan
+
+    from .daaf_demo import ModelConfig, PrefillModel, mixed_tokens
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()

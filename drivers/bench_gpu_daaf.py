@@ -22,11 +22,18 @@
    (layers x SDPA time / exact TTFT), and the speedup as a fraction of it; the planner's time; the relative
    error of the final hidden states; needle retrieval in key regions (needles planted at several depths).
 
+``--check`` (Hopper GPUs) runs the kernels' device checks first (:mod:`hpczeco.drivers.gpu_daaf_checks`: registers
+and spills, the wgmma unit check, each Hopper kernel of ``--impls`` against the float64 reference in a process of its
+own, ``--sanitize`` runs under compute-sanitizer), times only the kernels whose checks passed, checks the timed
+outputs against FlexAttention's, and ends with exit status 1 if a check failed. After the table, the targets per
+(T, plan) for the best kernel and the auto rule's pick (MET/MISS) and the ``AUTO_IMPLS`` the timings suggest.
+
 Every measurement is guarded (a failure is recorded and the run goes on); a shape that does not fit in
 the GPU's free memory is skipped with a message. Targets (recorded, not asserted): kernels <= 1.0x Flex
 with key regions, <= 0.8x window alone; per-call <= 1.1x prepared; TTFT >= 90 % of the bound at 32k and
 128k, >= 1.0x at 8k. Correctness is checked by ``pytest -m gpu tests/test_gpu_daaf*.py``. Results:
-``--out``/gpu_daaf.json, gpu_daaf_{timings,api,ttft}.csv (rewritten after every row) and gpu_daaf.png.
+``--out``/gpu_daaf.json, gpu_daaf_{timings,api,ttft,targets,device_checks}.csv (rewritten after every row) and
+gpu_daaf.png.
 """
 
 from __future__ import annotations
@@ -39,11 +46,10 @@ from typing import Any
 
 import numpy as np
 
-from . import benchkit
+from . import benchkit, gpu_daaf_checks
 from .gpu_daaf_model import (
     TinyModel,
     bench_plans,
-    daaf_pairs,
     flash_backend,
     make_flex,
     needle_rates,
@@ -77,6 +83,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                          "(hpczeco.gpu.daaf.impl_names())")
     ap.add_argument("--scheds", default="3", help="schedules of the Hopper kernels to time (bits: 1 longest rows "
                                                   "first, 2 heads fastest)")
+    ap.add_argument("--plans", default="", help="restrict the kernel timings to these plans: a comma list of "
+                                                "w128, w128+first4096, w128+8x512 (default all)")
     ap.add_argument("--ttft-impl", default="auto", help="DAAF kernel of the TTFT runs and needles")
     ap.add_argument("--models", default="small,7b",
                     help=f"TTFT models: {'; '.join(f'{k}: {v}' for k, v in MODELS.items())}")
@@ -90,6 +98,15 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--no-api", action="store_true", help="skip the per-call vs prepared table and the planner")
     ap.add_argument("--no-ttft", "--no-model", dest="no_ttft", action="store_true",
                     help="skip the TTFT models and the needles")
+    ap.add_argument("--check", action="store_true",
+                    help="first the Hopper kernels' device checks (hpczeco.drivers.gpu_daaf_checks: registers and "
+                         "spills of each kernel, the wgmma unit check, each Hopper kernel of --impls against float64 "
+                         "in a process of its own); only kernels whose checks passed are timed, and the timed outputs "
+                         "against FlexAttention's become checks; exit status 1 if a check fails")
+    ap.add_argument("--quick", action="store_true", help="with --check: a third of the probe cases")
+    ap.add_argument("--sanitize", default="", help="with --check: compute-sanitizer tools (e.g. racecheck,synccheck) "
+                                                   "to run the small cases of --sanitize-impls under")
+    ap.add_argument("--sanitize-impls", default="hws,hwsp,hws3p,hwin", help="the kernels --sanitize runs")
     return ap
 
 
@@ -144,11 +161,14 @@ def run(args) -> int:
         impls = [i for i in impls if i in gd.IMPLS]
     if cc == gd.HOPPER_CC:
         _prebuild(rec)
+    if args.check:
+        impls = _device_checks(rec, args, impls, cc == gd.HOPPER_CC, seed)
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
     if not args.no_kernels:
         for T in seqs:
             try:
-                _timings_at(rec, impls, scheds, T, args.reps, args.heads, args.dim, not args.no_flex, gen)
+                _timings_at(rec, impls, scheds, T, args.reps, args.heads, args.dim, not args.no_flex, gen,
+                            _csv(args.plans))
             except Exception as exc:  # noqa: BLE001 - record and go on with the next length
                 rec.failed(f"T={T} timings", exc)
             torch.cuda.empty_cache()
@@ -159,10 +179,65 @@ def run(args) -> int:
             except Exception as exc:  # noqa: BLE001
                 rec.failed(f"T={T} per-call API", exc, table="api")
             torch.cuda.empty_cache()
+    if args.check:
+        gpu_daaf_checks.flex_checks(rec, rec.tables.get("timings", []))
     if not args.no_ttft:
         _ttft(rec, args, seqs, seed)
-    rec.finish(text=table(rec.tables), plot=plot)
+    summary = gpu_daaf_checks.targets(rec, rec.tables.get("timings", []), args.dim)
+    rec.finish(text="\n".join([table(rec.tables), *summary, *check_lines(rec.tables)]), plot=plot)
+    if args.check:
+        return 1 if any(not c["ok"] for c in rec.tables.get(gpu_daaf_checks.TABLE, [])) else 0
     return 0
+
+
+def _device_checks(rec, args, impls: list[str], hopper: bool, seed: int) -> list[str]:
+    """``--check``: the Hopper kernels' registers and spills, the wgmma unit check, each Hopper kernel of ``impls``
+    probed (each in a process of its own), the sanitizer runs; returns ``impls`` without the Hopper kernels whose
+    probe failed."""
+    from hpczeco.gpu import daaf as gd  # noqa: PLC0415
+
+    kernels = [i for i in impls if i not in gd.IMPLS]
+    if not hopper:
+        rec.say("--check: not a Hopper GPU (compute capability 9.0): no device checks of the Hopper kernels")
+        return impls
+    from hpczeco.gpu import daaf_hopper as dh  # noqa: PLC0415
+
+    try:
+        rec.info["hopper_kernels"] = {n: d for n, d in dh.kernel_info().items() if d["impl"] in kernels}
+        for name, d in rec.info["hopper_kernels"].items():
+            rec.say(f"INFO  build: {name}: {d['num_regs']} registers, {d['local_size_bytes']} local (spill) bytes, "
+                    f"{d['dynamic_smem_bytes']} dynamic smem bytes")
+    except Exception as exc:  # noqa: BLE001
+        gpu_daaf_checks.failed(rec, "build", "kernel_info", exc)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not gpu_daaf_checks.run_child(rec, out, "unit", seed, timeout=240):
+        rec.say("INFO  unit: the wgmma unit check failed: the kernels are probed anyway, timed only if their "
+                "probe passes")
+    failing = [i for i in kernels if not gpu_daaf_checks.run_child(rec, out, "probe", seed + dh.IMPLS.index(i), i,
+                                                                   args.quick, timeout=300)]
+    if args.sanitize:
+        exe = gpu_daaf_checks.sanitizer()
+        if exe is None:
+            rec.say("INFO  sanitize: compute-sanitizer not found: skipped")
+        for tool in [t for t in args.sanitize.split(",") if t and exe]:
+            for impl in [i for i in _csv(args.sanitize_impls) if i in dh.VARIANTS]:
+                gpu_daaf_checks.run_child(rec, out, "small", seed, impl, timeout=300, tag=tool,
+                                          prefix=(exe, "--tool", tool, "--error-exitcode", "3"))
+    if failing:
+        rec.say(f"--check: not timed (probe failed): {', '.join(failing)}")
+    return [i for i in impls if i not in failing]
+
+
+def check_lines(tables: dict[str, list[dict]]) -> list[str]:
+    """The device checks' count and each failure (``--check``), as text lines."""
+    rows = tables.get(gpu_daaf_checks.TABLE, [])
+    if not rows:
+        return []
+    bad = [r for r in rows if not r["ok"]]
+    lines = ["", f"device checks (--check): {len(rows) - len(bad)} of {len(rows)} passed"]
+    lines += [f"  FAIL {r['stage']}: {r['check']}: {str(r.get('detail', ''))[:200]}" for r in bad]
+    return lines
 
 
 def _prebuild(rec) -> None:
@@ -187,9 +262,11 @@ def _event_ms(fn, reps: int, warmup: int = 3) -> dict:
 
 
 def _timings_at(rec, impls: list[str], scheds: list[int], T: int, reps: int, H: int, D: int, use_flex: bool,
-                gen) -> None:
+                gen, plans: list[str] | None = None) -> None:
     import torch  # noqa: PLC0415
     from hpczeco.gpu import daaf as gd  # noqa: PLC0415
+
+    from hpczeco.daaf import attention_pairs  # noqa: PLC0415
 
     q, k, v = (torch.randn(1, T, H, D, device="cuda", generator=gen, dtype=torch.float32).to(torch.bfloat16)
                for _ in range(3))
@@ -212,7 +289,9 @@ def _timings_at(rec, impls: list[str], scheds: list[int], T: int, reps: int, H: 
             rec.failed(f"T={T} FlexAttention import", exc)
     runs = [(i, None) for i in impls if i in gd.IMPLS] + [(i, s) for i in impls if i not in gd.IMPLS for s in scheds]
     for pname, g in bench_plans(T).items():
-        pairs = daaf_pairs(g, W)
+        if plans and pname not in plans:
+            continue
+        pairs = attention_pairs(g, W)
         gidx = np.flatnonzero(g).astype(np.int32)
         gt = torch.from_numpy(g).cuda()
         outs, rows = {}, {}

@@ -14,17 +14,22 @@ input sets alternating, CUDA events, warm-up excluded, median of ``--repeats``:
   (:func:`hpczeco.gpu.gla_tc_states.traffic`), each over the measured copy bandwidth.
 
 ``--variants`` (comma list or ``all``) times builds of the same kernels at the first shape: ``walk1`` (the former 64
-x 64 state walk), ``walk1-ctas2`` (it with ``-DGW_MIN_CTAS=2``), ``nc2`` / ``nc05`` (chunks per segment x2 / x0.5),
-``f32`` (fp32 chunk states), ``out1`` / ``out2`` (the output kernel ``glatc_fwd_wide`` / ``glatc_fwd_out``,
-whichever is not the default at that KM); each is checked against the default build. ``--grid`` adds the accuracy
-table on flash-linear-attention's test grid (tests/ops/test_gla.py there: q, k, v, h0 ~ U[0, 1), g = logsigmoid(U[0,
-1)) / normaliser, do, dht ~ N(0, 1); T = 1, 63, 777, 1000, 1024, 2048; K = 60 (simt path), 64, 128 with V = 64, 128;
-normaliser 0.1, 1, 10; B = H = 2): ours and fla's RMS error ratios against a float64 recurrence on the GPU, the
-targets (o <= 4e-3, final state and gradients <= 5e-3) and ``ours <= 1.5 x fla + 1e-4``.
+x 64 state walk), ``walk1-ctas2`` / ``walk1-ctas4`` (it with ``-DGW_MIN_CTAS=2`` / ``4``), ``nc2`` / ``nc05`` (chunks
+per segment x2 / x0.5), ``f32`` (fp32 chunk states), ``out1`` / ``out2`` (the output kernel ``glatc_fwd_wide`` /
+``glatc_fwd_out``, whichever is not the default at that KM); each is checked against the default build.
+``--grid`` adds the accuracy table on flash-linear-attention's test grid (tests/ops/test_gla.py there: q, k, v, h0 ~
+U[0, 1), g = logsigmoid(U[0, 1)) / normaliser, do, dht ~ N(0, 1); T = 1, 63, 777, 1000, 1024, 2048; K = 60 (simt
+path), 64, 128 with V = 64, 128; normaliser 0.1, 1, 10; B = H = 2): ours and fla's RMS error ratios against a float64
+recurrence on the GPU, the targets (o <= 4e-3, final state and gradients <= 5e-3) and ``ours <= 1.5 x fla + 1e-4``.
+
+``--check`` runs the device checks first (:mod:`hpczeco.drivers.gpu_gla_checks`: small shapes in bf16 and fp16, the
+two-slice ZeCO composition, the device's float64 recurrence, each against float64 on the host; with ``--variants``,
+each variant build on a small shape as well), table ``device_checks``, exit status 1 if one fails. ``--impls`` adds
+the timings of other ``impl=`` values of :mod:`hpczeco.gpu.gla` (e.g. ``tc,simt``) beside the default path.
 
 Every step is guarded: a failure is recorded with its reason and the run goes on. The table prints last. Results:
-``--out``/gpu_gla.json and one CSV per table (timings, summary, variants, grid), rewritten after every row.
-Correctness is tested by ``pytest -m gpu tests/test_gpu_gla*.py``; this is the benchmark.
+``--out``/gpu_gla.json and one CSV per table (timings, summary, variants, grid, device_checks), rewritten after every
+row. Correctness is tested by ``pytest -m gpu tests/test_gpu_gla*.py``; this is the benchmark.
 """
 
 from __future__ import annotations
@@ -36,18 +41,18 @@ import time
 from typing import Any
 
 import numpy as np
+from hpczeco.base import bf16
 
 from . import benchkit
+from .gpu_gla_checks import NAMES, TARGET, recurrence64, rel
 
 STEM = "gpu_gla"
 SHAPES = {"0": (1, 32768, 16, 128, 128), "1": (8, 4096, 16, 128, 128), "2": (1, 32768, 32, 64, 64)}
 GRID_T = (1, 63, 777, 1000, 1024, 2048)
 GRID_KV = ((60, 64), (60, 128), (64, 64), (64, 128), (128, 64), (128, 128))
 GRID_GN = (0.1, 1.0, 10.0)
-TARGET = {"o": 4e-3, "ht": 5e-3, "dq": 5e-3, "dk": 5e-3, "dv": 5e-3, "dg": 5e-3, "dh0": 5e-3}
 VS_FLA, VS_FLA_SLACK = 1.5, 1e-4  # ours <= 1.5 x fla + 1e-4 (RMS error ratios)
-NAMES = ("o", "ht", "dq", "dk", "dv", "dg", "dh0")
-VARIANTS = ("walk1", "walk1-ctas2", "nc2", "nc05", "f32", "out1", "out2")
+VARIANTS = ("walk1", "walk1-ctas2", "walk1-ctas4", "nc2", "nc05", "f32", "out1", "out2")
 COPY_BYTES = 1 << 30  # the device copy that measures the bandwidth the floors are divided by
 
 
@@ -68,6 +73,14 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                                                 "for each short T and each (K, V): ~1-3 min each)")
     p.add_argument("--variants", default="", help=f"'all' or a comma list of: {', '.join(VARIANTS)}")
     p.add_argument("--no-breakdown", action="store_true", help="skip the per-kernel timings")
+    p.add_argument("--check", action="store_true",
+                   help="also run the device checks (hpczeco.drivers.gpu_gla_checks: small shapes in bf16 and fp16, "
+                        "the two-slice ZeCO composition and the device's float64 recurrence against float64 on the "
+                        "host; each variant of --variants on a small shape too); exit status 1 if one fails")
+    p.add_argument("--no-fp16", action="store_true", help="with --check: leave out the fp16 cases (and their build)")
+    p.add_argument("--impls", default="",
+                   help="also time hpczeco.gpu.gla's forward and forward+backward with these impl= values at each "
+                        "shape, e.g. 'tc,simt' (the backward takes the same impl where it has it, else auto)")
     p.add_argument("--quick", action="store_true", help="the first shape only (jobs/device_session.sh)")
     return p
 
@@ -97,25 +110,23 @@ def parse_shapes(text: str) -> list[tuple[int, int, int, int, int]]:
     return out
 
 
+def check_impls(text: str) -> list[str]:
+    """The ``--impls`` list, each one of :data:`hpczeco.gpu.gla.FORWARD_IMPLS` (``ValueError`` otherwise)."""
+    from hpczeco.gpu.gla import FORWARD_IMPLS  # noqa: PLC0415
+
+    impls = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in impls if x not in FORWARD_IMPLS]
+    if bad:
+        raise ValueError(f"--impls: unknown {bad}; choose from {list(FORWARD_IMPLS)}")
+    return impls
+
+
 def tag_of(shape) -> str:
     B, T, H, K, V = shape
     return f"B={B} T={T} H={H} K={K} V={V}"
 
 
 # ------------------------------------------------------------------------------------------------ device helpers
-
-
-def bf16_bits(cp, x32):
-    """bfloat16 bit patterns (uint16) of a finite float32 CuPy array, round to nearest even."""
-    u = x32.view(cp.uint32)
-    return ((u + cp.uint32(0x7FFF) + ((u >> 16) & cp.uint32(1))) >> 16).astype(cp.uint16)
-
-
-def f32_of(cp, x):
-    """float32 values of a CuPy array (uint16: raw bf16 bits)."""
-    if x.dtype == cp.uint16:
-        return (x.astype(cp.uint32) << 16).view(cp.float32)
-    return x.astype(cp.float32)
 
 
 def bench_inputs(cp, shape, seed: int) -> dict[str, Any]:
@@ -125,50 +136,12 @@ def bench_inputs(cp, shape, seed: int) -> dict[str, Any]:
     f = lambda *s: normal32(rs, s)  # noqa: E731
     x = {"q": f(B, T, H, K), "k": f(B, T, H, K), "v": f(B, T, H, V), "do": f(B, T, H, V)}
     x["g"] = (-cp.log1p(cp.exp(-(f(B, T, H, K) + 2.0)))).astype(cp.float32)
-    return {n: cp.ascontiguousarray(bf16_bits(cp, a)) for n, a in x.items()}
+    return {n: cp.ascontiguousarray(bf16.to_bits(a, xp=cp)) for n, a in x.items()}
 
 
 def normal32(rs, shape):
     """float32 N(0, 1) from a CuPy RandomState (generated in float32)."""
     return rs.standard_normal(shape, dtype="float32")
-
-
-def rel(cp, a, ref) -> float:
-    """RMS error ratio ``||a - ref|| / ||ref||`` in float64 on the device (NaN if ``a`` is not finite)."""
-    a64, r64 = f32_of(cp, a).astype(cp.float64), f32_of(cp, ref).astype(cp.float64)
-    if not bool(cp.isfinite(a64).all()):
-        return float("nan")
-    return float(cp.linalg.norm(a64 - r64) / max(float(cp.linalg.norm(r64)), 1e-300))
-
-
-def recurrence64(cp, q, k, v, g, do, scale: float, h0, dht):
-    """float64 recurrences on the device (hpczeco.gla.naive's formulas): ``(o, S_T, dq, dk, dv, dg, dh0)``.
-    ``q, k, v, g, do``: CuPy arrays (raw bf16 bits or floats), ``h0, dht`` ``[B, H, K, V]``."""
-    q, k, v, g, do = (f32_of(cp, x).astype(cp.float64) for x in (q, k, v, g, do))
-    B, T, H, K = q.shape
-    V = v.shape[3]
-    q, k, v, g, do = (x.transpose(1, 0, 2, 3).reshape(T, B * H, -1) for x in (q, k, v, g, do))
-    S = h0.astype(cp.float64).reshape(B * H, K, V).copy()
-    states = cp.empty((T + 1, B * H, K, V), dtype=cp.float64)
-    states[0] = S
-    o = cp.empty((T, B * H, V))
-    for t in range(T):
-        S = cp.exp(g[t])[:, :, None] * S + k[t][:, :, None] * v[t][:, None, :]
-        states[t + 1] = S
-        o[t] = scale * cp.matmul(q[t][:, None, :], S)[:, 0, :]
-    dS = dht.astype(cp.float64).reshape(B * H, K, V).copy()
-    dq, dk, dg = (cp.empty((T, B * H, K)) for _ in range(3))
-    dv = cp.empty((T, B * H, V))
-    for t in range(T - 1, -1, -1):
-        dS += scale * q[t][:, :, None] * do[t][:, None, :]
-        dq[t] = scale * cp.matmul(states[t + 1], do[t][:, :, None])[:, :, 0]
-        dk[t] = cp.matmul(dS, v[t][:, :, None])[:, :, 0]
-        dv[t] = cp.matmul(k[t][:, None, :], dS)[:, 0, :]
-        e = cp.exp(g[t])
-        dg[t] = e * (states[t] * dS).sum(axis=2)
-        dS = e[:, :, None] * dS
-    back = lambda x: x.reshape(T, B, H, -1).transpose(1, 0, 2, 3)  # noqa: E731
-    return back(o), S.reshape(B, H, K, V), back(dq), back(dk), back(dv), back(dg), dS.reshape(B, H, K, V)
 
 
 class Only:
@@ -283,6 +256,16 @@ class Bench:
 
                 self.guarded(f"compile {file} [{group}] (NVRTC, host ms)", build, kernels=len(names))
 
+    # -------------------------------------------------------------------- device checks
+    def device_checks(self) -> None:
+        """``--check``: :func:`.gpu_gla_checks.run` on the library's runtime (``device_checks`` table)."""
+        from hpczeco.gpu.gla_common import RUNTIME  # noqa: PLC0415
+
+        from . import gpu_gla_checks  # noqa: PLC0415
+
+        gpu_gla_checks.run(self.rec, self.cp, RUNTIME.get(), self.seed + 3, fp16=not self.args.no_fp16)
+        self.cp.get_default_memory_pool().free_all_blocks()
+
     # -------------------------------------------------------------------- one shape
     def run_shape(self, shape) -> None:
         cp, rec = self.cp, self.rec
@@ -346,6 +329,14 @@ class Bench:
         row["ours fwd+bwd"] = self.guarded(f"ours fwd+bwd, states reused [{tag}]", lambda: self.ev(fwd_bwd_reuse))
         row["ours fwd+bwd (recomputed)"] = self.guarded(f"ours fwd+bwd, states recomputed [{tag}]",
                                                         lambda: self.ev(fwd_bwd))  # fmt: skip
+
+        def bwd(i):
+            s = sets[i]
+            G.chunk_gla_bwd(*(s[n] for n in qkvg), s["do"], scale=scale)
+
+        row["ours bwd"] = self.guarded(f"ours bwd, states recomputed [{tag}]", lambda: self.ev(bwd))
+        for impl in check_impls(self.args.impls):
+            self.time_impl(impl, sets, scale, tag, row)
         if not self.args.no_breakdown:
             self.step(f"breakdown {tag}", lambda: self.breakdown(shape, sets[0], geo, row))
 
@@ -363,6 +354,26 @@ class Bench:
             if ours and theirs:
                 row[f"ours/fla {key}"] = ours / theirs
         rec.record({k: v for k, v in row.items()}, table="summary")
+
+    def time_impl(self, impl: str, sets, scale: float, tag: str, row: dict[str, Any]) -> None:
+        """``--impls``: the forward with ``impl=impl`` and the forward+backward (the backward's impl the same where
+        it has it, else ``"auto"``), each recorded and put in the summary row."""
+        from hpczeco.gpu import gla as G  # noqa: PLC0415
+
+        qkvg = ("q", "k", "v", "g")
+        bimpl = impl if impl in G.BACKWARD_IMPLS else "auto"
+
+        def fwd(i):
+            G.chunk_gla(*(sets[i][n] for n in qkvg), scale=scale, impl=impl)
+
+        def fwd_bwd(i):
+            s = sets[i]
+            G.chunk_gla(*(s[n] for n in qkvg), scale=scale, impl=impl)
+            G.chunk_gla_bwd(*(s[n] for n in qkvg), s["do"], scale=scale, impl=bimpl)
+
+        row[f"impl={impl} fwd"] = self.guarded(f"impl={impl} fwd [{tag}]", lambda: self.ev(fwd))
+        row[f"impl={impl} fwd+bwd"] = self.guarded(f"impl={impl} fwd + impl={bimpl} bwd [{tag}]",
+                                                   lambda: self.ev(fwd_bwd))  # fmt: skip
 
     def breakdown(self, shape, s, geo, row) -> None:
         """Each kernel of the forward and of the backward alone (the default build, 16-bit chunk states)."""
@@ -459,6 +470,7 @@ class Bench:
         rt = RUNTIME.get()
         NC = tcs.chunks_per_segment(rt, B * H, -(-T // 64), K, V)
         table = {"default": ((), {}), "walk1": ((), {"walk": 1}), "walk1-ctas2": (("GW_MIN_CTAS=2",), {"walk": 1}),
+                 "walk1-ctas4": (("GW_MIN_CTAS=4",), {"walk": 1}),
                  "nc2": ((), {"nc": 2 * NC}), "nc05": ((), {"nc": max(1, NC // 2)}), "f32": ((), {"f32_states": True}),
                  "out1": ((), {"out": 1}), "out2": ((), {"out": 2})}
         qkvg = [sets[0][n] for n in ("q", "k", "v", "g")]
@@ -478,6 +490,13 @@ class Bench:
                 else:
                     out["vs_default_max"] = max(rel(cp, a, b) for a, b in zip(got, base))
                     out["ok"] = bool(out["vs_default_max"] <= 1e-2)
+                if self.args.check:  # the build on a small shape against float64 too
+                    from . import gpu_gla_checks as chk  # noqa: PLC0415
+
+                    out["small_ok"] = chk.record(rec, f"variant {vname}: small shape vs float64",
+                                                 lambda r=r, kw=kw: chk.small_case(cp, r, *chk.VARIANT_SMALL,
+                                                                                   self.seed + 300, **kw),
+                                                 variant=vname)  # fmt: skip
 
                 def fwd(i, r=r, kw=kw):
                     gla_fwd_tc.fwd_tc(r, *(sets[i][n] for n in ("q", "k", "v", "g")), **kw)
@@ -521,7 +540,7 @@ class Bench:
             x = {"q": u(B, T, H, K), "k": u(B, T, H, K), "v": u(B, T, H, V)}
             x["g"] = (-cp.log1p(cp.exp(-u(B, T, H, K))) / cp.float32(gn)).astype(cp.float32)  # logsigmoid / gn
             x["do"] = normal32(rs, (B, T, H, V))
-            d = {n: cp.ascontiguousarray(bf16_bits(cp, a)) for n, a in x.items()}
+            d = {n: cp.ascontiguousarray(bf16.to_bits(a, xp=cp)) for n, a in x.items()}
             h0, dht = u(B, H, K, V), normal32(rs, (B, H, K, V))
             scale = K**-0.5
             args = [d[n] for n in ("q", "k", "v", "g", "do")]
@@ -574,6 +593,10 @@ class Bench:
                          f"{r['moved_fwd_GB']:5.2f}/{r['moved_fwd_ms']:4.2f} "
                          f"{r['floor_fwdbwd_GB']:5.2f}/{r['floor_fwdbwd_ms']:4.2f} "
                          f"{r['moved_fwdbwd_GB']:5.2f}/{r['moved_fwdbwd_ms']:4.2f}")
+        impl_rows = [(tag, k, v) for tag, r in self.summary.items() for k, v in r.items() if k.startswith("impl=")]
+        if impl_rows:
+            lines += ["", "other impls (--impls; ms):"]
+            lines += [f"  {tag:32s} {k:22s} {fmt(v)}" for tag, k, v in impl_rows]
         kernels = self.rec.tables.get("kernels", [])
         if kernels:
             lines += ["", "per kernel (ms; GB moved; ms at copy bandwidth):"]
@@ -600,6 +623,13 @@ class Bench:
                 lines.append("  FAIL " + " ".join(f"{k}={_short(v)}" for k, v in r.items()))
         fails = self.rec.tables.get("failures", [])
         checks = self.rec.tables.get("checks", [])
+        device = self.rec.tables.get("device_checks", [])
+        if device:
+            n_ok = sum(bool(c.get("ok")) for c in device)
+            lines += ["", f"device checks (--check, vs float64): {n_ok}/{len(device)} passed"]
+            for c in device:
+                if not c.get("ok"):
+                    lines.append(f"  FAIL {c['check']}: {c.get('why') or c.get('error', '')}")
         lines.append("")
         lines.append(f"checks vs simt: {sum(bool(c.get('ok')) for c in checks)}/{len(checks)} ok; "
                      f"failed steps: {len(fails)}" + ("" if not fails else " (" + "; ".join(
@@ -620,12 +650,15 @@ def run(args) -> int:
     rec.say(f"bench gpu-gla: seed {seed}")
     try:
         shapes = parse_shapes(args.shapes)[: 1 if args.quick else None]
+        check_impls(args.impls)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
     b = Bench(args, rec, cp, seed)
     b.step("setup", b.setup)
     b.step("compile", b.compile_kernels)
+    if args.check:
+        b.step("device checks", b.device_checks)
     for shape in shapes:
         b.step(f"shape {tag_of(shape)}", lambda shape=shape: b.run_shape(shape))
         b.step("free memory", b.free)
@@ -636,4 +669,7 @@ def run(args) -> int:
         b.step("grid", b.run_grid)
     rec.info["summary"] = b.summary
     rec.finish(text=rec.text() + "\n" + b.table())
+    if args.check:
+        checks = rec.tables.get("device_checks", [])
+        return 0 if checks and all(c.get("ok") for c in checks) else 1
     return 0

@@ -36,6 +36,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "gpu-daaf": ("hpczeco.drivers.bench_gpu_daaf", "DAAF GPU kernels vs FlexAttention, time to first token"),
     "daaf-quality": ("hpczeco.drivers.bench_daaf_quality", "DAAF on a trained LM: quality vs same-budget baselines"),
     "gpu-multi": ("hpczeco.drivers.bench_gpu_multi", "device transports, scans and ZeCO on GPUs (under mpirun)"),
+    "torch": ("hpczeco.drivers.bench_torch", "PyTorch autograd glue vs the bare kernel calls (one GPU)"),
 }
 
 

@@ -2,9 +2,10 @@
 a small random-weight decoder, planted needles, and the PyTorch attentions DAAF is compared with.
 
 Used by :mod:`hpczeco.drivers.bench_gpu_daaf` (which times them) and ``tests/test_gpu_daaf_checks.py``
-(which checks them), and by the Hopper kernels' checks (``devtools/daaf_device_check.py``,
+(which checks them), and by the Hopper kernels' checks (:mod:`hpczeco.drivers.gpu_daaf_checks`,
 ``tests/test_daaf_hopper_emu.py``: :func:`key_regions`). Everything here needs PyTorch with CUDA except
-:func:`bench_plans`, :func:`daaf_pairs`, :func:`key_regions` and :func:`synthetic_tokens` (numpy).
+:func:`bench_plans`, :func:`key_regions` and :func:`synthetic_tokens` (numpy). The pair count of a plan (its
+useful TFLOP/s) is the planner's :func:`hpczeco.daaf.attention_pairs`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ __all__ = [
     "TinyModel",
     "allowed_mask_torch",
     "bench_plans",
-    "daaf_pairs",
     "flash_backend",
     "key_regions",
     "make_flex",
@@ -60,16 +60,6 @@ def key_regions(T: int, plan: str, rng: np.random.Generator) -> np.ndarray:
     elif plan != "none":
         raise ValueError(f"unknown key-region plan {plan!r}")
     return g
-
-
-def daaf_pairs(g: np.ndarray, W: int) -> int:
-    """Exact (query, key) pairs of the DAAF rule for key-region mask ``g [T]`` and window ``W``."""
-    T = len(g)
-    cg = np.zeros(T + 1, dtype=np.int64)
-    np.cumsum(g, out=cg[1:])
-    t = np.arange(T, dtype=np.int64)
-    local = np.minimum(t, W) + 1 + cg[np.clip(t - W, 0, None)]
-    return int(np.where(g, t + 1, local).sum())
 
 
 def synthetic_tokens(T: int, rng: np.random.Generator, window: int = 512, vocab: int = 32768,

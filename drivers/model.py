@@ -21,7 +21,7 @@ import argparse
 import json
 from pathlib import Path
 
-from hpczeco.collectives.costfit import PAPER_TABLE2 as PAPER  # ms, All-Scan vs LASP-2's AllGather
+from .costfit import PAPER_TABLE2 as PAPER  # ms, All-Scan vs LASP-2's AllGather
 
 ASSUMPTIONS = [
     "state: one layer's GLA state per GPU; the paper's row is H=32, K=V=128 in bf16 = 1 MiB (it prints no size)",
@@ -65,7 +65,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
 def print_paper_fit(link, inter, per_node: int, nbytes: float) -> list[dict]:
     """Table 2 beside the two-level model (``link`` inside a node, ``inter`` between): rows with residuals."""
-    from hpczeco.collectives import costfit
+    from . import costfit
 
     rows = costfit.paper_rows(link, inter, nbytes, per_node)
     print(f"\nZeCO paper Table 2 vs the model ({link.name} inside nodes of {per_node}, {inter.name} between), ms:")
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco model") -> int:
         f"P={P} {v['allgather'] / v['ring']:.2f}x" for P, v in PAPER.items()))
     paper_rows = None
     if args.fit_paper:
-        from hpczeco.collectives import costfit
+        from . import costfit
 
         nv, ib, rms = costfit.fit_paper(nbytes, args.gpus_per_node or costfit.PAPER_PER_NODE)
         print(f"\nfit to Table 2 (RMS log residual {rms:.3f}):\n  {nv.describe()}\n  {ib.describe()}")

@@ -7,7 +7,7 @@ with halo exchange and a key-region allgather) or ``--ranks heads`` (tensor para
 ``--dense`` uses exact causal attention instead of DAAF (the baseline).
 
 Before any work it estimates the cost (tokens, key-region share, attention pairs, flop, memory per
-rank: :meth:`hpczeco.daaf.PrefillModel.estimate`) and refuses, with that estimate, a text above
+rank: :meth:`hpczeco.drivers.daaf_demo.PrefillModel.estimate`) and refuses, with that estimate, a text above
 ``--max-tokens`` or a run above ``--max-memory`` (0 lifts a limit). The text is tokenized on rank 0
 (a chunk at a time, stopping at the token limit) and only the ids are broadcast.
 """
@@ -137,8 +137,9 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco prefill") -> int:
     import numpy as np
     from mpi4py import MPI
 
-    from hpczeco.daaf import ModelConfig, PrefillModel, dense_pairs, plan, tokenize
-    from hpczeco.daaf.tokenizer import TokenLimitError
+    from hpczeco.daaf import dense_pairs, plan
+
+    from .daaf_demo import ModelConfig, PrefillModel, TokenLimitError, tokenize
 
     comm = MPI.COMM_WORLD
     size, rank = comm.Get_size(), comm.Get_rank()

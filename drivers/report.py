@@ -148,8 +148,9 @@ def accuracy_md(runs: list[dict[str, Any]]) -> list[str]:
 def refit_md(runs: list[dict[str, Any]]) -> list[str]:
     """Per run: the RMS of log(model/measured) under its calibration, and the model refit to its measurements
     (alpha, beta, overhead free; gamma, delta as calibrated) with the refit's residual and worst point."""
-    from hpczeco.collectives import costfit
     from hpczeco.collectives import costmodel as cm
+
+    from . import costfit
 
     lines = ["| P | calibration RMS log (x) | refit | refit RMS log (x) | refit's worst point |",
              "|---|---|---|---|---|"]
@@ -174,8 +175,9 @@ def piece_md(runs: list[dict[str, Any]]) -> list[str]:
     residual of all points and measured/model of the ring at >= 1 MiB without the term and with it."""
     from dataclasses import replace
 
-    from hpczeco.collectives import costfit
     from hpczeco.collectives import costmodel as cm
+
+    from . import costfit
 
     lines = ["| P | piece (us) above eager | from | RMS log without -> with | ring >= 1 MiB measured/model "
              "without -> with | model's k at 1 MiB without -> with |", "|---|---|---|---|---|---|"]

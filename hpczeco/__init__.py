@@ -5,7 +5,7 @@ Public API (imported lazily so ``import hpczeco`` stays cheap and never imports 
 - ``hpczeco.gla``: ``recurrent_gla`` (float64 reference), ``chunk_gla``, ``chunk_gla_bwd``
 - ``hpczeco.collectives``: ``scan``/``scan_start`` (ring All-Scan, tree, allgather, serial, exscan)
 - ``hpczeco.ZeCOGLA`` / ``hpczeco.zeco_gla``: the sequence-parallel GLA layer
-- ``hpczeco.costmodel``: alpha-beta model of the scans
+- ``hpczeco.collectives.costmodel``: alpha-beta model of the scans (``hpczeco.collectives.calibrate``: measured)
 - ``hpczeco.daaf``: entropy-planned global/local attention
 """
 

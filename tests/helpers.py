@@ -7,8 +7,11 @@ Test files import it as ``from helpers import ...`` (pytest puts ``tests/`` on `
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import re
+import types
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +22,8 @@ __all__ = [
     "daaf_inputs",
     "device_transport_kinds",
     "emulated_gla_runtime",
+    "FAKE_CUPY_PATH",
+    "fake_cupy",
     "gla_inputs",
     "install_numpy_cupy",
     "log_gates",
@@ -152,6 +157,18 @@ def device_transport_kinds(comm: Any) -> list[str]:
 
 # --------------------------------------------------------------------------------------------- emulation
 
+#: the folder to put first on ``sys.path`` (in a process of its own) for ``import cupy`` to be the stand-in
+FAKE_CUPY_PATH = Path(__file__).resolve().parent / "fake_cupy"
+
+
+def fake_cupy() -> types.ModuleType:
+    """A fresh copy of the numpy stand-in for CuPy (``tests/fake_cupy/cupy``, with its own counters of host
+    synchronisations and uploads), to put in ``sys.modules["cupy"]`` and an emulator runtime's ``xp``."""
+    spec = importlib.util.spec_from_file_location("cupy", FAKE_CUPY_PATH / "cupy" / "__init__.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
 
 @contextlib.contextmanager
 def emulated_gla_runtime() -> Iterator[Any]:
@@ -172,16 +189,15 @@ def emulated_gla_runtime() -> Iterator[Any]:
 
 
 def install_numpy_cupy() -> Any:
-    """Put the numpy stand-in for CuPy (``counting_cupy.make()``) in ``sys.modules["cupy"]`` for the rest of the
+    """Put the numpy stand-in for CuPy (:func:`fake_cupy`) in ``sys.modules["cupy"]`` for the rest of the
     process, with :mod:`hpczeco.gpu.checks`'s value flags computed by its host mirror (``value_flags_host``: the
     same words and formulas; the stand-in has no ``ReductionKernel``). For subprocesses that run the Numba CUDA
     kernels under the simulator (``NUMBA_ENABLE_CUDASIM=1``) on "CuPy" arrays. Returns the module."""
     import sys  # noqa: PLC0415
 
-    import counting_cupy  # noqa: PLC0415
     from hpczeco.gpu import checks  # noqa: PLC0415
 
-    cp = counting_cupy.make()
+    cp = fake_cupy()
     sys.modules["cupy"] = cp
 
     class _Device(contextlib.nullcontext):

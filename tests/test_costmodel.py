@@ -1,12 +1,13 @@
-"""Cost model of the scans (hpczeco.costmodel): formulas, best blocks, auto choice, calibration."""
+"""Cost model of the scans (hpczeco.collectives.costmodel): formulas, best blocks, auto choice, calibration
+(hpczeco.collectives.calibrate), the fit to the ZeCO paper (hpczeco.drivers.costfit)."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
-
-from hpczeco import costmodel as cm
+from hpczeco.collectives import calibrate
+from hpczeco.collectives import costmodel as cm
 
 NV = cm.preset("nvlink4")
 SHM = cm.preset("shm")
@@ -144,7 +145,7 @@ def test_overhead_is_added_once_to_every_topology():
 
 
 def test_fit_recovers_parameters_from_their_own_predictions():
-    from hpczeco.collectives import costfit
+    from hpczeco.drivers import costfit
 
     true = cm.LinkParams(alpha=12e-6, beta=1 / 2e9, gamma=0.05e-9, delta=1e-6, overhead=45e-6)
     grid = [(P, m) for P in (2, 3, 4) for m in (4 << 10, 64 << 10, 1 << 20, 4 << 20)]
@@ -163,7 +164,7 @@ def test_fit_recovers_parameters_from_their_own_predictions():
 def test_presets_reproduce_the_papers_table2():
     """nvlink4 / ib-ndr are the two-level fit to the ZeCO paper's Table 2: every ring (All-Scan) point within
     10%, every allgather within 25%, the ratios in the paper's order, and refitting gives the presets back."""
-    from hpczeco.collectives import costfit
+    from hpczeco.drivers import costfit
 
     rows = costfit.paper_rows(cm.preset("nvlink4"), cm.preset("ib-ndr"))
     for r in rows:
@@ -181,13 +182,13 @@ def test_presets_reproduce_the_papers_table2():
 
 
 def test_measure_combine_positive():
-    assert 0 < cm.measure_combine(1 << 12, repeats=3) < 0.1
+    assert 0 < calibrate.measure_combine(1 << 12, repeats=3) < 0.1
 
 
 @pytest.mark.mpi
 def test_calibrate_is_collective_and_identical(comm):
     for method in ("shift", "pingpong"):
-        p = cm.calibrate(comm, sizes=(8, 4096, 65536), repeats=3, method=method)
+        p = calibrate.calibrate(comm, sizes=(8, 4096, 65536), repeats=3, method=method)
         everyone = comm.allgather(p)
         assert all(q == p for q in everyone)
         assert p.gamma >= 0 and p.delta > 0 and method in p.name
@@ -196,9 +197,9 @@ def test_calibrate_is_collective_and_identical(comm):
         else:
             assert p.alpha > 0
     with pytest.raises(ValueError):
-        cm.calibrate(comm, sizes=(8,))
+        calibrate.calibrate(comm, sizes=(8,))
     with pytest.raises(ValueError):
-        cm.calibrate(comm, method="telepathy")
+        calibrate.calibrate(comm, method="telepathy")
 
 
 def test_predict_checks_blocks_by_the_scans_rule():

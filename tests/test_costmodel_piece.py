@@ -7,8 +7,8 @@ import json
 from dataclasses import replace
 
 import pytest
-from hpczeco.collectives import costfit
 from hpczeco.collectives import costmodel as cm
+from hpczeco.drivers import costfit
 
 BASE = cm.LinkParams(alpha=4e-6, beta=3.2e-10, gamma=1.4e-10, delta=2.8e-6, overhead=80e-6)
 COSTLY = replace(BASE, piece=40e-6)

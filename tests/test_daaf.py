@@ -6,22 +6,20 @@ import math
 
 import numpy as np
 import pytest
+from hpczeco.drivers.daaf_demo import tokenize
 
 from hpczeco.daaf import (
     Plan,
-    allowed_mask,
     attention,
     attention_pairs,
-    attention_reference,
     exact_attention,
-    exact_attention_reference,
     plan,
     plan_arrays,
     plan_from_mask,
-    tokenize,
     window_entropy,
     window_starts,
 )
+from hpczeco.daaf.reference import allowed_mask, attention_reference, exact_attention_reference
 
 # --------------------------------------------------------------------------- planner
 

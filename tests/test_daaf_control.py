@@ -7,27 +7,23 @@ import time
 import numpy as np
 import pytest
 from hpczeco.collectives.agree import CollectiveInputError
+from hpczeco.drivers.daaf_demo import ModelConfig, PrefillModel, run_rounds, run_trace, simulate
 
 from hpczeco.daaf import (
-    ModelConfig,
-    PrefillModel,
     Request,
     WeightController,
-    allowed_mask,
     attention,
     exact_attention,
     mass_recall,
     metrics,
     plan,
     plan_from_mask,
-    run_rounds,
-    run_trace,
     sampled_error,
     serve_mpi,
-    simulate,
     utilization,
 )
 from hpczeco.daaf.controller import daaf_rows, exact_rows, sample_rows
+from hpczeco.daaf.reference import allowed_mask
 
 # --------------------------------------------------------------------------- controller
 

@@ -3,7 +3,7 @@ per-call attention API (hpczeco.daaf.attention on CuPy arrays, hpczeco.gpu.daaf.
 synchronisations and uploads.
 
 The kernels run on the CPU emulation (gpu/emu); CuPy is a numpy stand-in that counts every host read of device
-memory (tests/counting_cupy.py). On a GPU (marked ``gpu``): the device planner against the CPU planner at 32k
+memory (tests/fake_cupy/cupy). On a GPU (marked ``gpu``): the device planner against the CPU planner at 32k
 tokens and the per-call API's outputs against the prepared launch.
 """
 
@@ -13,10 +13,9 @@ import math
 import sys
 from pathlib import Path
 
-import counting_cupy
 import numpy as np
 import pytest
-from helpers import rel_max
+from helpers import fake_cupy, rel_max
 from hpczeco.gpu import daaf as gd
 from hpczeco.gpu import daaf_plan as dk
 from hpczeco.gpu import emu as gemu
@@ -59,7 +58,7 @@ def plan_emu(emu_sources, monkeypatch):
 @pytest.fixture
 def cp(emu_sources, monkeypatch):
     """The counting CuPy as ``cupy``, in both runtime slots (emulated kernels), and fresh plan caches."""
-    mod = counting_cupy.make()
+    mod = fake_cupy()
     monkeypatch.setitem(sys.modules, "cupy", mod)
     old_a = gd.RUNTIME.set(_CountingEmu(*emu_sources[0], mod))
     old_p = dk.RUNTIME.set(_CountingEmu(*emu_sources[1], mod))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from hpczeco.daaf.texts import mixed_tokens
+from hpczeco.drivers.daaf_demo import mixed_tokens
 
 
 def test_prefill_driver_prints_plan_and_ttft(tmp_path, capsys):

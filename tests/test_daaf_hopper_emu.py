@@ -395,46 +395,140 @@ def test_compile_groups_match_source():
     assert set(dh.kernel_names()) | unit == set(found)
 
 
-def _device_check_module():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("daaf_device_check", GPU_DIR.parent / "devtools" /
-                                                  "daaf_device_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+# --------------------------------------------------------------------------- bench gpu-daaf --check, on the emulation
 
 
-def test_device_check_helpers(rng):
-    """The harness's pair count (its TFLOP/s) equals the reference mask's; its plans are the suite's."""
-    chk = _device_check_module()
+@pytest.fixture
+def check_cp(emu, monkeypatch):
+    """The numpy stand-in for CuPy as ``cupy`` and as the emulation's array module: the device arrays of the checks
+    of ``hpczeco bench gpu-daaf --check`` (:mod:`hpczeco.drivers.gpu_daaf_checks`)."""
+    import sys
+
+    from helpers import fake_cupy
+
+    cp = fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setattr(emu, "xp", cp, raising=False)
+    return cp
+
+
+def test_bench_device_checks_on_the_emulation(check_cp, tmp_path):
+    """The stages of `hpczeco bench gpu-daaf --check` in-process without a GPU: the wgmma unit check in every layout
+    mode, a warp-specialised and a window kernel probed (each element type and head dim, both schedules) and their
+    small (sanitizer) cases, against float64; every check ran and passed, and is in the bench's table."""
+    from hpczeco.drivers import benchkit
+    from hpczeco.drivers import gpu_daaf_checks as chk
+
+    rec = benchkit.Recorder(tmp_path, "checks")
+    chk.unit(rec, check_cp, 1)
+    cases = [(1, 0, "none"), (65, 16, "regions"), (130, 128, "first")]
+    for impl in ("hwsp", "hwin"):
+        chk.probe(rec, check_cp, impl, 2 + dh.IMPLS.index(impl), cases=cases)
+        chk.small(rec, check_cp, impl, 3)
+    rows = rec.tables[chk.TABLE]
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, bad
+    by_stage = {st: [r for r in rows if r["stage"] == st] for st in ("unit", "probe", "small")}
+    assert len(by_stage["unit"]) == 10 and all(r["value"] <= chk.UNIT_TOL for r in by_stage["unit"])
+    assert len(by_stage["probe"]) == 3 * 2 * (1 + 4)  # cases x schedules x (hwsp: bf16 D128; hwin: bf16/f16, D64/128)
+    assert {r["plan"] for r in by_stage["probe"] if r["impl"] == "hwsp"} == {"none", "regions", "first"}
+    assert {r["plan"] for r in by_stage["probe"] if r["impl"] == "hwin"} == {"none"}  # window-only plans
+    assert len(by_stage["small"]) == 4
+    assert all(0 <= r["value"] <= r["tol"] for r in by_stage["probe"] + by_stage["small"])
+    assert check_cp.counts["upload"] > 0  # the inputs went to the (stand-in) device
+
+
+def test_bench_device_checks_fail_on_a_wrong_output(check_cp, tmp_path, monkeypatch):
+    """A kernel whose output is wrong fails its probe (NaN-poisoned output never written, or scaled)."""
+    from hpczeco.drivers import benchkit
+    from hpczeco.drivers import gpu_daaf_checks as chk
+
+    real = dh.prepare
+
+    def off_by_a_bit(*a, **k):
+        p = real(*a, **k)
+        out = k["out"]
+
+        def call():
+            p()
+            out[...] = bf16.to_bits(bf16.from_bits(out) * 1.05)
+
+        return call
+
+    monkeypatch.setattr(dh, "prepare", off_by_a_bit)
+    rec = benchkit.Recorder(tmp_path, "checks")
+    chk.small(rec, check_cp, "hwin", 3)
+    rows = rec.tables[chk.TABLE]
+    assert len(rows) == 2 and not any(r["ok"] for r in rows) and all(r["value"] > chk.TOL["bf16"] for r in rows)
+
+
+_FAKE_CHILD = r"""
+import json, sys
+args = sys.argv[1:]
+out, stem = args[args.index("--out") + 1], args[args.index("--stem") + 1]
+rows = [{"stage": args[args.index("-m") + 2], "check": "c", "ok": True, "value": 0.0, "tol": 1.0}]
+with open(f"{out}/{stem}.json", "w") as fh:
+    json.dump({"device_checks": rows}, fh)
+"""
+
+
+def test_bench_device_check_children(tmp_path):
+    """The bench runs each stage in a process of its own: its records are merged; a child that crashes (or records
+    nothing) is a failed check, not a silent pass."""
+    import sys
+
+    from hpczeco.drivers import benchkit
+    from hpczeco.drivers import gpu_daaf_checks as chk
+
+    script = tmp_path / "child.py"
+    script.write_text(_FAKE_CHILD)
+    rec = benchkit.Recorder(tmp_path, "t")
+    assert chk.run_child(rec, tmp_path, "probe", 1, "hws", prefix=(sys.executable, str(script)))
+    assert rec.tables[chk.TABLE] == [{"stage": "probe", "check": "c", "ok": True, "value": 0.0, "tol": 1.0}]
+    assert not chk.run_child(rec, tmp_path, "unit", 1, prefix=(sys.executable, "-c", "import sys; sys.exit(5)"))
+    last = rec.tables[chk.TABLE][-1]
+    assert last["check"] == "unit child process" and not last["ok"] and last["detail"].startswith("exit 5, 0 checks")
+
+
+def test_bench_plans_pairs_flex_checks_and_targets(rng, tmp_path):
+    """The bench's plans and pair count (its TFLOP/s) equal the reference mask's; the timed outputs' distance to
+    Flex becomes checks; the targets summary: best and auto pick per (T, plan) against 0.8 (window) / 1.0 (key
+    regions), and the AUTO_IMPLS suggestion."""
+    from hpczeco.drivers import benchkit
+    from hpczeco.drivers import gpu_daaf_checks as chk
+    from hpczeco.drivers.gpu_daaf_model import bench_plans
+
+    from hpczeco.daaf import attention_pairs
     from hpczeco.daaf.reference import allowed_mask
 
     for T, W, plan in ((300, 16, "regions"), (257, 128, "scattered"), (64, 0, "all"), (1, 0, "none")):
         g = key_regions(T, plan, rng)
-        assert chk.daaf_pairs(g, W) == int(allowed_mask(g, W).sum())
-    plans = chk.bench_plans(32768)
+        assert attention_pairs(g, W) == int(allowed_mask(g, W).sum())
+    plans = bench_plans(32768)
     assert set(plans) == {"w128", "w128+first4096", "w128+8x512"}
     assert plans["w128+first4096"][:4096].all() and plans["w128+first4096"].sum() == 4096
     assert plans["w128+8x512"].sum() == 8 * 512
-    rows = [{"T": 8192, "plan": "w128", "method": m, "median_ms": t, "tflops": 1.0} for m, t in
-            (("hwg/s1", 0.1), ("flex", 0.2))]
-    assert "0.50" in chk.table(rows)
-    # targets: best and auto pick per (T, plan) against 0.8 (window) / 1.0 (key regions), and the suggestion
+    rec = benchkit.Recorder(tmp_path, "t")
+    chk.flex_checks(rec, [{"T": 8192, "plan": "w128", "method": "daaf-hwin/s3", "max_rel_diff_vs_flex": 0.01},
+                          {"T": 8192, "plan": "w128", "method": "daaf-tc2", "max_rel_diff_vs_tc2": 0.0},
+                          {"T": 8192, "plan": "w128", "method": "daaf-hws/s3", "max_rel_diff_vs_tc2": 0.05},
+                          {"T": 8192, "plan": "w128", "method": "flex"}])
+    assert [(r["check"], r["ok"]) for r in rec.tables[chk.TABLE]] == [
+        ("T=8192 w128 daaf-hwin/s3 vs flex output", True), ("T=8192 w128 daaf-hws/s3 vs tc2 output", False)]
     rows = [{"T": T, "plan": p, "method": m, "median_ms": t * (2 if T == 32768 else 1), "tflops": 1.0}
             for T in (8192, 32768) for p, m, t in (
-                ("w128", "hwin/s3", 0.05), ("w128", "hws/s3", 0.09), ("w128", "flex", 0.1),
-                ("w128+first4096", "hws/s3", 1.1), ("w128+first4096", "hwg3/s3", 0.9),
+                ("w128", "daaf-hwin/s3", 0.05), ("w128", "daaf-hws/s3", 0.09), ("w128", "flex", 0.1),
+                ("w128", "daaf-auto", 0.01), ("w128", "sdpa-flash", 0.5),
+                ("w128+first4096", "daaf-hws/s3", 1.1), ("w128+first4096", "daaf-hwg3/s3", 0.9),
                 ("w128+first4096", "flex", 1.0))]
-    rec = chk.Recorder()
     lines = chk.targets(rec, rows)
-    assert "MET   target: T=8192 w128: best hwin/s3 0.050 ms = 0.50 x Flex (target <= 0.8)" in lines
-    assert "MISS  target: T=8192 w128+first4096: auto=hws hws/s3 1.100 ms = 1.10 x Flex (target <= 1.0, " \
+    assert "MET   target: T=8192 w128: best daaf-hwin/s3 0.050 ms = 0.50 x Flex (target <= 0.8)" in lines
+    assert "MISS  target: T=8192 w128+first4096: auto=hws daaf-hws/s3 1.100 ms = 1.10 x Flex (target <= 1.0, " \
            "moonshot 0.7)" in lines
-    assert "MET   target: T=32768 w128+first4096: best hwg3/s3 1.800 ms = 0.90 x Flex (target <= 1.0, " \
+    assert "MET   target: T=32768 w128+first4096: best daaf-hwg3/s3 1.800 ms = 0.90 x Flex (target <= 1.0, " \
            "moonshot 0.7)" in lines
-    sugg = {r["plan_kind"]: r["method"] for r in rec.records if r["kind"] == "suggest"}
-    assert sugg == {"window": "hwin/s3", "key_regions": "hwg3/s3"}
+    sugg = {r["plan_kind"]: r["suggest"] for r in rec.tables["targets"] if "suggest" in r}
+    assert sugg == {"window": "daaf-hwin/s3", "key_regions": "daaf-hwg3/s3"}
 
 
 @pytest.mark.parametrize("impl", ["hwg", "hwg3", "hfa2", "hws", "hwsp", "hws3p", "hwin"])

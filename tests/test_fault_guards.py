@@ -191,7 +191,7 @@ def test_timed_collectives_equal_mpi(comm, rng, with_timeout):
 def test_prefill_heads_detects_a_different_model_or_tokens(comm, rng, what):
     """Heads mode: a model of another seed, or two tokens swapped, on the last rank only is a collective error
     (the token check used to be a plain sum, and the model was not compared)."""
-    from hpczeco.daaf import ModelConfig, PrefillModel
+    from hpczeco.drivers.daaf_demo import ModelConfig, PrefillModel
 
     if comm.Get_size() == 1:
         pytest.skip("needs two ranks to disagree")
@@ -210,7 +210,7 @@ def test_prefill_heads_detects_a_different_model_or_tokens(comm, rng, what):
 @pytest.mark.parametrize("bad", [{"n_heads": 0}, {"head_dim": 0}, {"d_model": 0}, {"vocab_size": 1},
                                  {"n_layers": -1}, {"head_dim": 2.0}, {"rope_base": float("nan")}])
 def test_model_config_checked(bad):
-    from hpczeco.daaf import ModelConfig
+    from hpczeco.drivers.daaf_demo import ModelConfig
 
     with pytest.raises((ValueError, TypeError), match="ModelConfig"):
         ModelConfig(**bad)
@@ -230,7 +230,7 @@ def test_prefill_rejects_zero_sizes(tmp_path, capsys, opt):
 def test_word_pieces_equal_one_findall(rng):
     """The chunked tokenizer finds the same pieces as one findall over the text, whatever the chunk size
     (long words and whitespace runs crossing chunks included), and stops at max_tokens."""
-    from hpczeco.daaf.tokenizer import WORD_PATTERN, TokenLimitError, tokenize, word_pieces
+    from hpczeco.drivers.daaf_demo.tokenizer import WORD_PATTERN, TokenLimitError, tokenize, word_pieces
 
     alphabet = list("ab  \n\t.,;é€_") + ["x" * 40, " " * 30]
     for _ in range(200):
@@ -247,7 +247,7 @@ def test_word_pieces_equal_one_findall(rng):
 
 
 def test_prefill_estimate_grows_with_tokens_and_global_share():
-    from hpczeco.daaf import ModelConfig, PrefillModel
+    from hpczeco.drivers.daaf_demo import ModelConfig, PrefillModel
 
     m = PrefillModel(ModelConfig(vocab_size=256, d_model=32, n_heads=2, head_dim=16, n_layers=2))
     a = m.estimate(10_000, 0, 10_000 * 65, 1)

@@ -291,7 +291,8 @@ daaf_cases = st.fixed_dictionaries({
 @settings(max_examples=25, deadline=None, database=None)
 @given(case=daaf_cases)
 def test_fuzz_daaf_plan_invariants_and_attention(case):
-    from hpczeco.daaf import attention, attention_pairs, attention_reference, dense_pairs, plan
+    from hpczeco.daaf import attention, attention_pairs, dense_pairs, plan
+    from hpczeco.daaf.reference import attention_reference
 
     rng = np.random.default_rng(case["seed"])
     T = case["T"]

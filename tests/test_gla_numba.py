@@ -1,6 +1,6 @@
 """The float64 GPU path (:mod:`hpczeco.gpu.gla_numba`, Numba CUDA kernels) without a GPU: under Numba's CUDA simulator
 (``NUMBA_ENABLE_CUDASIM=1``, chosen before numba is imported: every check runs in its own process) on the numpy
-stand-in for CuPy (``tests/counting_cupy.py`` through :func:`helpers.install_numpy_cupy`), so the arrays take the
+stand-in for CuPy (``tests/fake_cupy`` through :func:`helpers.install_numpy_cupy`), so the arrays take the
 library's device branches: :func:`hpczeco.gla.chunk_gla` / ``chunk_gla_bwd``, the prepare/finish objects and the ZeCO
 pieces of :mod:`hpczeco.gpu.gla`, and the ZeCO layer (``hpczeco.ZeCOGLA``) under ``mpiexec`` on 2 and 3 ranks.
 
@@ -152,7 +152,7 @@ ro, rht = recurrent_gla(q, k, v, g, initial_state=h0, output_final_state=True)
 ref = recurrent_gla_bwd(q, k, v, g, do, initial_state=h0, dht=dht)
 errors, launches = {}, {}
 for scan in sys.argv[2].split(","):
-    layer = ZeCOGLA(comm, scan=scan, chunk_size=C, transport=NumpyAsDevice(comm))
+    layer = ZeCOGLA(comm, topology=scan, chunk_size=C, transport=NumpyAsDevice(comm))
     before = gla_numba.LAUNCHES.copy()
     o = layer.forward(*mine[:4], initial_state=cp.asarray(h0) if rank == 0 else None)
     grads = layer.backward(mine[4], dht=cp.asarray(dht) if rank == P - 1 else None)

@@ -356,13 +356,12 @@ def test_zeco_device_split_adapters_compose_over_two_slices(gla_emu, rng):
 
 @pytest.fixture
 def fake_cupy(monkeypatch):
-    """gpu/emu/fake_cupy (numpy arrays that look like CuPy arrays to hpczeco's dispatch) as the module ``cupy``."""
-    import importlib.util  # noqa: PLC0415
+    """tests/fake_cupy (numpy arrays that look like CuPy arrays to hpczeco's dispatch) as the module ``cupy``."""
     import sys  # noqa: PLC0415
 
-    spec = importlib.util.spec_from_file_location("cupy", gemu._HERE / "fake_cupy" / "cupy" / "__init__.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from helpers import fake_cupy as load  # noqa: PLC0415
+
+    mod = load()
     monkeypatch.setitem(sys.modules, "cupy", mod)
     return mod
 

@@ -517,6 +517,14 @@ def test_bench_parser_bound_and_table():
     row = next(line for line in text.splitlines() if line.startswith("7b") and "32768" in line).split()
     assert row[5:9] == ["1.67x", "2.00x", "83%", "50%"] and row[-1] == "100%"
     assert "skipped: out of memory" in text
+    check = bench.build_parser("x").parse_args(["--check", "--quick", "--sanitize", "racecheck"])
+    assert check.check and check.quick and check.sanitize == "racecheck" and "hwin" in check.sanitize_impls
+    assert bench.check_lines({}) == []
+    lines = bench.check_lines({"device_checks": [
+        {"stage": "unit", "check": "bf16 sw128 mode 0", "ok": True, "detail": ""},
+        {"stage": "probe", "check": "hws bf16 D=128 T=65 W=16 regions sched=1", "ok": False, "detail": "NaN"}]})
+    assert lines[1:] == ["device checks (--check): 1 of 2 passed",
+                         "  FAIL probe: hws bf16 D=128 T=65 W=16 regions sched=1: NaN"]
 
 
 def test_bench_model_on_cpu():

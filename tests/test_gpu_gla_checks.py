@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import emulated_gla_runtime, gla_inputs, rel
+from helpers import FAKE_CUPY_PATH, emulated_gla_runtime, gla_inputs, rel
 from hpczeco.base import bf16
 from hpczeco.base.backend import cupy_available
 
@@ -409,42 +409,36 @@ def test_validate_gla_inputs_on_bf16_device_arrays(gpu, rng):
 _BENCH_DRY_RUN = r"""
 import json, re, sys
 import numpy as np
-sys.path.insert(0, sys.argv[1])  # gpu/emu/fake_cupy: numpy arrays that look like CuPy arrays
+sys.path.insert(0, sys.argv[1])  # tests/fake_cupy: numpy arrays that look like CuPy arrays
 import cupy
-from hpczeco.drivers import bench_gpu_gla as bg, benchkit
+from hpczeco.drivers import bench_gpu_gla as bg, benchkit, gpu_gla_checks as chk
 from hpczeco.gpu import emu as gemu, gla as G
 
-class RandomState:  # what the bench calls of cupy.random.RandomState
-    def __init__(self, seed):
-        self.g = np.random.default_rng(seed)
-    def standard_normal(self, size, dtype="float64"):
-        return self.g.standard_normal(size).astype(dtype).view(cupy.ndarray)
-    def uniform(self, low, high, size):
-        return self.g.uniform(low, high, size).view(cupy.ndarray)
-
-cupy.random = type(sys)("cupy.random")
-cupy.random.RandomState = RandomState
-cupy.get_default_memory_pool = lambda: type("Pool", (), {"free_all_blocks": lambda self: None})()
-names = [n for n in G.kernel_names() if not re.search(r"(?<!b)f16", n)]
-rt = gemu.EmuRuntime(G.KERNELS.source(), names)
+rt = gemu.EmuRuntime(G.KERNELS.source(), G.kernel_names())  # bf16, fp16 (the checks) and float kernels
 rt.xp = cupy
 rt.function = lambda name, shared_mem=0: name  # the bench's compile step
 G.RUNTIME.set(rt)
 bg.variant_runtime = lambda defines: rt  # -D builds: the same emulated kernels
 bg.COPY_BYTES = 1 << 20
 bg.GRID_T, bg.GRID_KV, bg.GRID_GN = (1, 65), ((32, 16), (24, 16)), (0.1, 1.0)
+chk.SMALL = [(1, 1, 1, 16, 32, False, None, False), (1, 70, 2, 32, 48, True, 1, False),
+             (1, 66, 1, 128, 64, False, 1, True)]
+chk.SMALL_FP16 = [(1, 70, 1, 32, 32, True, 1, False)]
+chk.TWO_SLICES = (1, 100, 1, 32, 16, 37)
+chk.VARIANT_SMALL = (1, 70, 1, 32, 32, True)
 benchkit.cuda_event_time = lambda fn, repeats, warmup=3, sets=1, **kw: (fn(0), {"median_ms": 1.0})[1]
 rc = bg.main(["--out", sys.argv[2], "--shapes", "1x65x2x32x16,1x40x1x16x32", "--grid", "--variants",
-              "walk1,walk1-ctas2,nc2,f32", "--no-fla", "--repeats", "2"])
+              "walk1,walk1-ctas2,nc2,f32", "--no-fla", "--repeats", "2", "--check", "--impls", "simt"])
 sys.exit(rc)
 """
 
 
 @pytest.mark.timeout(1800)
 def test_bench_gpu_gla_dry_run(tmp_path):
-    """`hpczeco bench gpu-gla` end to end without a GPU: numpy standing in for CuPy, every kernel emulated, tiny
-    shapes, the grid and the variants; each step ran, the checks against simt and the grid cases pass, the table
-    prints."""
+    """`hpczeco bench gpu-gla --check` end to end without a GPU: numpy standing in for CuPy, every kernel emulated,
+    tiny shapes, the grid, the variants, the device checks and another impl's timings; each step ran, the checks
+    against simt, the device checks against float64 (small bf16/fp16 shapes, two slices, the device recurrence,
+    each variant) and the grid cases pass, the table prints."""
     import json
     import subprocess
     import sys
@@ -454,7 +448,7 @@ def test_bench_gpu_gla_dry_run(tmp_path):
     if gemu.compiler() is None:
         pytest.skip("no C++ compiler (g++) for the CUDA emulation")
     out = tmp_path / "bench"
-    res = subprocess.run([sys.executable, "-c", _BENCH_DRY_RUN, str(gemu._HERE / "fake_cupy"), str(out)],
+    res = subprocess.run([sys.executable, "-c", _BENCH_DRY_RUN, str(FAKE_CUPY_PATH), str(out)],
                          capture_output=True, text=True, timeout=1700)  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads((out / "gpu_gla.json").read_text())
@@ -469,3 +463,13 @@ def test_bench_gpu_gla_dry_run(tmp_path):
     assert [v["variant"] for v in data["variants"]] == ["default", "walk1", "walk1-ctas2", "nc2", "f32"]
     assert all(v.get("ok", True) and "error" not in v for v in data["variants"]), data["variants"]
     assert "==== hpczeco bench gpu-gla" in res.stdout and "accuracy grid: 8/8" in res.stdout
+    device = data["device_checks"]
+    assert [c["check"].split(":")[0] for c in device] == [
+        "float64 recurrence on the device == hpczeco.gla's CPU recurrence", "bf16 vs float64", "bf16 vs float64",
+        "bf16 vs float64", "f16 vs float64", "prepare/finish over two slices (ZeCO composition), bf16, strong gates",
+        "variant default", "variant walk1", "variant walk1-ctas2", "variant nc2", "variant f32"], device
+    assert all(c["ok"] and "error" not in c for c in device), device
+    assert all(c["o"] <= 4e-3 and c["dh0"] <= 5e-3 for c in device[1:]), device
+    assert f"device checks (--check, vs float64): {len(device)}/{len(device)} passed" in res.stdout
+    assert any(n.startswith("ours bwd, states recomputed") for n in names)
+    assert sum(n.startswith(("impl=simt fwd [", "impl=simt fwd + impl=simt bwd [")) for n in names) == 4, names

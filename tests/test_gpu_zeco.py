@@ -102,7 +102,7 @@ def test_zeco_layer_in_float64_on_gpus(comm, rng, scan):
     sl = slice(lo, lo + lengths[rank])
     mine = [cp.asarray(np.ascontiguousarray(x[:, sl])) for x in (q, k, v, g, do)]
     for kind in device_transport_kinds(comm):
-        layer = hpczeco.ZeCOGLA(comm, scan=scan, chunk_size=64, transport=kind)
+        layer = hpczeco.ZeCOGLA(comm, topology=scan, chunk_size=64, transport=kind)
         before = gla_numba.LAUNCHES.copy()
         o = layer.forward(*mine[:4], initial_state=cp.asarray(h0) if rank == 0 else None)
         grads = layer.backward(mine[4], dht=cp.asarray(dht) if rank == P - 1 else None)

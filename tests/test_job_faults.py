@@ -361,7 +361,7 @@ def test_prefill_refuses_a_text_above_the_token_limit(tmp_path):
 
 def test_prefill_refuses_a_run_above_the_memory_limit(tmp_path):
     """A 20k-token text with --max-memory 8M: refused after planning, naming the estimate."""
-    from hpczeco.daaf.texts import mixed_tokens
+    from hpczeco.drivers.daaf_demo import mixed_tokens
 
     f = tmp_path / "mix.txt"
     f.write_text(mixed_tokens(20000, 0.3, 10000, seed=1)[2])

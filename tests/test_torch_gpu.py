@@ -182,7 +182,7 @@ def test_cuda_float64_is_a_clear_error(rng):
 
 
 def test_glue_benchmark_runs():
-    from hpczeco.torch.bench import bench_chunk_gla  # noqa: PLC0415
+    from hpczeco.drivers.bench_torch import bench_chunk_gla  # noqa: PLC0415
 
     r = bench_chunk_gla(1, 256, 2, 64, 64, repeats=3, warmup=1, with_fla=False)  # fla would autotune this shape
     for key in ("bare fwd", "torch fwd", "bare fwd+bwd", "torch fwd+bwd", "glue ratio fwd", "glue ratio fwd+bwd",

@@ -21,13 +21,13 @@ heads; :func:`sampled_error`). Only the sampled rows are computed exactly (``O(n
 busy time of the last round over the round's length. High utilization means little spare capacity:
 the weight grows slowly when the error is high and shrinks fast when it is low.
 
-Everything here is deterministic given the trace of (error, utilization) pairs.
+Everything here is deterministic given the trace of (error, utilization) pairs. Closed loops that drive the
+controller over rounds (a fixed trace, or plan-measure-update) are programs: :mod:`hpczeco.drivers.daaf_demo.control`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +39,6 @@ from .planner import Plan, plan
 
 __all__ = [
     "WeightController",
-    "run_trace",
-    "run_rounds",
     "utilization",
     "sample_rows",
     "exact_rows",
@@ -100,28 +98,6 @@ class WeightController:
     def plan(self, tokens: Any, **plan_kwargs: Any) -> Plan:
         """The plan of the next round: ``plan(tokens, work_budget=self.w, **plan_kwargs)``."""
         return plan(tokens, work_budget=self.w, **plan_kwargs)
-
-
-def run_trace(trace: Iterable[tuple[float, float]], **config: Any) -> list[float]:
-    """Weights after each (error, utilization) pair of ``trace``, from a fresh controller."""
-    c = WeightController(**config)
-    return [c.update(e, u) for e, u in trace]
-
-
-def run_rounds(controller: WeightController, tokens: Any, rounds: int,
-               measure: Callable[[Plan], tuple[float, float]], **plan_kwargs: Any) -> list[dict]:
-    """Closed loop: each round plan with the current weight, ``measure(plan) -> (error, utilization)``,
-    update. Returns one record per round (weight used, plan policy, work fraction, error, utilization)."""
-    out = []
-    for i in range(rounds):
-        p = controller.plan(tokens, **plan_kwargs)
-        err, util = measure(p)
-        w_used = controller.w
-        controller.update(err, util)
-        out.append({"round": i, "w": w_used, "policy": p.policy, "work_fraction": p.work_fraction,
-                    "global_fraction": p.global_fraction, "error": err, "utilization": util,
-                    "w_next": controller.w})
-    return out
 
 
 # --------------------------------------------------------------------------- sampled measurements

@@ -45,7 +45,7 @@ def _device_tokens(tokens: Any):
     xp = rt.xp
     if isinstance(tokens, (str, bytes)):
         raise TypeError(f"tokens must be a sequence of int token ids, got {type(tokens).__name__} "
-                        "(tokenize text first with hpczeco.daaf.tokenize)")
+                        "(tokenize the text first)")
     if rt.is_native(tokens):
         tok = tokens
     elif type(tokens).__module__.startswith("torch") and getattr(tokens, "is_cuda", False):

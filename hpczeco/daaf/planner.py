@@ -87,7 +87,7 @@ def check_tokens(tokens: Any, name: str = "tokens") -> np.ndarray:
     multi-dimensional or negative input."""
     if isinstance(tokens, (str, bytes)):
         raise TypeError(f"{name} must be a sequence of int token ids, got {type(tokens).__name__} "
-                        "(tokenize text first with hpczeco.daaf.tokenize)")
+                        "(tokenize the text first)")
     arr = np.asarray(tokens)
     if arr.size == 0:
         raise ValueError(f"{name} is empty: nothing to plan")

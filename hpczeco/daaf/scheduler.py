@@ -11,9 +11,9 @@ Policies (non-preemptive; a free worker takes the best waiting request that has 
   token). Ties: earlier arrival, then lower id.
 * ``"fcfs"``: earliest arrival, then lower id.
 
-:func:`simulate` is a discrete-event simulation (deterministic); :func:`serve_mpi` runs the same
-policies for real over MPI (rank 0 dispatches, ranks ``1..P-1`` prefill; one rank serves alone) through
-the collectives' task dispatcher (:mod:`hpczeco.collectives.dispatch`), which owns the messages.
+:func:`serve_mpi` runs the policies for real over MPI (rank 0 dispatches, ranks ``1..P-1`` prefill; one rank
+serves alone) through the collectives' task dispatcher (:mod:`hpczeco.collectives.dispatch`), which owns the
+messages. A discrete-event simulation of the same policies is a program: :mod:`hpczeco.drivers.daaf_demo.serving`.
 Metrics (:func:`metrics`): TTFT = finish - arrival (queueing + prefill), p50/p99, share of deadlines
 met (finish <= deadline), busy fraction = total service time / (workers x (last finish - first arrival)).
 """
@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Request", "Served", "ScheduleResult", "POLICIES", "priority", "simulate", "metrics", "serve_mpi"]
+__all__ = ["Request", "Served", "ScheduleResult", "POLICIES", "priority", "pick", "check_requests", "metrics",
+           "serve_mpi"]
 
 POLICIES = ("priority", "fcfs")
 EPS = 1e-6
@@ -89,13 +90,16 @@ def priority(req: Request, now: float) -> float:
     return req.density / max(req.deadline - now, EPS)
 
 
-def _pick(waiting: list[Request], now: float, policy: str) -> Request:
+def pick(waiting: list[Request], now: float, policy: str) -> Request:
+    """The request a free worker takes at time ``now`` from ``waiting`` (non-empty) under ``policy``."""
     if policy == "fcfs":
         return min(waiting, key=lambda r: (r.arrival, r.rid))
     return min(waiting, key=lambda r: (-priority(r, now), r.arrival, r.rid))
 
 
-def _check(requests: Sequence[Request], workers: int, policy: str) -> None:
+def check_requests(requests: Sequence[Request], workers: int, policy: str) -> None:
+    """Raise ``ValueError``/``TypeError`` for an unknown policy, a worker count below 1, repeated ids or
+    something other than :class:`Request` objects."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or workers < 1:
@@ -106,31 +110,6 @@ def _check(requests: Sequence[Request], workers: int, policy: str) -> None:
     for r in requests:
         if not isinstance(r, Request):
             raise TypeError(f"requests must be Request objects, got {type(r).__name__}")
-
-
-def simulate(requests: Sequence[Request], workers: int, policy: str = "priority") -> ScheduleResult:
-    """Discrete-event simulation of ``workers`` identical workers serving ``requests`` (deterministic)."""
-    _check(requests, workers, policy)
-    pending = sorted(requests, key=lambda r: (r.arrival, r.rid))
-    free_at = [0.0] * workers
-    waiting: list[Request] = []
-    served: list[Served] = []
-    i = 0
-    now = pending[0].arrival if pending else 0.0
-    while i < len(pending) or waiting:
-        w = min(range(workers), key=lambda j: (free_at[j], j))
-        now = max(now, free_at[w])
-        while i < len(pending) and pending[i].arrival <= now:
-            waiting.append(pending[i])
-            i += 1
-        if not waiting:  # idle until the next arrival
-            now = pending[i].arrival
-            continue
-        r = _pick(waiting, now, policy)
-        waiting.remove(r)
-        served.append(Served(r.rid, w, now, now + r.cost, r.arrival, r.deadline))
-        free_at[w] = now + r.cost
-    return ScheduleResult(policy, workers, sorted(served, key=lambda s: s.rid), float(sum(r.cost for r in requests)))
 
 
 def metrics(res: ScheduleResult) -> dict:
@@ -167,13 +146,13 @@ def serve_mpi(requests: Sequence[Request], comm, run: Callable[[Request], Any], 
     from ..collectives.dispatch import dispatch  # noqa: PLC0415
 
     workers = max(1, comm.Get_size() - 1)
-    err = local_error(lambda: _check(requests, workers, policy))
+    err = local_error(lambda: check_requests(requests, workers, policy))
     collective_check(comm, "serve_mpi", err, {"policy": policy, "rids": [r.rid for r in requests] if err is None
                                               else None})
     scaled = [Request(r.rid, r.arrival * time_scale, r.deadline * time_scale, r.density, r.cost, r.payload)
               for r in requests]
     by_id = {r.rid: r for r in requests}
-    done = dispatch(comm, scaled, lambda r: run(by_id[r.rid]), lambda ready, now: _pick(ready, now, policy),
+    done = dispatch(comm, scaled, lambda r: run(by_id[r.rid]), lambda ready, now: pick(ready, now, policy),
                     lambda r: r.arrival)
     served = [Served(scaled[c.index].rid, c.worker, c.start, c.finish, scaled[c.index].arrival,
                      scaled[c.index].deadline) for c in done]

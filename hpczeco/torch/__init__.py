@@ -6,8 +6,8 @@
 - :func:`zeco_gla` / :class:`ZeCOGLAttention`: the same on this rank's slice of one sequence split over an
   mpi4py communicator (ZeCO: All-Scan forward, reverse-scan backward), collective and collectively validated.
 
-Nothing in the rest of hpczeco imports this package (or torch). ``python -m hpczeco.torch --bench`` times
-the autograd call against the bare kernel call on a GPU (:mod:`hpczeco.torch.bench`).
+Nothing in the rest of hpczeco imports this package (or torch). ``hpczeco bench torch`` times the autograd
+call against the bare kernel call on a GPU (:mod:`hpczeco.drivers.bench_torch`).
 """
 
 from .chunk import chunk_gla, supports_cu_seqlens

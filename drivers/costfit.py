@@ -1,11 +1,12 @@
 """Fitting the cost model's parameters to measured scan times, and the ZeCO paper's Table 2 as data.
 
-:func:`fit` adjusts chosen fields of a :class:`~.costmodel.LinkParams` so that the model's predictions
-match measured times in the least-squares sense of ``log(predicted / measured)`` (every point weighs
+:func:`fit` adjusts chosen fields of a :class:`~hpczeco.collectives.costmodel.LinkParams` so that the model's
+predictions match measured times in the least-squares sense of ``log(predicted / measured)`` (every point weighs
 the same whatever its size; the residual is a ratio). The search is a Nelder-Mead simplex over the
 logarithms of the fields (they stay positive). :func:`fit_paper` fits the ``nvlink4`` (inside a node)
 and ``ib-ndr`` (between nodes) presets jointly to :data:`PAPER_TABLE2` through
-:func:`~.costmodel.predict_hier`. Pure arithmetic: no MPI, no arrays. Knows nothing about attention.
+:func:`~hpczeco.collectives.costmodel.predict_hier`. Pure arithmetic: no MPI, no arrays. ``hpczeco model
+--fit-paper`` and ``hpczeco report`` (its refit of the measured scans) use it.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from . import costmodel as cm
-from .costmodel import LinkParams
+from hpczeco.collectives import costmodel as cm
+from hpczeco.collectives.costmodel import LinkParams
 
 __all__ = ["PAPER_TABLE2", "PAPER_STATE_BYTES", "PAPER_PER_NODE", "Point", "nelder_mead", "fit", "fit_paper",
            "residuals", "paper_rows", "estimate_piece"]

@@ -25,13 +25,13 @@ from dataclasses import astuple, dataclass, field
 from typing import Any
 
 import numpy as np
+from hpczeco.collectives import timed
+from hpczeco.collectives.agree import collective_check, local_error
+from hpczeco.collectives.halo import allreduce, gather_lengths
 
-from ..collectives import timed
-from ..collectives.agree import collective_check, local_error
-from ..collectives.halo import allreduce, gather_lengths
-from .attention import attention, exact_attention
-from .distributed import distributed_attention, head_range
-from .planner import Plan, check_tokens, plan_from_mask
+from hpczeco.daaf.attention import attention, exact_attention
+from hpczeco.daaf.distributed import distributed_attention, head_range, sequence_range
+from hpczeco.daaf.planner import Plan, check_tokens, plan_from_mask
 
 __all__ = ["ModelConfig", "PrefillModel", "PrefillResult", "PrefillEstimate", "MLP_ROWS"]
 
@@ -314,7 +314,6 @@ class PrefillModel:
                              x if keep_hidden else None, qkvs)
 
     def _prefill_sequence(self, tok, p: Plan, comm, keep_hidden) -> PrefillResult:
-        from .distributed import sequence_range  # noqa: PLC0415
 
         a, b = sequence_range(len(tok), comm)
         x = self.emb[tok[a:b]]

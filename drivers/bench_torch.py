@@ -1,7 +1,8 @@
-"""What the torch glue costs on a GPU: :func:`hpczeco.torch.chunk_gla` (autograd) against the bare kernel calls.
+"""`hpczeco bench torch`: what the torch glue costs on a GPU, :func:`hpczeco.torch.chunk_gla` (autograd) against the
+bare kernel calls.
 
-For each shape, on torch's current stream, CUDA events around each call, the median of ``repeats`` calls
-after ``warmup`` (never a timed assertion; run it with ``python -m hpczeco.torch --bench``):
+For each shape, on torch's current stream, CUDA events around each call, the median of ``--repeats`` calls
+after ``--warmup``:
 
 - ``bare fwd``: :func:`hpczeco.gpu.gla.chunk_gla` on CuPy views made beforehand;
 - ``torch fwd``: :func:`hpczeco.torch.chunk_gla` on tensors that require grad (the graph is recorded);
@@ -26,14 +27,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
+from . import benchkit
 
-from ._arrays import cuda_stream, device_index, to_device
-from .chunk import chunk_gla
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["time_cuda", "time_cuda_samples", "time_cuda_in_a_row", "bench_chunk_gla", "host_breakdown",
            "alone_breakdown", "profile_glue", "main"]
@@ -46,6 +49,8 @@ def time_cuda_samples(fns: dict[str, Callable[[], Any]], repeats: int = 20, warm
     synchronisation before each call (after ``warmup`` calls of each). The calls are interleaved -- repeat ``r``
     runs every ``fn`` once, in forward order for even ``r`` and reversed for odd ``r`` -- so that the compared
     calls see the same state of the host (whose speed drifts between blocks of calls on a shared machine)."""
+    import torch  # noqa: PLC0415
+
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -74,6 +79,8 @@ def time_cuda_in_a_row(fns: dict[str, Callable[[], Any]], repeats: int = 20, war
     """Per ``fn``: ``(GPU seconds per call, host seconds per call)``, medians over ``blocks`` blocks of ``repeats``
     calls of ``fn()`` back to back between one pair of CUDA events (after ``warmup`` calls): the host enqueues
     while the GPU works, as in a training loop. The blocks of the ``fns`` alternate (as in :func:`time_cuda`)."""
+    import torch  # noqa: PLC0415
+
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -103,8 +110,18 @@ def _fla() -> Callable | None:
     return fla_chunk_gla
 
 
-def _inputs(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+def _dtype(dtype: Any) -> torch.dtype:
+    """A torch dtype from its name (``"bfloat16"``) or itself."""
+    import torch  # noqa: PLC0415
+
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def _inputs(B: int, T: int, H: int, K: int, V: int, dtype: Any, seed: int = 0) -> list[torch.Tensor]:
     """``[q, k, v, g, do]`` on the current CUDA device (q, k, v, g require grad; g a log gate, logsigmoid / 16)."""
+    import torch  # noqa: PLC0415
+
+    dtype = _dtype(dtype)
     dev = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=dev).manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, device=dev, generator=gen)  # noqa: E731
@@ -117,6 +134,10 @@ def _inputs(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, seed: in
 def compare_with(other: Callable, inputs: list[torch.Tensor], do: torch.Tensor) -> dict[str, float]:
     """Relative L2 differences ``|ours - other| / |other|`` of o and of the gradients of q, k, v, g, with
     :func:`hpczeco.torch.chunk_gla` and ``other`` (fla's ``chunk_gla``) called through autograd on the same tensors."""
+    import torch  # noqa: PLC0415
+
+    from hpczeco.torch import chunk_gla  # noqa: PLC0415
+
     outs = []
     for fn in (chunk_gla, other):
         o, _ = fn(*inputs)
@@ -129,10 +150,17 @@ def compare_with(other: Callable, inputs: list[torch.Tensor], do: torch.Tensor) 
     return {name: rel(a, b) for name, a, b in zip(("o", "dq", "dk", "dv", "dg"), *outs)}
 
 
-def bench_chunk_gla(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype = torch.bfloat16,
+def bench_chunk_gla(B: int, T: int, H: int, K: int, V: int, dtype: Any = "bfloat16",
                     repeats: int = 20, warmup: int = 3, seed: int = 0, with_fla: bool = True) -> dict[str, Any]:
-    """Median seconds per call of the variants above for one shape ``[B, T, H, K]`` / ``[B, T, H, V]``."""
-    from ..gpu import gla as gpu_gla  # noqa: PLC0415
+    """Median seconds per call of the variants above for one shape ``[B, T, H, K]`` / ``[B, T, H, V]``
+    (``dtype``: a torch dtype or its name)."""
+    import torch  # noqa: PLC0415
+    from hpczeco.gpu import gla as gpu_gla  # noqa: PLC0415
+
+    from hpczeco.torch import chunk_gla  # noqa: PLC0415
+    from hpczeco.torch._arrays import cuda_stream, device_index, to_device  # noqa: PLC0415
+
+    dtype = _dtype(dtype)
 
     dev = torch.device("cuda", torch.cuda.current_device())
     *inputs, do = _inputs(B, T, H, K, V, dtype, seed)
@@ -179,7 +207,7 @@ def bench_chunk_gla(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype =
     return res
 
 
-def alone_breakdown(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype = torch.bfloat16,
+def alone_breakdown(B: int, T: int, H: int, K: int, V: int, dtype: Any = "bfloat16",
                     repeats: int = 20, warmup: int = 3) -> dict[str, dict[str, float]]:
     """Each call timed alone (as :func:`time_cuda`), layer by layer: per variant the medians (ms) of the GPU time
     between the events, the host time from the call to its first kernel launch, and the host time of the call.
@@ -188,9 +216,13 @@ def alone_breakdown(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype =
     and the stream, no autograd, no torch checks); :func:`chunk_gla` on tensors without grad; on tensors with grad;
     the bare backward, and ``torch.autograd.grad`` of a :func:`chunk_gla` output (each after its forward, untimed).
     """
-    from ..gpu import gla as gpu_gla  # noqa: PLC0415
-    from ..gpu import gla_common  # noqa: PLC0415
-    from . import chunk as chunk_mod  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    from hpczeco.gpu import gla as gpu_gla  # noqa: PLC0415
+    from hpczeco.gpu import gla_common  # noqa: PLC0415
+
+    from hpczeco.torch import chunk as chunk_mod  # noqa: PLC0415
+    from hpczeco.torch import chunk_gla  # noqa: PLC0415
+    from hpczeco.torch._arrays import cuda_stream, device_index, to_device  # noqa: PLC0415
 
     *inputs, _ = _inputs(B, T, H, K, V, dtype)
     q, k, v, g = inputs
@@ -281,11 +313,15 @@ def alone_breakdown(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype =
     return res
 
 
-def profile_glue(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype = torch.bfloat16, calls: int = 20) -> str:
+def profile_glue(B: int, T: int, H: int, K: int, V: int, dtype: Any = "bfloat16", calls: int = 20) -> str:
     """cProfile's table (by own time) of ``calls`` synchronised torch fwd+bwd calls: where the host time goes."""
     import cProfile  # noqa: PLC0415
     import io  # noqa: PLC0415
     import pstats  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from hpczeco.torch import chunk_gla  # noqa: PLC0415
 
     q, k, v, g, do = _inputs(B, T, H, K, V, dtype)
 
@@ -306,10 +342,13 @@ def profile_glue(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype = to
 
 
 def host_breakdown(B: int = 1, T: int = 4096, H: int = 4, K: int = 128, V: int = 128,
-                   dtype: torch.dtype = torch.bfloat16, calls: int = 2000) -> dict[str, float]:
+                   dtype: Any = "bfloat16", calls: int = 2000) -> dict[str, float]:
     """Host microseconds per call of each piece of the glue (``time.perf_counter`` over ``calls`` calls, the
     median of 5 such loops; no GPU work is waited for): what the autograd forward adds before its first launch."""
-    from . import _arrays, _checks  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    from hpczeco.torch import _arrays, _checks  # noqa: PLC0415
+    from hpczeco.torch._arrays import cuda_stream, device_index, to_device  # noqa: PLC0415
 
     cupy = _arrays.cupy_module()
     q, k, v, g, _ = _inputs(B, T, H, K, V, dtype)
@@ -359,35 +398,43 @@ def host_breakdown(B: int = 1, T: int = 4096, H: int = 4, K: int = 128, V: int =
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hpczeco.torch",
-                                 description="GPU benchmark of the torch glue (hpczeco.torch.chunk_gla vs the bare "
-                                             "kernel calls, and fla when it imports)")
-    ap.add_argument("--bench", action="store_true", help="run the benchmark (needs a CUDA GPU and CuPy)")
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    from .helpfmt import HelpFormatter, split_doc  # noqa: PLC0415
+
+    description, _ = split_doc(__doc__)
+    ap = argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
     ap.add_argument("--shape", action="append", default=None,
                     help="B,T,H,K,V (repeatable; default: " + "; ".join(",".join(map(str, s)) for s in SHAPES) + ")")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                    help="dtype of q, k, v, g, do")
+    ap.add_argument("--repeats", type=int, default=20, help="timed calls per variant (median)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed calls before the timed ones")
     ap.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out (its first call at a new "
                                                             "shape autotunes for minutes)")
     ap.add_argument("--profile", action="store_true", help="also print the host time of each piece of the glue and "
                                                              "cProfile's 25 costliest functions (own time) of 20 torch "
                                                              "fwd+bwd calls at the first shape")
-    ap.add_argument("--json", default=None, help="write the results here")
-    args = ap.parse_args(argv)
-    if not args.bench:
-        ap.print_help()
-        return 0
+    ap.add_argument("--json", default="runs/bench_torch/torch_glue.json", help="write the results here")
+    return ap
+
+
+def main(argv: list[str] | None = None, prog: str = "hpczeco bench torch") -> int:
+    args = build_parser(prog).parse_args(argv)
+    reason = benchkit.gpu_missing(needs=("torch",))
+    if reason:
+        print(f"{prog}: {reason}", file=sys.stderr)
+        return 2
+    import torch  # noqa: PLC0415
+
     if not torch.cuda.is_available():
-        print("python -m hpczeco.torch --bench: no CUDA device")
+        print(f"{prog}: torch sees no CUDA device", file=sys.stderr)
         return 2
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shape] if args.shape else SHAPES
     rows = []
     print(f"{'shape B,T,H,K,V':>24} {'bare fwd':>9} {'torch fwd':>9} {'ratio':>6} {'bare f+b':>9} {'torch f+b':>9} "
           f"{'ratio':>6} {'fla fwd':>8} {'fla f+b':>8}  (ms, median of {args.repeats}, {args.dtype})")
     for shape in shapes:
-        r = bench_chunk_gla(*shape, dtype=getattr(torch, args.dtype), repeats=args.repeats, warmup=args.warmup,
+        r = bench_chunk_gla(*shape, dtype=args.dtype, repeats=args.repeats, warmup=args.warmup,
                             with_fla=not args.no_fla)
         rows.append(r)
         ms = lambda key, r=r: f"{r[key] * 1e3:9.3f}" if key in r else f"{'-':>9}"
@@ -405,18 +452,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'|ours - fla| / |fla|:':>24} " + "  ".join(f"{n} {e:.2e}" for n, e in r["ours vs fla"].items()))
     breakdown: dict[str, Any] | None = None
     if args.profile:
-        breakdown = host_breakdown(dtype=getattr(torch, args.dtype))
+        breakdown = host_breakdown(dtype=args.dtype)
         print("host us per call of each piece of the glue (median of 5 loops of 2000):")
         for name, us in breakdown.items():
             print(f"{name:>36} {us:8.2f}")
         for shape in shapes:
-            alone = alone_breakdown(*shape, dtype=getattr(torch, args.dtype), repeats=args.repeats)
+            alone = alone_breakdown(*shape, dtype=args.dtype, repeats=args.repeats)
             breakdown[f"alone {','.join(map(str, shape))}"] = alone
             print(f"each call alone at {shape}, medians (ms):  GPU (events)  host to 1st launch  host")
             for name, r in alone.items():
                 print(f"{name:>36} {r['gpu ms']:12.3f} {r['host to 1st launch ms']:19.3f} {r['host ms']:6.3f}")
-        print(profile_glue(*shapes[0], dtype=getattr(torch, args.dtype)))
+        print(profile_glue(*shapes[0], dtype=args.dtype))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as fh:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
                        "host_breakdown_us": breakdown}, fh, indent=1)
