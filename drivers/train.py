@@ -135,7 +135,8 @@ def build_parser(prog: str = "hpczeco train") -> argparse.ArgumentParser:
     p.add_argument("--mixer", choices=("auto", "zeco", "chunk", "recurrent"), default="auto",
                    help="GLA implementation: zeco (hpczeco.ZeCOGLA, any rank count; 'auto' picks it), "
                    "chunk/recurrent (one rank)")
-    p.add_argument("--topology", dest="scan", choices=SCANS, default="ring", help="ZeCO state scan (default ring All-Scan)")
+    p.add_argument("--topology", dest="scan", choices=SCANS, default="ring",
+                   help="ZeCO state scan (default ring All-Scan)")
     p.add_argument("--blocks", type=int, default=None, help="ring pipeline blocks (default: cost model)")
     p.add_argument("--chunk-size", type=int, default=64, help="GLA chunk length (tokens)")
     p.add_argument("--blas-threads", type=int, default=1,
