@@ -351,8 +351,8 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any
         return result
     result.summary = summarise(records, args.warmup_steps, [])
     plot = args.plot or (os.path.splitext(args.log)[0] + ".png" if args.log else None)
-    if plot and plot_losses(records, plot, f"hpczeco train {args.config}, {layout.describe()}, {dtype_name}") \
-            and not args.quiet:
+    if plot and plot_losses(_logged_steps(args.log, records), plot,
+                            f"hpczeco train {args.config}, {layout.describe()}, {dtype_name}") and not args.quiet:
         print(f"  loss curve: {os.path.abspath(plot)}", flush=True)
     if args.bench_json:
         bench = {"config": args.config, "n_params": n_params, "layout": layout.to_dict(), "n_gpus": n_gpus,
@@ -373,6 +373,26 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any
     print(f"hpczeco train: steps {step0 + 1}..{result.step} on {P} rank(s): loss {first:.4f} -> {last:.4f}, "
           f"{result.tokens_per_s:,.0f} tokens/s (median step){extra}, {result.wall_s:.1f} s{ckpt}", flush=True)
     return result
+
+
+def _logged_steps(log_path: str | None, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every step of the log file (earlier runs resumed from included; a step run twice: its last record), else
+    this run's records."""
+    if not log_path:
+        return records
+    by_step: dict[int, dict[str, Any]] = {}
+    try:
+        with open(log_path) as fh:
+            for line in fh:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and rec.get("event") == "step":
+                    by_step[int(rec["step"])] = rec
+    except OSError:
+        return records
+    return [by_step[s] for s in sorted(by_step)] or records
 
 
 def _progress(rec: dict[str, Any], steps: int) -> str:
