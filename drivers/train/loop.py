@@ -239,6 +239,7 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any
     faults = Faults()
     stop_flag = SignalFlag(CHECKPOINT_SIGNAL) if saver is not None else None
     records: list[dict[str, Any]] = []
+    ckpt_events: list[dict[str, Any]] = []
     loss = float("nan")
     last_saved = step0 if args.resume else -1
     t_run = t_prev = time.perf_counter()
@@ -303,6 +304,7 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any
             if saver is not None:
                 for ev in saver.events:
                     emit(ev)
+                ckpt_events.extend(saver.events)
                 saver.events.clear()
             result.losses[step] = loss
             result.step = step
@@ -326,6 +328,7 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any
             result.checkpoint = saver.finish()
             for ev in saver.events:
                 emit(ev)
+            ckpt_events.extend(saver.events)
             saver.events.clear()
     finally:
         if stop_flag is not None:
@@ -349,7 +352,7 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any
     if not result.losses:
         print(f"hpczeco train: already at step {step0} (--steps {args.steps}); nothing to do", flush=True)
         return result
-    result.summary = summarise(records, args.warmup_steps, [])
+    result.summary = summarise(records, args.warmup_steps, ckpt_events)
     plot = args.plot or (os.path.splitext(args.log)[0] + ".png" if args.log else None)
     if plot and plot_losses(_logged_steps(args.log, records), plot,
                             f"hpczeco train {args.config}, {layout.describe()}, {dtype_name}") and not args.quiet:
