@@ -33,7 +33,7 @@ from torch_gla_reference import recurrent_gla_torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--d-model", "16", "--layers", "2", "--heads", "2", "--seq", "60", "--chunk-size", "16",
-         "--no-progress", "--quiet", "--lr", "1e-2"]  # fmt: skip
+         "--no-progress", "--quiet", "--lr", "1e-2", "--device", "cpu"]  # fmt: skip
 F64 = [*SMALL, "--dtype", "float64"]
 
 
@@ -391,9 +391,30 @@ def test_bad_options_end_every_rank_alike(comm, text_file, capsys):
         assert ("ranks disagree on argv" in capsys.readouterr().err) == (rank == 0)
     assert _exit_code(lambda: train.run([*base, "--lr", "nan"], comm)) == 2
     assert ("--lr must be a finite number" in capsys.readouterr().err) == (rank == 0)
-    with pytest.raises(ValueError, match="needs --device gpu|no CUDA device"):
-        train.run([*base, "--grad-comm", "nccl"], comm)
-    with pytest.raises(ValueError, match="no CUDA device visible"):
-        if torch.cuda.is_available():
-            raise ValueError("no CUDA device visible (skipped: this machine has one)")
-        train.run([*base, "--device", "gpu"], comm)
+    with pytest.raises(ValueError, match="--grad-comm nccl needs --device gpu"):
+        train.run([*base, "--grad-comm", "nccl"], comm)  # base has --device cpu
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--device gpu: no CUDA device visible"):
+            train.run([*base, "--device", "gpu"], comm)
+
+
+# --------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU visible to PyTorch")
+def test_gpu_bf16_follows_cpu_and_async_resume(text_file, tmp_path):
+    """One GPU: bf16 autocast losses follow the CPU float32 run; asynchronous checkpoints (pinned snapshot on a side
+    stream, written by a thread) resume to the uninterrupted run's losses."""
+    gpu = ["--text", text_file, *SMALL[:-2], "--seq", "512", "--device", "gpu", "--dtype", "bfloat16"]
+    full = train.run([*gpu, "--steps", "6", "--ckpt-dir", str(tmp_path / "a"), "--ckpt-every", "2"], MPI.COMM_SELF)
+    cpu = train.run(["--text", text_file, *SMALL, "--seq", "512", "--steps", "6", "--dtype", "float32"],
+                    MPI.COMM_SELF)
+    for s in full.losses:
+        assert full.losses[s] == pytest.approx(cpu.losses[s], rel=3e-2), s
+    assert [s for s, _ in list_checkpoints(tmp_path / "a")] == [2, 4, 6]
+    train.run([*gpu, "--steps", "4", "--ckpt-dir", str(tmp_path / "b"), "--ckpt-every", "2"], MPI.COMM_SELF)
+    resumed = train.run([*gpu, "--steps", "6", "--ckpt-dir", str(tmp_path / "b"), "--resume"], MPI.COMM_SELF)
+    assert resumed.start_step == 4
+    for s in (5, 6):
+        assert resumed.losses[s] == pytest.approx(full.losses[s], rel=1e-3), s

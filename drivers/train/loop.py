@@ -70,11 +70,11 @@ def _terminal_width() -> int:
 def run(argv: list[str] | None, comm, prog: str = "hpczeco train", return_params: bool = False) -> TrainResult:
     """Parse ``argv`` and train on ``comm`` (collective). Returns the same :class:`TrainResult` on every rank
     (``return_params``: with a host copy of the final parameters, by name)."""
+    ap, args = parse(argv, comm, prog)
     try:
         import torch  # noqa: F401
     except ImportError:
-        raise ValueError("hpczeco train needs PyTorch (pip install 'hpczeco[torch]' or torch)") from None
-    ap, args = parse(argv, comm, prog)
+        raise ValueError("hpczeco train needs PyTorch: pip install torch (or hpczeco[torch])") from None
     log = open_outputs(args, comm)
     try:
         return _train(ap, args, comm, log, argv, return_params)
@@ -112,8 +112,8 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any
         torch.set_num_threads(args.blas_threads)
         set_blas_threads(args.blas_threads)
     device = args.device
-    if device == "auto":  # gpu when every rank sees one
-        device = "gpu" if all(comm.allgather(torch.cuda.is_available())) else "cpu"
+    if device == "auto":  # gpu when every rank sees one (and the dtype is not float64)
+        device = "gpu" if all(comm.allgather(torch.cuda.is_available())) and args.dtype != "float64" else "cpu"
     layout = make_layout(comm, args.sp, device)
     dev = layout.device
     dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")

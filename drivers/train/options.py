@@ -77,8 +77,8 @@ def build_parser(prog: str = "hpczeco train") -> argparse.ArgumentParser:
     m.add_argument("--vocab", type=int, default=None, help="vocabulary, >= 256 (default: the config's)")
     m.add_argument("--tie-embeddings", action="store_true", help="output head = the embedding (default: untied)")
     m.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto",
-                   help="auto: gpu if PyTorch sees CUDA, else cpu. gpu: one rank per GPU by local rank (several "
-                   "ranks may share one GPU)")
+                   help="auto: gpu if PyTorch sees CUDA on every rank (and --dtype is not float64), else cpu. gpu: "
+                   "one rank per GPU by local rank (several ranks may share one GPU) (default auto)")
     m.add_argument("--dtype", choices=("auto", "bfloat16", "float32", "float64"), default="auto",
                    help="auto: bfloat16 on GPUs, float32 on CPUs. bfloat16: autocast with float32 weights, gradients "
                    "and AdamW states; float32/float64: everything in that dtype (float64: CPU only)")
