@@ -160,13 +160,16 @@ def _free_port() -> int:
 
 
 def _host_address() -> str:
+    """Where the other ranks reach rank 0: ``$MASTER_ADDR``, else this host's address (its name where that
+    resolves to a loopback address, as Debian's /etc/hosts does)."""
     if os.environ.get("MASTER_ADDR"):
         return os.environ["MASTER_ADDR"]
     name = socket.gethostname()
     try:
-        return socket.gethostbyname(name)
+        addr = socket.gethostbyname(name)
     except OSError:
         return name
+    return socket.getfqdn(name) if addr.startswith("127.") else addr
 
 
 class GradReducer:
