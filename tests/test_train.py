@@ -79,8 +79,10 @@ def test_model_gradients_match_finite_differences(rng):
     x, y = tok[:, :-1], tok[:, 1:]
     m(x, y, y.numel()).backward()
     h = 1e-6
+    named = list(m.named_parameters())
+    picks = [named[i] for i in sorted(rng.choice(len(named), 8, replace=False))]  # 8 of the 23 tensors, 2 entries
     with torch.no_grad():
-        for name, p in m.named_parameters():
+        for name, p in picks:
             for _ in range(2):
                 i = tuple(int(rng.integers(0, s)) for s in p.shape)
                 old = p[i].item()
