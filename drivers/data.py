@@ -1,5 +1,6 @@
-"""Training text for ``hpczeco train``: byte-level tokens (vocab 256), a sequence sampler whose state
-checkpoints as plain JSON, and the split of one sequence into contiguous per-rank slices.
+"""Training text for ``hpczeco train``: byte-level tokens (ids 0..255), the shuffled stream of training windows
+(:class:`WindowStream`, whose whole state is one integer, saved in checkpoints), and the split of one
+sequence into contiguous per-rank slices.
 
 The default corpus exists offline wherever Python does: the standard library's own ``*.py`` sources
 (``sysconfig.get_paths()['stdlib']``, ``site-packages``/``dist-packages`` excluded), concatenated in
@@ -14,12 +15,11 @@ import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 __all__ = [
-    "VOCAB", "iter_corpus_files", "default_corpus_files", "read_corpus", "load_corpus", "corpus_id", "Sampler",
+    "VOCAB", "iter_corpus_files", "default_corpus_files", "read_corpus", "load_corpus", "corpus_id", "WindowStream",
     "slice_bounds",
 ]
 
@@ -30,19 +30,22 @@ DEFAULT_MAX_BYTES = 8 << 20
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
-def iter_corpus_files(root: str | os.PathLike | None = None) -> Iterator[Path]:
-    """The standard library's ``*.py`` files in a fixed order: depth first, the entries of every folder
-    sorted by name (files and folders together). Lazy, so reading stops as soon as enough bytes are in."""
+def iter_corpus_files(root: str | os.PathLike | None = None, suffix: str | None = ".py") -> Iterator[Path]:
+    """The files under ``root`` (default: the standard library) in a fixed order: depth first, the entries of every
+    folder sorted by name (files and folders together); only names ending in ``suffix`` (None: every file whose
+    name does not start with '.'). Lazy, so reading stops as soon as enough bytes are in."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
     except OSError:
         return
     for e in entries:
+        if e.name.startswith(".") and suffix is None:
+            continue
         if e.is_dir(follow_symlinks=False):
             if e.name not in _SKIP_DIRS:
-                yield from iter_corpus_files(e.path)
-        elif e.name.endswith(".py") and e.is_file():
+                yield from iter_corpus_files(e.path, suffix)
+        elif (e.name.endswith(suffix) if suffix else True) and e.is_file():
             yield Path(e.path)
 
 
@@ -51,19 +54,9 @@ def default_corpus_files() -> list[Path]:
     return list(iter_corpus_files())
 
 
-def read_corpus(text: str | os.PathLike | None = None, max_bytes: int | None = DEFAULT_MAX_BYTES) -> tuple[bytes, str]:
-    """``(bytes, description)`` of ``text`` (a file) or of the default stdlib corpus, cut at ``max_bytes``."""
-    if max_bytes is not None and max_bytes < 2:
-        raise ValueError(f"max_bytes must be at least 2, got {max_bytes}")
-    if text is not None:
-        path = Path(text)
-        if not path.is_file():
-            raise ValueError(f"--text {text}: no such file")
-        with open(path, "rb") as fh:
-            data = fh.read() if max_bytes is None else fh.read(max_bytes)
-        return data, f"{path} ({len(data)} bytes)"
+def _read_files(files: Iterator[Path], max_bytes: int | None) -> tuple[bytes, int]:
     parts, total = [], 0
-    for p in iter_corpus_files():
+    for p in files:
         try:
             b = p.read_bytes()
         except OSError:
@@ -72,12 +65,31 @@ def read_corpus(text: str | os.PathLike | None = None, max_bytes: int | None = D
         total += len(b)
         if max_bytes is not None and total >= max_bytes:
             break
-    if not parts:
-        raise ValueError(f"no *.py files under {sysconfig.get_paths()['stdlib']}; pass --text FILE")
     data = b"".join(parts)
-    if max_bytes is not None:
-        data = data[:max_bytes]
-    return data, f"Python {sysconfig.get_python_version()} stdlib sources, {len(parts)} files ({len(data)} bytes)"
+    return (data if max_bytes is None else data[:max_bytes]), len(parts)
+
+
+def read_corpus(text: str | os.PathLike | None = None, max_bytes: int | None = DEFAULT_MAX_BYTES) -> tuple[bytes, str]:
+    """``(bytes, description)`` of ``text`` -- a file, or a folder (its files in :func:`iter_corpus_files` order,
+    hidden ones skipped) -- or of the default stdlib corpus, cut at ``max_bytes``."""
+    if max_bytes is not None and max_bytes < 2:
+        raise ValueError(f"max_bytes must be at least 2, got {max_bytes}")
+    if text is not None:
+        path = Path(text)
+        if path.is_dir():
+            data, n = _read_files(iter_corpus_files(path, suffix=None), max_bytes)
+            if not data:
+                raise ValueError(f"--text {text}: the folder holds no readable, non-empty file")
+            return data, f"{path}/ ({n} files, {len(data)} bytes)"
+        if not path.is_file():
+            raise ValueError(f"--text {text}: no such file or folder")
+        with open(path, "rb") as fh:
+            data = fh.read() if max_bytes is None else fh.read(max_bytes)
+        return data, f"{path} ({len(data)} bytes)"
+    data, n = _read_files(iter_corpus_files(), max_bytes)
+    if not data:
+        raise ValueError(f"no *.py files under {sysconfig.get_paths()['stdlib']}; pass --text FILE")
+    return data, f"Python {sysconfig.get_python_version()} stdlib sources, {n} files ({len(data)} bytes)"
 
 
 def load_corpus(comm=None, text: str | os.PathLike | None = None,
@@ -120,41 +132,45 @@ def slice_bounds(T: int, P: int, p: int) -> tuple[int, int]:
     return start, start + base + (1 if p < extra else 0)
 
 
-class Sampler:
-    """Random windows of ``seq + 1`` tokens (inputs and next-token targets) from a corpus.
+class WindowStream:
+    """The training stream: the corpus cut into windows of ``seq + 1`` tokens (inputs and next-token targets),
+    visited in an order shuffled per epoch by ``seed``.
 
-    Replicated: every rank holds the same sampler and draws the same offsets, so the data of a step
-    is global and nothing depends on the number of ranks. ``state()`` is plain JSON (the PCG64
-    state and the number of sequences drawn, the data position) for checkpoints.
+    Window ``i`` holds tokens ``[i seq, i seq + seq + 1)`` (consecutive windows share one token: the last
+    target of one is the first input of the next), ``i`` in ``[0, n_windows)``, ``n_windows = (n_tokens - 1) //
+    seq``. Epoch ``e`` visits them in the order ``np.random.default_rng([seed, e]).permutation(n_windows)``.
+    The stream is a pure function of the *position* (windows consumed so far, over all ranks), the only
+    state a checkpoint needs: every rank of any layout reads the same global stream, each its own part.
     """
 
-    def __init__(self, n_tokens: int, seq: int, batch: int, seed: int):
-        if seq < 1 or batch < 1:
-            raise ValueError(f"seq and batch must be positive, got seq={seq}, batch={batch}")
+    def __init__(self, n_tokens: int, seq: int, seed: int):
+        if seq < 1:
+            raise ValueError(f"seq must be positive, got {seq}")
         if n_tokens < seq + 1:
             raise ValueError(f"the corpus has {n_tokens} tokens, fewer than seq + 1 = {seq + 1}; use a smaller --seq")
-        self.n_tokens, self.seq, self.batch = int(n_tokens), int(seq), int(batch)
-        self.rng = np.random.Generator(np.random.PCG64(seed))
-        self.drawn = 0
+        self.n_tokens, self.seq, self.seed = int(n_tokens), int(seq), int(seed)
+        self.n_windows = (self.n_tokens - 1) // self.seq
+        self._orders: dict[int, np.ndarray] = {}
 
-    def next_offsets(self) -> np.ndarray:
-        """``[batch]`` start offsets of the next step's windows."""
-        off = self.rng.integers(0, self.n_tokens - self.seq, size=self.batch, endpoint=True)
-        self.drawn += self.batch
-        return off
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            if len(self._orders) > 2:
+                self._orders.clear()
+            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+        return self._orders[epoch]
 
-    def batch_tokens(self, tokens: np.ndarray) -> np.ndarray:
-        """The next step's windows ``[batch, seq + 1]`` (int64 token ids)."""
-        off = self.next_offsets()
-        idx = off[:, None] + np.arange(self.seq + 1)[None, :]
-        return tokens[idx].astype(np.int64)
+    def window_ids(self, position: int, count: int) -> np.ndarray:
+        """``[count]`` window indices at stream positions ``position .. position + count - 1``."""
+        if position < 0 or count < 0:
+            raise ValueError(f"position and count must be >= 0, got {position}, {count}")
+        pos = position + np.arange(count)
+        epochs, within = np.divmod(pos, self.n_windows)
+        return np.array([self._order(int(e))[int(w)] for e, w in zip(epochs, within)], dtype=np.int64)
 
-    def state(self) -> dict[str, Any]:
-        return {"bit_generator": self.rng.bit_generator.state, "drawn": self.drawn}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        bg = state["bit_generator"]
-        if bg.get("bit_generator") != "PCG64":
-            raise ValueError(f"sampler state is for {bg.get('bit_generator')!r}, expected PCG64")
-        self.rng.bit_generator.state = bg
-        self.drawn = int(state["drawn"])
+    def tokens(self, corpus: np.ndarray, position: int, rows: tuple[int, int], cols: tuple[int, int]) -> np.ndarray:
+        """``[rows[1] - rows[0], cols[1] - cols[0] + 1]`` int64 tokens: of the windows at stream positions
+        ``position + rows[0] .. position + rows[1] - 1``, the columns ``cols[0] .. cols[1]`` (one past the slice:
+        the target of its last token). ``rows``/``cols``: this rank's sequences and slice of the global batch."""
+        ids = self.window_ids(position + rows[0], rows[1] - rows[0])
+        idx = ids[:, None] * self.seq + np.arange(cols[0], cols[1] + 1)[None, :]
+        return corpus[idx].astype(np.int64)

@@ -1,6 +1,7 @@
 """A small gated-linear-attention (GLA) language model in PyTorch, trained on one long sequence split over MPI ranks.
 
-Copy this file to start your own. Every rank holds the same model (same seed) and a contiguous slice of
+Copy this file to start your own (the full training job -- fla's GLA architecture, SP x DP, bf16 autocast,
+HDF5 checkpoints, data -- is ``hpczeco train``). Every rank holds the same model (same seed) and a contiguous slice of
 one token sequence; each GLA layer runs :class:`hpczeco.torch.ZeCOGLAttention` over ``MPI.COMM_WORLD``
 (the All-Scan passes each layer's state from slice to slice, the backward runs the reverse scan), and the
 parameter gradients are all-reduced over the same communicator before ``torch.optim.AdamW`` steps. The
@@ -8,6 +9,7 @@ loss on P ranks is the loss of the whole sequence on one rank (``--compare-singl
 
     mpiexec -n 4 python examples/gla_lm.py --steps 10 --compare-single          # CPU, float64
     mpiexec -n 2 python examples/gla_lm.py --device cuda --dtype float32        # one GPU per rank
+    mpiexec -n 2 python examples/gla_lm.py --dtype bfloat16                     # bf16 weights
 
 Model: token embedding, ``--layers`` blocks of ``x + GLA(LayerNorm(x))`` and ``x + MLP(LayerNorm(x))``, a
 final LayerNorm and a linear head; GLA: q, k, v and gate projections (``g = logsigmoid(W_g x) / 16``), heads
@@ -129,16 +131,19 @@ def markov_tokens(n: int, vocab: int, seed: int) -> np.ndarray:
 
 
 def allreduce_grads(params: list[nn.Parameter], comm) -> None:
-    """Sum the gradients over ``comm`` in one ``Allreduce`` (staged through a host buffer, so any MPI will do)."""
+    """Sum the gradients over ``comm`` in one ``Allreduce`` (staged through a host buffer, so any MPI will do).
+    Half-precision gradients are summed in float32 (numpy, hence MPI's buffer, has no bfloat16)."""
     from mpi4py import MPI
 
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([x.reshape(-1) for x in grads]).detach().cpu().contiguous()
+    dtype = grads[0].dtype
+    host = torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    flat = torch.cat([x.reshape(-1) for x in grads]).detach().to("cpu", host).contiguous()
     comm.Allreduce(MPI.IN_PLACE, flat.numpy(), op=MPI.SUM)
     off = 0
     for p, x in zip(params, grads):
         n = x.numel()
-        p.grad = flat[off : off + n].view_as(x).to(x.device)
+        p.grad = flat[off : off + n].view_as(x).to(x.device, x.dtype)
         off += n
 
 

@@ -168,8 +168,9 @@ hz_requeue() {
 # on SIGUSR1 the run checkpoints and the job requeues itself (TRAIN_REQUEUE=0: it just ends).
 hz_train() {
     local np=$1; shift
-    local args=(--steps "$TRAIN_STEPS" --seq "$TRAIN_SEQ" --batch "$TRAIN_BATCH" --dtype "$TRAIN_DTYPE"
-                --topology "$TRAIN_SCAN" --corpus-bytes "$TRAIN_CORPUS_BYTES" --blas-threads "$HZ_THREADS"
+    local args=(${TRAIN_CONFIG:+--config "$TRAIN_CONFIG"} --steps "$TRAIN_STEPS" --seq "$TRAIN_SEQ"
+                --batch "$TRAIN_BATCH" --dtype "$TRAIN_DTYPE"
+                --topology "$TRAIN_TOPOLOGY" --corpus-bytes "$TRAIN_CORPUS_BYTES" --blas-threads "$HZ_THREADS"
                 --log "$HPCZECO_OUT/train.jsonl" --ckpt-dir "$HPCZECO_OUT/ckpt" --ckpt-every "$TRAIN_CKPT_EVERY"
                 --no-progress)
     [[ -n "${TRAIN_TEXT:-}" ]] && args+=(--text "$TRAIN_TEXT")

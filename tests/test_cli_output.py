@@ -92,8 +92,9 @@ def test_train_help_shows_every_default():
             blocks[current] += " " + line.strip()
         else:
             current = None
-    for option, default in (("--d-model D_MODEL", "64"), ("--layers LAYERS", "2"), ("--heads HEADS", "2"),
-                            ("--lr LR", "0.003"), ("--beta1 BETA1", "0.9"), ("--beta2 BETA2", "0.99"),
+    for option, default in (("--config {tiny,125m,340m,1.3b}", "tiny"), ("--seq SEQ", "1024"),
+                            ("--steps STEPS", "20"), ("--lr LR", "0.003"), ("--beta1 BETA1", "0.9"),
+                            ("--beta2 BETA2", "0.99"),
                             ("--eps EPS", "1e-08"), ("--weight-decay WEIGHT_DECAY", "0.0"), ("--seed SEED", "0"),
                             ("--chunk-size CHUNK_SIZE", "64"), ("--ckpt-every CKPT_EVERY", "0")):
         help_ = " ".join(v if k == option else k[len(option):] + v for k, v in blocks.items() if k.startswith(option))

@@ -175,23 +175,23 @@ def _rewrite(path: Path, arrays: dict, attrs: dict) -> None:
 def _tamper_model(path: Path, case: str) -> str:
     step, arrays, attrs = load_checkpoint(path)
     if case == "shape":
-        arrays["params/embed"] = arrays["params/embed"][:-1].copy()
-        reason = "array 'params/embed' is <f8[255, 16], this run expects <f8[256, 16]"
+        arrays["params/embed.weight"] = arrays["params/embed.weight"][:-1].copy()
+        reason = "array 'params/embed.weight' is <f8[255, 16], this run expects <f8[256, 16]"
     elif case == "missing-array":
-        del arrays["adam/v/head"]
-        reason = "missing ['adam/v/head']"
+        del arrays["adam/v/head.weight"]
+        reason = "missing ['adam/v/head.weight']"
     elif case == "adam_t-missing":
         del attrs["adam_t"]
         reason = "attribute adam_t is NoneType None"
     elif case == "adam_t-string":
         attrs["adam_t"] = str(attrs["adam_t"])
         reason = "attribute adam_t is str '4'"
-    elif case == "sampler":
-        attrs["sampler"] = {"bit_generator": {"bit_generator": "PCG64", "state": "garbage"}, "drawn": 4}
-        reason = "attribute sampler is not a valid sampler state"
+    elif case == "data_pos":
+        attrs["data_pos"] = -3
+        reason = "attribute data_pos is int -3, expected an int >= 0"
     elif case == "nan":
-        arrays["params/head"][0, 0] = np.nan
-        reason = "array 'params/head' holds NaN or Inf"
+        arrays["params/head.weight"][0, 0] = np.nan
+        reason = "array 'params/head.weight' holds NaN or Inf"
     else:
         raise ValueError(case)
     _rewrite(path, arrays, attrs)
@@ -207,19 +207,19 @@ def _tamper_storage(path: Path, case: str) -> str:
             manifest["params/huge"] = {"shape": [10**12], "dtype": "<f8", "sha256": "0" * 64}
             reason = "unexpected ['params/huge']"
         elif case == "sparse-valid-checksum":  # the right shape, chunked and unwritten, with a valid checksum
-            shape = f["params/embed"].shape
-            del f["params/embed"]
-            f.create_dataset("params/embed", shape=shape, dtype="f8", chunks=(16, 16))
-            manifest["params/embed"]["sha256"] = array_sha256(np.zeros(shape))
-            f["params/embed"].attrs["sha256"] = manifest["params/embed"]["sha256"]
-            reason = "dataset 'params/embed' is chunked"
+            shape = f["params/embed.weight"].shape
+            del f["params/embed.weight"]
+            f.create_dataset("params/embed.weight", shape=shape, dtype="f8", chunks=(16, 16))
+            manifest["params/embed.weight"]["sha256"] = array_sha256(np.zeros(shape))
+            f["params/embed.weight"].attrs["sha256"] = manifest["params/embed.weight"]["sha256"]
+            reason = "dataset 'params/embed.weight' is chunked"
         else:
             raise ValueError(case)
         f.attrs["_manifest"] = __import__("json").dumps(manifest, sort_keys=True)
     return reason
 
 
-@pytest.mark.parametrize("case", ["shape", "missing-array", "adam_t-missing", "adam_t-string", "sampler", "nan",
+@pytest.mark.parametrize("case", ["shape", "missing-array", "adam_t-missing", "adam_t-string", "data_pos", "nan",
                                   "huge-chunked", "sparse-valid-checksum"])
 def test_resume_skips_a_checkpoint_that_fails_any_check(tmp_path, text_file, two_rank_runs, case):
     """The newest checkpoint (4) passes every checksum but not the model's checks (3) or declares far more than

@@ -111,7 +111,7 @@ def test_train_checkpoint_resume_across_hosts(tmp_path, mpi):
     text_file = tmp_path / "text.txt"
     text_file.write_bytes(read_corpus(None, 24 << 10)[0])
     common = (f'"$NETNS_MPIEXEC" -n 3 "$PYTHON" -m hpczeco train --text {text_file} --d-model 32 --layers 1 '
-              "--heads 2 --seq 384 --ckpt-every 2 --no-progress --quiet --dtype float64 --scan ring")
+              "--heads 2 --seq 384 --ckpt-every 2 --no-progress --quiet --dtype float64 --topology ring")
     full, part = tmp_path / "full", tmp_path / "part"
     job = (f"{common} --steps 6 --ckpt-dir {full} && {common} --steps 4 --ckpt-dir {part} && "
            f"{common} --steps 6 --ckpt-dir {part} --resume")

@@ -194,7 +194,7 @@ def test_cpu_job_srun_binding_resume_and_walltime_signal(slurm):
     assert [s for s, _ in list_checkpoints(out / "ckpt")] == [2, 4]
     step, arrays, attrs = load_latest(out / "ckpt")  # checksums verified
     assert step == 4 and attrs["nranks"] == 2 and attrs["data_pos"] == 4
-    assert "params/layer0/wq" in arrays and "adam/m/layer1/w2" in arrays
+    assert "params/blocks.0.attn.q_proj.weight" in arrays and "adam/m/blocks.1.down_proj.weight" in arrays
 
     # b. mpiexec on 3 ranks, HPCZECO_THREADS overriding the job's 1 CPU per task: resumes from step 4
     job, log = _submit_train(env, folder, "b", ["--ntasks-per-node=3", "--cpus-per-task=1"], HPCZECO_OUT=str(out),

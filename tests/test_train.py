@@ -1,10 +1,14 @@
-"""The GLA language model and `hpczeco train`: gradients by finite differences, loss falls, P ranks vs 1,
-resume equals an uninterrupted run (bitwise on the same rank count, within tolerance on another)."""
+"""`hpczeco train` (PyTorch GLA language model, ZeCO x data parallel): the model against a float64 recurrence and
+finite differences; the data stream; P ranks (SP = P, DP = P, SP x DP = 2 x 2) equal one process within 1e-9 in
+float64; resume bitwise on the same layout (synchronous and asynchronous saves), within tolerance on another
+layout; checkpoint contents; collective option errors; the memory refusal; the example's bf16 fix."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -14,87 +18,153 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hpczeco.drivers import train
-from hpczeco.drivers.checkpoint import CheckpointError, list_checkpoints
-from hpczeco.drivers.data import Sampler, read_corpus, slice_bounds
-from hpczeco.drivers.lm import GLALM, LMConfig, init_params, make_mixers
-from mpi4py import MPI
 
+torch = pytest.importorskip("torch", reason="PyTorch is not installed (the optional 'torch' extra)")
+
+from hpczeco.drivers import train  # noqa: E402
+from hpczeco.drivers.checkpoint import CheckpointError, list_checkpoints, load_checkpoint  # noqa: E402
+from hpczeco.drivers.data import WindowStream, read_corpus, slice_bounds  # noqa: E402
+from hpczeco.drivers.train.config import CONFIGS, ModelConfig, make_config  # noqa: E402
+from hpczeco.drivers.train.loop import lr_at  # noqa: E402
+from hpczeco.drivers.train.memory import estimate  # noqa: E402
+from hpczeco.drivers.train.model import GLALM, LocalGLA, SequenceParallelGLA  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from torch_gla_reference import recurrent_gla_torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--d-model", "16", "--layers", "2", "--heads", "2", "--seq", "60", "--chunk-size", "16",
-         "--no-progress", "--quiet", "--lr", "1e-2"]  # fmt: skip
-
-
-def _have(module: str) -> bool:
-    try:
-        __import__(module)
-        return True
-    except ImportError:
-        return False
+         "--no-progress", "--quiet", "--lr", "1e-2", "--device", "cpu"]  # fmt: skip
+F64 = [*SMALL, "--dtype", "float64"]
 
 
 # --------------------------------------------------------------------------------------------- model
 
 
-def _fd_check(mixer_kind: str, rng, comm=None) -> float:
-    cfg = LMConfig(vocab=13, d_model=8, n_layers=2, n_heads=2, d_ff=12)
-    params = init_params(cfg, 1, np.float64)
-    for k in params:
-        params[k] = params[k] + 0.1 * rng.standard_normal(params[k].shape)
-    tok, tgt = rng.integers(0, 13, (2, 9)), rng.integers(0, 13, (2, 9))
-    model = GLALM(cfg, make_mixers(mixer_kind, cfg.n_layers, comm, chunk_size=4))
-    _, grads = model.loss_and_grads(params, tok, tgt, tok.size)
-    worst = 0.0
+class RecurrentGLA(torch.nn.Module):
+    """The float64 token-by-token reference as a mixer (autograd through a Python loop)."""
+
+    def forward(self, q, k, v, g):
+        return recurrent_gla_torch(q, k, v, g)[0].to(q.dtype)
+
+
+def _model(cfg: ModelConfig, mixer, seed: int) -> GLALM:
+    m = GLALM(cfg, mixer).double()
+    m.init_weights(seed)
+    with torch.no_grad():  # non-trivial norms and gate bias
+        for name, p in m.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(seed)))
+    return m
+
+
+def test_model_equals_recurrent_reference(rng):
+    """The LM with hpczeco's chunk_gla equals the LM with the float64 recurrence: loss and every gradient."""
+    cfg = ModelConfig(vocab=40, d_model=16, n_layers=2, n_heads=2, d_ff=24, gate_low_rank=4)
+    seed = int(rng.integers(2**31))
+    fast, ref = _model(cfg, LocalGLA, seed), _model(cfg, RecurrentGLA, seed)
+    tok = torch.from_numpy(rng.integers(0, cfg.vocab, (2, 37)))
+    lf = fast(tok[:, :-1], tok[:, 1:], tok[:, 1:].numel())
+    lr = ref(tok[:, :-1], tok[:, 1:], tok[:, 1:].numel())
+    lf.backward()
+    lr.backward()
+    assert abs(lf.item() - lr.item()) < 1e-12 and 2.5 < lf.item() < 5
+    for (name, a), (_, b) in zip(fast.named_parameters(), ref.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-9, atol=1e-12), name
+
+
+def test_model_gradients_match_finite_differences(rng):
+    cfg = ModelConfig(vocab=13, d_model=8, n_layers=2, n_heads=2, d_ff=12, gate_low_rank=4)
+    m = _model(cfg, LocalGLA, int(rng.integers(2**31)))
+    tok = torch.from_numpy(rng.integers(0, 13, (2, 10)))
+    x, y = tok[:, :-1], tok[:, 1:]
+    m(x, y, y.numel()).backward()
     h = 1e-6
-    for name in params:
-        for _ in range(2):
-            idx = tuple(int(rng.integers(0, s)) for s in params[name].shape)
-            plus = {k: v.copy() for k, v in params.items()}
-            plus[name][idx] += h
-            minus = {k: v.copy() for k, v in params.items()}
-            minus[name][idx] -= h
-            fd = model.loss_and_grads(plus, tok, tgt, tok.size)[0] - model.loss_and_grads(minus, tok, tgt, tok.size)[0]
-            fd /= 2 * h
-            # central differences in float64: truncation ~h^2, rounding ~1e-16 * loss / h ~ 1e-9 absolute
-            err = abs(fd - grads[name][idx])
-            assert err <= 1e-5 * abs(fd) + 1e-8, (
-                f"{mixer_kind}: dloss/d{name}{idx}: finite difference {fd}, backward {grads[name][idx]}"
-            )
-            worst = max(worst, err / max(abs(fd), 1e-8))
-    return worst
+    named = list(m.named_parameters())
+    picks = [named[i] for i in sorted(rng.choice(len(named), 8, replace=False))]  # 8 of the 23 tensors, 2 entries
+    with torch.no_grad():
+        for name, p in picks:
+            for _ in range(2):
+                i = tuple(int(rng.integers(0, s)) for s in p.shape)
+                old = p[i].item()
+                p[i] = old + h
+                up = m(x, y, y.numel()).item()
+                p[i] = old - h
+                down = m(x, y, y.numel()).item()
+                p[i] = old
+                fd = (up - down) / (2 * h)
+                assert abs(fd - p.grad[i].item()) <= 1e-5 * abs(fd) + 1e-8, (name, i, fd, p.grad[i].item())
 
 
-def test_backward_matches_finite_differences_recurrent(rng):
-    """The model's own layers, with the self-contained float64 recurrent GLA mixer."""
-    _fd_check("recurrent", rng)
+def test_zeco_mixer_on_one_rank_equals_chunk(rng):
+    cfg = ModelConfig(vocab=30, d_model=16, n_layers=1, n_heads=2, d_ff=16, gate_low_rank=4)
+    seed = int(rng.integers(2**31))
+    a = _model(cfg, LocalGLA, seed)
+    b = _model(cfg, lambda: SequenceParallelGLA(MPI.COMM_SELF, "ring", None, 16), seed)
+    tok = torch.from_numpy(rng.integers(0, 30, (1, 50)))
+    la, lb = (m(tok[:, :-1], tok[:, 1:], 49) for m in (a, b))
+    la.backward()
+    lb.backward()
+    assert abs(la.item() - lb.item()) < 1e-13
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-13), name
 
 
-@pytest.mark.skipif(not _have("hpczeco.gla"), reason="hpczeco.gla (chunk_gla) not available in this build")
-def test_backward_matches_finite_differences_chunk(rng):
-    _fd_check("chunk", rng)
+def test_named_configs_count_their_parameters():
+    for name, cfg in CONFIGS.items():
+        with torch.device("meta"):
+            m = GLALM(cfg, LocalGLA)
+        assert sum(p.numel() for p in m.parameters()) == cfg.n_params(), name
+    big = CONFIGS["1.3b"]
+    assert (big.d_model, big.n_layers, big.n_heads, big.head_dim, big.d_ff, big.vocab) == (2048, 24, 16, 128, 5632,
+                                                                                           32000)
+    assert 1.46e9 < big.n_params() < 1.48e9  # the issue's 1.47B model
+    assert make_config("1.3b", d_model=1024, heads=8).d_ff == 2816
+    with pytest.raises(ValueError, match="divisible"):
+        make_config("tiny", d_model=30, heads=4)
 
 
-@pytest.mark.skipif(not _have("hpczeco.zeco"), reason="hpczeco.zeco not available in this build")
-def test_backward_matches_finite_differences_zeco_one_rank(rng):
-    _fd_check("zeco", rng, MPI.COMM_SELF)
+def test_lr_schedule():
+    assert lr_at(1, 1.0, 4, 100, 0.1) == 0.25 and lr_at(4, 1.0, 4, 100, 0.1) == 1.0
+    assert lr_at(52, 1.0, 4, 100, 0.1) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_at(100, 1.0, 4, 100, 0.1) == pytest.approx(0.1) and lr_at(500, 1.0, 4, 100, 0.1) == pytest.approx(0.1)
+    assert lr_at(3, 2.0, 0, 0, 0.1) == 2.0
 
 
-def test_slices_and_sampler():
+def test_memory_estimate_of_the_benchmark_shape():
+    est = estimate(CONFIGS["1.3b"], tokens=32768, param_bytes=4, compute_bytes=2, autocast=True, act_ckpt=False)
+    n = CONFIGS["1.3b"].n_params()
+    assert est["weights"] == 6 * n and est["optimizer"] == 8 * n and est["gradients"] == 4 * n
+    assert 100 * 2**30 < est["total"] < 139 * 2**30  # fits one H200 (the issue's plain model ran there)
+    ck = estimate(CONFIGS["1.3b"], tokens=32768, param_bytes=4, compute_bytes=2, autocast=True, act_ckpt=True)
+    assert ck["activations"] < est["activations"] / 2
+
+
+# --------------------------------------------------------------------------------------------- data
+
+
+def test_slices_and_window_stream():
     for T, P in [(10, 3), (60, 4), (7, 7), (5, 1)]:
         b = [slice_bounds(T, P, p) for p in range(P)]
         assert b[0][0] == 0 and b[-1][1] == T and all(b[i][1] == b[i + 1][0] for i in range(P - 1))
         assert max(e - s for s, e in b) - min(e - s for s, e in b) <= 1
-    s1 = Sampler(1000, 50, 2, seed=3)
-    s1.next_offsets()
-    state = json.loads(json.dumps(s1.state()))  # JSON round trip, as in a checkpoint
-    s2 = Sampler(1000, 50, 2, seed=99)
-    s2.set_state(state)
-    np.testing.assert_array_equal(s1.next_offsets(), s2.next_offsets())
-    assert s1.drawn == s2.drawn == 4
+    corpus = np.random.default_rng(1).integers(0, 256, 1001).astype(np.uint8)
+    s = WindowStream(corpus.size, 50, seed=3)
+    assert s.n_windows == 20
+    epoch = s.window_ids(0, 20)
+    assert sorted(epoch) == list(range(20)) and list(epoch) != list(range(20))  # every window once, shuffled
+    assert sorted(s.window_ids(20, 20)) == list(range(20)) and list(s.window_ids(20, 20)) != list(epoch)
+    np.testing.assert_array_equal(WindowStream(corpus.size, 50, seed=3).window_ids(17, 6), s.window_ids(17, 6))
+    full = s.tokens(corpus, 7, (0, 3), (0, 50))  # [3, 51]: inputs and targets of 3 windows
+    np.testing.assert_array_equal(full[1], corpus[s.window_ids(8, 1)[0] * 50:][:51])
+    # any split of rows (DP) and columns (SP) reads pieces of the same global batch
+    for r0, r1 in [(0, 2), (2, 3)]:
+        for c0, c1 in [(0, 17), (17, 50)]:
+            np.testing.assert_array_equal(s.tokens(corpus, 7, (r0, r1), (c0, c1)), full[r0:r1, c0:c1 + 1])
     with pytest.raises(ValueError, match="fewer than seq"):
-        Sampler(10, 50, 1, seed=0)
+        WindowStream(10, 50, seed=0)
 
 
-# --------------------------------------------------------------------------------------------- driver
+# --------------------------------------------------------------------------------------------- driver, one rank
 
 
 @pytest.fixture(scope="module")
@@ -128,13 +198,16 @@ def shared_dir():
 def test_help():
     out = subprocess.run([sys.executable, "-m", "hpczeco", "train", "--help"], capture_output=True, text=True)
     assert out.returncode == 0
-    for flag in ("--text", "--ckpt-every", "--resume", "--dtype", "--log", "--scan"):
-        assert flag in out.stdout
+    for flag in ("--text", "--config", "--sp", "--topology", "--grad-comm", "--ckpt-every", "--ckpt-async", "--resume",
+                 "--dtype", "--act-ckpt", "--compile", "--log", "--bench-json", "--timing-every"):
+        assert flag in out.stdout, flag
+    assert "mpiexec -n 4 hpczeco train --sp 2 --batch 2" in out.stdout  # the examples of the description
 
 
-def test_loss_falls_and_log(text_file, tmp_path, capsys):
+def test_loss_falls_log_and_plot(text_file, tmp_path, capsys):
     log = tmp_path / "train.jsonl"
-    res = train.run(["--text", text_file, *SMALL, "--steps", "12", "--log", str(log), "--seq", "128"], MPI.COMM_SELF)
+    res = train.run(["--text", text_file, *SMALL, "--steps", "12", "--log", str(log), "--seq", "128",
+                     "--bench-json", str(tmp_path / "b.json")], MPI.COMM_SELF)
     losses = [res.losses[s] for s in sorted(res.losses)]
     assert len(losses) == 12 and all(np.isfinite(losses))
     assert np.mean(losses[-3:]) < losses[0] - 0.3, losses
@@ -142,76 +215,208 @@ def test_loss_falls_and_log(text_file, tmp_path, capsys):
     recs = [json.loads(line) for line in log.read_text().splitlines()]
     steps = [r for r in recs if r["event"] == "step"]
     assert [r["step"] for r in steps] == list(range(1, 13)) and recs[-1]["event"] == "end"
-    assert all(r["tokens_per_s"] > 0 and r["tokens"] == 128 for r in steps)
+    assert recs[0]["event"] == "start" and recs[0]["layout"] == {"world": 1, "sp": 1, "dp": 1}
+    assert all(r["tokens_per_s"] > 0 and r["tokens"] == 128 and r["grad_norm"] > 0 for r in steps)
+    assert all(set(r["split"]) >= {"forward", "backward", "allreduce", "optimizer"} for r in steps)  # CPU: timed
     assert [r["loss"] for r in steps] == losses
-    assert "loss" in capsys.readouterr().out
+    bench = json.loads((tmp_path / "b.json").read_text())
+    assert bench["losses"] == losses and bench["steps_timed"] == 10 and bench["tokens_per_s_median"] > 0
+    out = capsys.readouterr().out
+    assert "loss" in out and "tokens/s" in out
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "train.png").stat().st_size > 1000
 
 
-def test_resume_bitwise_same_ranks_and_config_check(text_file, tmp_path):
+def test_resume_bitwise_sync_and_async_saves_and_config_check(text_file, tmp_path):
+    """Interrupted at 3 (synchronous save), resumed to 6 (asynchronous saves): bitwise the uninterrupted run."""
     args = ["--text", text_file, *SMALL, "--dtype", "float32"]
-    full = train.run([*args, "--steps", "6", "--ckpt-dir", str(tmp_path / "a"), "--ckpt-every", "3"], MPI.COMM_SELF)
+    full = train.run([*args, "--steps", "6", "--ckpt-dir", str(tmp_path / "a"), "--ckpt-every", "3",
+                      "--ckpt-async", "on"], MPI.COMM_SELF, return_params=True)
     assert [s for s, _ in list_checkpoints(tmp_path / "a")] == [3, 6]
-    # interrupted at 3, then resumed to 6
-    part = train.run([*args, "--steps", "3", "--ckpt-dir", str(tmp_path / "b")], MPI.COMM_SELF)
+    part = train.run([*args, "--steps", "3", "--ckpt-dir", str(tmp_path / "b"), "--ckpt-async", "off"], MPI.COMM_SELF)
     assert part.losses == {s: full.losses[s] for s in (1, 2, 3)}
-    resumed = train.run([*args, "--steps", "6", "--ckpt-dir", str(tmp_path / "b"), "--resume"], MPI.COMM_SELF)
+    resumed = train.run([*args, "--steps", "6", "--ckpt-dir", str(tmp_path / "b"), "--resume", "--ckpt-async", "on"],
+                        MPI.COMM_SELF, return_params=True)
     assert resumed.start_step == 3 and sorted(resumed.losses) == [4, 5, 6]
     assert resumed.losses == {s: full.losses[s] for s in (4, 5, 6)}  # bitwise
     for name, a in full.params.items():
         assert np.array_equal(resumed.params[name], a), name
+    # the checkpoint holds exactly the state: weights equal the run's, AdamW moments, step, data position, layout, RNG
+    step, arrays, attrs = load_checkpoint(tmp_path / "a" / "ckpt_00000006.h5")
+    names = {n.split("/", 2)[-1] if n.startswith("adam/") else n.split("/", 1)[1] for n in arrays}
+    assert step == 6 and names == set(full.params) and len(arrays) == 3 * len(full.params)
+    for name, a in full.params.items():
+        assert np.array_equal(arrays[f"params/{name}"], a), name
+        assert arrays[f"adam/v/{name}"].min() >= 0 and arrays[f"adam/m/{name}"].shape == a.shape
+    assert attrs["adam_t"] == 6 and attrs["data_pos"] == 6 and attrs["tokens_seen"] == 6 * 60
+    assert attrs["layout"] == {"world": 1, "sp": 1, "dp": 1} and attrs["loss"] == full.losses[6]
+    assert attrs["rng_torch_cpu"].dtype == np.uint8 and attrs["config"]["model"]["d_model"] == 16
     # a different config is refused with a clear message, never silently mixed
     with pytest.raises(CheckpointError, match="config mismatch \\(lr: stored 0.01 vs expected 0.02"):
         train.run([*args, "--lr", "0.02", "--steps", "7", "--ckpt-dir", str(tmp_path / "b"), "--resume"],
                   MPI.COMM_SELF)
 
 
+def test_bfloat16_autocast_on_the_cpu(text_file):
+    """--dtype bfloat16 (autocast, float32 weights and moments): trains, and stays near the float32 run."""
+    args = ["--text", text_file, *SMALL, "--steps", "4"]
+    bf = train.run([*args, "--dtype", "bfloat16"], MPI.COMM_SELF, return_params=True)
+    f32 = train.run([*args, "--dtype", "float32"], MPI.COMM_SELF)
+    assert all(a.dtype == np.float32 for a in bf.params.values())
+    for s in bf.losses:
+        assert bf.losses[s] == pytest.approx(f32.losses[s], rel=2e-2)
+
+
+def test_memory_refusal(text_file, capsys):
+    with pytest.raises(ValueError, match=r"estimated memory per rank .* exceeds the limit .*available host memory"):
+        train.run(["--text", text_file, "--config", "1.3b", "--seq", str(1 << 22), "--corpus-bytes", str(1 << 23),
+                   "--no-progress"], MPI.COMM_SELF)
+
+
+def test_example_bfloat16_allreduce(rng):
+    """examples/gla_lm.py --dtype bfloat16 used to fail in allreduce_grads (flat.numpy() of bf16)."""
+    spec = importlib.util.spec_from_file_location("gla_lm_example", ROOT / "examples" / "gla_lm.py")
+    ex = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = ex
+    spec.loader.exec_module(ex)
+    cfg = ex.Config(vocab=32, d_model=32, layers=1, heads=2, head_k=8, head_v=8)
+    tokens = ex.markov_tokens(97, cfg.vocab, int(rng.integers(2**31)))
+    res = ex.train(MPI.COMM_SELF, tokens, cfg, steps=3, lr=1e-2, dtype=torch.bfloat16)
+    assert all(math.isfinite(x) for x in res["losses"]) and res["losses"][-1] < res["losses"][0]
+
+
 # --------------------------------------------------------------------------------------------- MPI
 
 
 def _allclose_params(a: dict, b: dict, rtol: float, atol: float) -> None:
+    assert sorted(a) == sorted(b)
     for name in a:
         np.testing.assert_allclose(a[name], b[name], rtol=rtol, atol=atol, err_msg=name)
 
 
+def _layouts(P: int) -> list[tuple[int, int]]:
+    """(SP, batch) to test on P ranks: SP = P; pure DP; 2 x 2 at P = 4."""
+    out = [(P, 1)]
+    if P > 1:
+        out.append((1, P))
+    if P == 4:
+        out.append((2, 2))
+    return out
+
+
 @pytest.mark.mpi
-@pytest.mark.skipif(not _have("hpczeco.zeco"), reason="hpczeco.zeco not available in this build")
 def test_p_ranks_equal_one_rank(comm, text_file):
-    """float64: the P-rank run (ZeCO, slices of unequal length) equals a 1-rank run (chunk_gla) on every rank."""
-    args = ["--text", text_file, *SMALL, "--dtype", "float64", "--steps", "3", "--scan", "ring"]
-    par = train.run([*args, "--mixer", "zeco"], comm)
-    one = train.run([*args, "--mixer", "chunk"], MPI.COMM_SELF)
-    assert sorted(par.losses) == [1, 2, 3]
-    for s in par.losses:
-        assert par.losses[s] == pytest.approx(one.losses[s], rel=1e-11, abs=1e-12)
-    _allclose_params(par.params, one.params, rtol=1e-9, atol=1e-11)
-    # replicas stay identical (bitwise) across ranks
-    digests = comm.allgather(hashlib.sha256(np.concatenate([a.ravel() for a in par.params.values()])).hexdigest())
-    assert len(set(digests)) == 1
+    """float64, 5 steps: every layout's losses and parameters equal one process on the same global batch within
+    1e-9 (ZeCO slices of unequal length included: seq 60), and the replicas are bitwise equal."""
+    P = comm.Get_size()
+    for sp, batch in _layouts(P):
+        args = ["--text", text_file, *F64, "--steps", "5", "--batch", str(batch), "--topology", "ring"]
+        par = train.run([*args, "--sp", str(sp)], comm, return_params=True)
+        one = train.run(args, MPI.COMM_SELF, return_params=True)
+        assert sorted(par.losses) == [1, 2, 3, 4, 5]
+        for s in par.losses:
+            assert par.losses[s] == pytest.approx(one.losses[s], rel=1e-9, abs=1e-12), (sp, batch, s)
+        _allclose_params(par.params, one.params, rtol=1e-9, atol=1e-11)
+        assert one.losses[5] < one.losses[1]
+        digest = hashlib.sha256(np.concatenate([a.ravel() for a in par.params.values()])).hexdigest()
+        assert len(set(comm.allgather(digest))) == 1, (sp, batch)
 
 
 @pytest.mark.mpi
-@pytest.mark.skipif(not _have("hpczeco.zeco"), reason="hpczeco.zeco not available in this build")
-def test_resume_on_same_and_other_rank_count(comm, text_file, shared_dir):
-    """Resume on the same P: bitwise equal to the uninterrupted run. Resume a P-rank checkpoint on 1 rank
-    (every rank, its own copy): equal within float64 tolerance."""
-    rank = comm.Get_rank()
-    args = ["--text", text_file, *SMALL, "--dtype", "float64", "--mixer", "zeco"]
+def test_resume_on_same_and_other_layout(comm, text_file, shared_dir):
+    """Resume on the same layout: bitwise the uninterrupted run (losses, weights, moments). Resume a P-rank checkpoint
+    on one rank (each rank its own copy) and on another SP x DP layout: equal within float64 tolerance."""
+    rank, P = comm.Get_rank(), comm.Get_size()
+    args = ["--text", text_file, *F64, "--batch", "2", "--ckpt-async", "on"]
     a, b = shared_dir / "a", shared_dir / "b"
-    full = train.run([*args, "--steps", "4", "--ckpt-dir", str(a), "--ckpt-every", "2"], comm)
+    full = train.run([*args, "--steps", "4", "--ckpt-dir", str(a), "--ckpt-every", "2"], comm, return_params=True)
     if rank == 0:
         b.mkdir()
         shutil.copy2(a / "ckpt_00000002.h5", b / "ckpt_00000002.h5")
     comm.Barrier()
-    same = train.run([*args, "--steps", "4", "--ckpt-dir", str(b), "--resume"], comm)
+    same = train.run([*args, "--steps", "4", "--ckpt-dir", str(b), "--resume", "--ckpt-async", "off"], comm,
+                     return_params=True)
     assert same.start_step == 2 and same.losses == {3: full.losses[3], 4: full.losses[4]}
     for name, x in full.params.items():
         assert np.array_equal(same.params[name], x), name
+    if rank == 0:
+        _, xa, _ = load_checkpoint(a / "ckpt_00000004.h5")
+        _, xb, attrs = load_checkpoint(b / "ckpt_00000004.h5")
+        assert attrs["layout"] == {"world": P, "sp": P, "dp": 1}
+        assert all(np.array_equal(xa[n], xb[n]) for n in xa)  # the AdamW moments too
     # the P-rank checkpoint at step 2, resumed by a single rank
     mine = shared_dir / f"one-{rank}"
     mine.mkdir()
     shutil.copy2(a / "ckpt_00000002.h5", mine / "ckpt_00000002.h5")
-    other = train.run([*args, "--steps", "4", "--ckpt-dir", str(mine), "--resume"], MPI.COMM_SELF)
+    other = train.run([*args, "--steps", "4", "--ckpt-dir", str(mine), "--resume"], MPI.COMM_SELF, return_params=True)
     assert other.start_step == 2
     for s in (3, 4):
         assert other.losses[s] == pytest.approx(full.losses[s], rel=1e-11, abs=1e-12)
     _allclose_params(other.params, full.params, rtol=1e-9, atol=1e-11)
+    if P in (2, 4):  # onto SP 1 x DP 2 (P = 2) or SP 2 x DP 2 (P = 4)
+        c = shared_dir / "c"
+        if rank == 0:
+            c.mkdir()
+            shutil.copy2(a / "ckpt_00000002.h5", c / "ckpt_00000002.h5")
+        comm.Barrier()
+        moved = train.run([*args, "--steps", "4", "--ckpt-dir", str(c), "--resume", "--sp", str(P // 2)], comm,
+                          return_params=True)
+        for s in (3, 4):
+            assert moved.losses[s] == pytest.approx(full.losses[s], rel=1e-11, abs=1e-12)
+        _allclose_params(moved.params, full.params, rtol=1e-9, atol=1e-11)
+
+
+def _exit_code(fn) -> int:
+    with pytest.raises(SystemExit) as exc:
+        fn()
+    return exc.value.code
+
+
+@pytest.mark.mpi
+def test_bad_options_end_every_rank_alike(comm, text_file, capsys):
+    """A bad option (everywhere, or on one rank only) and options that differ between ranks: every rank exits with
+    status 2, rank 0 prints the one error; errors found later (devices, memory) are the same ValueError."""
+    rank, P = comm.Get_rank(), comm.Get_size()
+    base = ["--text", text_file, *SMALL, "--steps", "1"]
+    assert _exit_code(lambda: train.run([*base, "--sp", str(P + 1)], comm)) == 2
+    err = capsys.readouterr().err
+    if rank == 0:
+        assert f"hpczeco train: error: option check: rank 0: --sp {P + 1} does not divide the {P} ranks" in err
+    else:
+        assert err == ""
+    bad = P - 1
+    assert _exit_code(lambda: train.run([*base, "--lr", "-1" if rank == bad else "1e-2"], comm)) == 2
+    err = capsys.readouterr().err
+    assert (f"option check: rank {bad}: need --lr > 0" in err) == (rank == 0)
+    if P > 1:
+        assert _exit_code(lambda: train.run([*base, "--seed", str(rank)], comm)) == 2
+        assert ("ranks disagree on argv" in capsys.readouterr().err) == (rank == 0)
+    assert _exit_code(lambda: train.run([*base, "--lr", "nan"], comm)) == 2
+    assert ("--lr must be a finite number" in capsys.readouterr().err) == (rank == 0)
+    with pytest.raises(ValueError, match="--grad-comm nccl needs --device gpu"):
+        train.run([*base, "--grad-comm", "nccl"], comm)  # base has --device cpu
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--device gpu: no CUDA device visible"):
+            train.run([*base, "--device", "gpu"], comm)
+
+
+# --------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU visible to PyTorch")
+def test_gpu_bf16_follows_cpu_and_async_resume(text_file, tmp_path):
+    """One GPU: bf16 autocast losses follow the CPU float32 run; asynchronous checkpoints (pinned snapshot on a side
+    stream, written by a thread) resume to the uninterrupted run's losses."""
+    gpu = ["--text", text_file, *SMALL[:-2], "--seq", "512", "--device", "gpu", "--dtype", "bfloat16"]
+    full = train.run([*gpu, "--steps", "6", "--ckpt-dir", str(tmp_path / "a"), "--ckpt-every", "2"], MPI.COMM_SELF)
+    cpu = train.run(["--text", text_file, *SMALL, "--seq", "512", "--steps", "6", "--dtype", "float32"],
+                    MPI.COMM_SELF)
+    for s in full.losses:
+        assert full.losses[s] == pytest.approx(cpu.losses[s], rel=3e-2), s
+    assert [s for s, _ in list_checkpoints(tmp_path / "a")] == [2, 4, 6]
+    train.run([*gpu, "--steps", "4", "--ckpt-dir", str(tmp_path / "b"), "--ckpt-every", "2"], MPI.COMM_SELF)
+    resumed = train.run([*gpu, "--steps", "6", "--ckpt-dir", str(tmp_path / "b"), "--resume"], MPI.COMM_SELF)
+    assert resumed.start_step == 4
+    for s in (5, 6):
+        assert resumed.losses[s] == pytest.approx(full.losses[s], rel=1e-3), s
