@@ -55,9 +55,9 @@ class LocalGLA(nn.Module):
 class SequenceParallelGLA(nn.Module):
     """GLA of this rank's slice of a sequence split over ``comm`` (ZeCO): ``(q, k, v, g) -> o``."""
 
-    def __init__(self, comm, scan: str = "ring"):
+    def __init__(self, comm, topology: str = "ring"):
         super().__init__()
-        self.attn = ZeCOGLAttention(comm, topology=scan)
+        self.attn = ZeCOGLAttention(comm, topology=topology)
 
     def forward(self, q, k, v, g):
         return self.attn(q, k, v, g)[0]
@@ -148,7 +148,7 @@ def allreduce_grads(params: list[nn.Parameter], comm) -> None:
 
 
 def train(comm, tokens: np.ndarray, cfg: Config, steps: int, lr: float = 3e-3, dtype=torch.float64,
-          device: str = "cpu", seed: int = 0, scan: str = "ring", log: Callable[[str], None] | None = None) -> dict:
+          device: str = "cpu", seed: int = 0, topology: str = "ring", log: Callable[[str], None] | None = None) -> dict:
     """Train on ``tokens`` (``T + 1`` of them: inputs ``tokens[:-1]``, next-token targets ``tokens[1:]``) split over
     the ranks of ``comm``. Returns ``{"losses": [...], "params": flat parameter vector (numpy), "seconds": [...]}``;
     the loss of a step is the mean cross-entropy over all T positions (the same on every rank)."""
@@ -156,7 +156,7 @@ def train(comm, tokens: np.ndarray, cfg: Config, steps: int, lr: float = 3e-3, d
     T = len(tokens) - 1
     lo, hi = T * r // P, T * (r + 1) // P
     torch.manual_seed(seed)  # the same initial model on every rank
-    model = GLALM(cfg, lambda: SequenceParallelGLA(comm, scan)).to(device=device, dtype=dtype)
+    model = GLALM(cfg, lambda: SequenceParallelGLA(comm, topology)).to(device=device, dtype=dtype)
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     x = torch.as_tensor(tokens[lo:hi], device=device).unsqueeze(0)  # this rank's slice [1, L_p]
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (one GPU per rank: rank %% device count)")
     ap.add_argument("--dtype", default=None, help="float64 (CPU default), float32 (CUDA default), bfloat16")
-    ap.add_argument("--scan", default="ring", help="ring, tree, allgather, serial, exscan or auto")
+    ap.add_argument("--topology", default="ring", help="ring, tree, allgather, serial, exscan or auto")
     ap.add_argument("--layers", type=int, default=Config.layers)
     ap.add_argument("--d-model", type=int, default=Config.d_model)
     ap.add_argument("--seed", type=int, default=0)
@@ -208,11 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config(layers=args.layers, d_model=args.d_model)
     tokens = markov_tokens(args.tokens + 1, cfg.vocab, args.seed)
     say = print if rank == 0 else (lambda _msg: None)
-    say(f"GLA LM: {comm.Get_size()} rank(s), T={args.tokens}, {dtype}, {device}, scan={args.scan}, {asdict(cfg)}")
-    res = train(comm, tokens, cfg, args.steps, args.lr, dtype, device, args.seed, args.scan, log=say)
+    say(f"GLA LM: {comm.Get_size()} rank(s), T={args.tokens}, {dtype}, {device}, topology={args.topology}, {asdict(cfg)}")
+    res = train(comm, tokens, cfg, args.steps, args.lr, dtype, device, args.seed, args.topology, log=say)
     out = {"ranks": comm.Get_size(), "tokens": args.tokens, "dtype": str(dtype), "losses": res["losses"]}
     if args.compare_single and rank == 0:
-        single = train(MPI.COMM_SELF, tokens, cfg, args.steps, args.lr, dtype, device, args.seed, args.scan)
+        single = train(MPI.COMM_SELF, tokens, cfg, args.steps, args.lr, dtype, device, args.seed, args.topology)
         diff = max(abs(a - b) for a, b in zip(res["losses"], single["losses"]))
         pdiff = float(np.max(np.abs(res["params"] - single["params"])))
         out.update(single_losses=single["losses"], max_loss_diff=diff, max_param_diff=pdiff)
