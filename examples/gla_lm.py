@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config(layers=args.layers, d_model=args.d_model)
     tokens = markov_tokens(args.tokens + 1, cfg.vocab, args.seed)
     say = print if rank == 0 else (lambda _msg: None)
-    say(f"GLA LM: {comm.Get_size()} rank(s), T={args.tokens}, {dtype}, {device}, topology={args.topology}, {asdict(cfg)}")
+    say(f"GLA LM: {comm.Get_size()} rank(s), T={args.tokens}, {dtype}, {device}, topology={args.topology}, "
+        f"{asdict(cfg)}")
     res = train(comm, tokens, cfg, args.steps, args.lr, dtype, device, args.seed, args.topology, log=say)
     out = {"ranks": comm.Get_size(), "tokens": args.tokens, "dtype": str(dtype), "losses": res["losses"]}
     if args.compare_single and rank == 0:
