@@ -49,7 +49,7 @@ import numpy as np
 
 from ..base.backend import get_array_module
 from ..base.checks import check_int
-from . import daaf_hopper, daaf_plan
+from . import daaf_hopper, daaf_launch, daaf_plan
 from .runtime import HERE, KernelSet, Prepared, RuntimeSlot
 from .runtime import kernel_source as _source
 
@@ -423,7 +423,8 @@ def _check_on_device(gi, G: int, T: int, gm_in, gm_out, validate: bool) -> None:
 
 def _host_plan_cached(gi: np.ndarray, W: int, T: int, rt, info: dict | None = None) -> DevicePlan:
     """The device plan of the (valid) host index ``gi`` int32 ``[G]``: from the content cache, or uploaded
-    (a cache miss uploads two arrays and synchronises once, so later calls on any stream may use them)."""
+    (a cache miss uploads two arrays on the current stream without a host synchronisation; a launch on another
+    stream waits for the upload's event: :func:`hpczeco.gpu.daaf_launch.order_plan`)."""
     xp = rt.xp
     G = int(gi.size)
     key = (id(xp), _device_id(rt), T, W, G, int(gi[0]) if G else -1, int(gi[-1]) if G else -1)
@@ -437,9 +438,7 @@ def _host_plan_cached(gi: np.ndarray, W: int, T: int, rt, info: dict | None = No
     gm[gi] = 1
     host = gi.copy()
     dp = DevicePlan(xp.asarray(host), xp.asarray(gm), T, W, G, host, info)
-    cuda = getattr(xp, "cuda", None)
-    if cuda is not None:
-        cuda.get_current_stream().synchronize()
+    daaf_launch.mark_uploaded(dp, xp)  # no host sync: launches on other streams wait for the upload's event
     _HOST_PLANS.setdefault(key, []).append((host, dp))
     _HOST_PLANS.move_to_end(key)
     while len(_HOST_PLANS) > HOST_PLAN_CACHE:
@@ -629,6 +628,9 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
         plan = plan_on_device(plan)
     if plan.T != T:
         raise ValueError(f"plan covers T={plan.T} tokens, q has T={T}")
+    cuda = getattr(cupy, "cuda", None)
+    if cuda is not None:  # a plan uploaded on another stream: this one waits for it (on the device)
+        daaf_launch.order_plan(plan, int(getattr(cuda.get_current_stream(), "ptr", 0)), cupy)
     auto_sched = None
     if impl == "auto":
         kind, auto_sched = auto_choice(elem, D, Dv, plan, cc)
@@ -660,13 +662,17 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
         grid = ((rows + SIMPLE_ROWS_PER_BLOCK - 1) // SIMPLE_ROWS_PER_BLOCK,)
         args = (q, k, v, out, plan._gidx_arg, plan.gmask, np.int32(B), np.int32(T), np.int32(H), np.int32(D),
                 np.int32(Dv), np.int32(plan.n_global), np.int32(plan.local_window), np.float32(scale))
-        return Prepared(rt.bind(name, grid, (32 * SIMPLE_ROWS_PER_BLOCK,), args), out, kind, name)
+        block = (32 * SIMPLE_ROWS_PER_BLOCK,)
+        return daaf_launch.record(Prepared(rt.bind(name, grid, block, args), out, kind, name), rt, name, grid, block,
+                                  args)
     name = f"daaf_{kind}_{elem}_d{D}"
     rows_per_block = TC_BLOCK_Q * TC_MTILES[kind]
     grid = ((T + rows_per_block - 1) // rows_per_block, H, B)
     args = (q, k, v, out, plan._gidx_arg, plan.gmask, np.int32(T), np.int32(H), np.int32(plan.n_global),
             np.int32(plan.local_window), np.float32(scale * math.log2(math.e)), np.int32(1 if reverse else 0))
-    return Prepared(rt.bind(name, grid, (TC_THREADS,), args, tc_smem_bytes(D, TC_MTILES[kind])), out, kind, name)
+    smem = tc_smem_bytes(D, TC_MTILES[kind])
+    return daaf_launch.record(Prepared(rt.bind(name, grid, (TC_THREADS,), args, smem), out, kind, name), rt, name,
+                              grid, (TC_THREADS,), args, smem)
 
 
 def attention(q, k, v, global_idx: Any, local_window: int, scale: float | None = None,
@@ -678,7 +684,14 @@ def attention(q, k, v, global_idx: Any, local_window: int, scale: float | None =
     bool ``[T]``, True exactly there (built from ``global_idx`` when None); ``scale`` defaults to
     ``D ** -0.5``; ``plan``: a :class:`DevicePlan` or :class:`hpczeco.daaf.Plan` instead of the index
     arrays (see :func:`prepare`). Runs on the current CuPy stream; returns ``o`` ``[B, T, H, Dv]``.
+
+    Per call: after the first call of a (shape, dtype, plan, window, scale, kernel) the launch comes from a cache
+    and a host index unchanged since its plan was made is not checked again (:mod:`hpczeco.gpu.daaf_launch`).
     """
+    o = daaf_launch.call_cupy(q, k, v, global_idx, local_window, scale, is_global_query_mask, impl, storage, validate,
+                              out, plan)
+    if o is not None:
+        return o
     return prepare(q, k, v, global_idx, local_window, scale, is_global_query_mask, impl=impl,
                    storage=storage, validate=validate, out=out, plan=plan)()
 
@@ -746,6 +759,14 @@ def prepare_torch(q, k, v, global_idx: Any, local_window: int, scale: float | No
 def attention_torch(q, k, v, global_idx: Any, local_window: int, scale: float | None = None,
                     is_global_query_mask: Any = None, *, impl: str = "auto", validate: bool = True,
                     plan: Any = None):
-    """DAAF attention for PyTorch CUDA tensors (bf16/fp16/fp32) ``[B, T, H, D]`` -> ``[B, T, H, Dv]``."""
+    """DAAF attention for PyTorch CUDA tensors (bf16/fp16/fp32) ``[B, T, H, D]`` -> ``[B, T, H, Dv]``.
+
+    Per call: a lookup and one driver launch on torch's current stream once the (shape, dtype, plan, window, scale,
+    kernel) has been seen; a host ``global_idx`` (and mask) unchanged since its plan was made is not checked or
+    uploaded again; nothing synchronises (:mod:`hpczeco.gpu.daaf_launch`). A plan is reused across layers and heads
+    without the caller holding a prepared object."""
+    o = daaf_launch.call_torch(q, k, v, global_idx, local_window, scale, is_global_query_mask, impl, validate, plan)
+    if o is not None:
+        return o
     return prepare_torch(q, k, v, global_idx, local_window, scale, is_global_query_mask, impl=impl,
                          validate=validate, plan=plan)()

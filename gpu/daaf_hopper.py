@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from . import daaf_launch
 from .runtime import HERE, KernelSet, Prepared, RuntimeSlot, compile_cubin
 from .runtime import cached_cubin as runtime_cached_cubin
 from .runtime import kernel_source as _source
@@ -355,7 +356,8 @@ def prepare(q, k, v, plan, scale: float | None = None, *, impl: str = "hwg", sto
     launch = rt.bind(name, (nqt * H * B,), (var.threads,), args, smem_bytes(impl, D))
     if var.kind == "win" and var.nwg == 1:
         _prefer_max_shared(rt, name, smem_bytes(impl, D))
-    return Prepared(launch, out, impl, name)
+    return daaf_launch.record(Prepared(launch, out, impl, name), rt, name, (nqt * H * B,), (var.threads,), args,
+                              smem_bytes(impl, D))
 
 
 def _prefer_max_shared(rt: Any, name: str, smem: int) -> None:
