@@ -48,8 +48,9 @@ INDEX_MAX = 32  # host index arrays recognised by identity
 @dataclass(frozen=True)
 class LaunchSpec:
     """A kernel launch as a wrapper binds it: ``args`` as ``rt.bind`` takes them, with q, k, v, out at ``io`` (their
-    device pointers change per call); ``retarget(ptrs) -> {position: value}`` gives the arguments that depend on those
-    pointers (the tensor maps of daaf_fa3), None when none do; ``rt``: the runtime that launches it."""
+    device pointers change per call); ``retarget(ptrs, stream) -> {position: value}`` gives the arguments that depend on
+    those pointers or on the stream (the tensor maps and the tile queue of daaf_fa3; ctypes values of the
+    arguments' sizes), None when none do; ``rt``: the runtime that launches it."""
 
     rt: Any
     name: str
@@ -58,7 +59,7 @@ class LaunchSpec:
     smem: int
     args: tuple
     io: tuple[int, int, int, int] = (0, 1, 2, 3)
-    retarget: Callable[[tuple[int, int, int, int]], dict] | None = None
+    retarget: Callable[[tuple[int, int, int, int], int], dict] | None = None
 
 
 def record(prepared: Any, rt: Any, name: str, grid, block, args, smem: int = 0, io=(0, 1, 2, 3),
@@ -113,7 +114,7 @@ class Launcher:
 
     def __call__(self, ptrs: tuple[int, int, int, int], stream_ptr: int = 0) -> None:
         s = self.spec
-        extra = s.retarget(ptrs) if s.retarget is not None else {}
+        extra = s.retarget(ptrs, stream_ptr) if s.retarget is not None else {}
         if self.direct:
             with self._lock:
                 vals = self._vals

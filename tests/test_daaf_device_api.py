@@ -545,7 +545,7 @@ def test_launcher_parameter_block(rng):
     arrays = [np.zeros(4, np.float32).view(Dev) for _ in range(5)]
     tmap = (ctypes.c_ubyte * 128)(*range(128))
     spec = dl.LaunchSpec(Rt(), "kern", (3, 2), (128,), 4096, (*arrays, np.int32(-7), np.float32(0.5), tmap),
-                         retarget=lambda p: {7: (ctypes.c_ubyte * 128)(*[(p[0] + i) % 256 for i in range(128)])})
+                         retarget=lambda p, s: {7: (ctypes.c_ubyte * 128)(*[(p[0] + s + i) % 256 for i in range(128)])})
     launcher = dl.Launcher(spec)
     assert launcher.direct and launcher.spec.args[:4] == (None,) * 4  # the first call's arrays are not kept
     launcher((16, 32, 48, 64), 99)
@@ -554,7 +554,7 @@ def test_launcher_parameter_block(rng):
     assert all(s["u64"][4] == arrays[4].ctypes.data and s["i32"] == -7 and s["f32"] == 0.5 for s in seen)
     assert [s["stream"] for s in seen] == [99, 5] and all(s["f"] == 0xF00 and s["smem"] == 4096 for s in seen)
     assert all(s["dims"] == (3, 2, 1, 128, 1, 1) and s["extra"] == 0 for s in seen)
-    assert seen[1]["map"] == bytes((160 + i) % 256 for i in range(128))
+    assert seen[1]["map"] == bytes((160 + 5 + i) % 256 for i in range(128))
 
 
 @pytest.fixture
