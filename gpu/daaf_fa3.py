@@ -228,7 +228,13 @@ def _queue(rt: Any, dev: int, stream: int) -> Any:
     key = (id(rt), dev, stream)
     qa = _QUEUES.get(key)
     if qa is None:
-        qa = _QUEUES[key] = rt.xp.zeros(2, dtype=np.int32)
+        cuda = getattr(rt.xp, "cuda", None)
+        if cuda is None:
+            qa = rt.xp.zeros(2, dtype=np.int32)
+        else:  # zeroed on the stream the kernels will run on (ordered before them, no host sync)
+            with cuda.ExternalStream(stream):
+                qa = rt.xp.zeros(2, dtype=np.int32)
+        _QUEUES[key] = qa
     return qa
 
 

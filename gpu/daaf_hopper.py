@@ -392,7 +392,11 @@ def choose_impl(plan: Any, T: int | None = None, D: int = 128, cc: str | int = "
     else:
         key = "one_span" if getattr(plan, "n_regions", None) == 1 else "key_regions"
     for impl in (AUTO_IMPLS[key], "hws", "hwg"):
-        v = VARIANTS[impl]
+        v = VARIANTS.get(impl)
+        if v is None:  # a kernel of gpu/daaf_fa3.py (e.g. AUTO_IMPLS["key_regions"] = "hfa3")
+            from . import daaf_fa3  # noqa: PLC0415
+
+            v = daaf_fa3.VARIANTS[impl]
         if elem in v.elems and D in v.dims and (v.kind != "win" or key == "window"):
             return impl
     return None

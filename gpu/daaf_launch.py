@@ -332,12 +332,10 @@ def _recipe(key: tuple, make: Callable[[], Any], plan: Any, gd: Any, xp: Any) ->
     return rec
 
 
-def call_torch(q, k, v, global_idx, local_window, scale, mask, impl, validate, plan) -> Any:
-    """:func:`hpczeco.gpu.daaf.attention_torch` from the caches: the output tensor, or None when this call needs
-    the full path (which the caller then takes)."""
+def call_torch(gd, q, k, v, global_idx, local_window, scale, mask, impl, validate, plan) -> Any:
+    """:func:`hpczeco.gpu.daaf.attention_torch` from the caches (``gd``: that module, which this one does not
+    import): the output tensor, or None when this call needs the full path (which the caller then takes)."""
     import torch  # noqa: PLC0415
-
-    from . import daaf as gd  # noqa: PLC0415
 
     T_ = torch.Tensor
     if not (isinstance(q, T_) and isinstance(k, T_) and isinstance(v, T_)) or not isinstance(impl, str):
@@ -384,10 +382,9 @@ def call_torch(q, k, v, global_idx, local_window, scale, mask, impl, validate, p
     return out
 
 
-def call_cupy(q, k, v, global_idx, local_window, scale, mask, impl, storage, validate, out, plan) -> Any:
-    """:func:`hpczeco.gpu.daaf.attention` (CuPy arrays) from the caches: the output array, or None when this call
-    needs the full path."""
-    from . import daaf as gd  # noqa: PLC0415
+def call_cupy(gd, q, k, v, global_idx, local_window, scale, mask, impl, storage, validate, out, plan) -> Any:
+    """:func:`hpczeco.gpu.daaf.attention` (CuPy arrays) from the caches (``gd``: that module): the output array, or
+    None when this call needs the full path."""
 
     rt = gd._runtime()
     if not (rt.is_native(q) and rt.is_native(k) and rt.is_native(v)) or not isinstance(impl, str):

@@ -225,10 +225,11 @@ inline constexpr int EMU_MBAR_WRITER = -2;
 inline constexpr int EMU_TMA_WRITER = -3;  // written by a tensor copy (async proxy): visible after an mbarrier wait
 inline std::unique_ptr<std::atomic<int>[]> emu_unfenced_writer;
 inline std::unique_ptr<std::atomic<long long>[]> emu_chunk_landed;  // when an mbarrier-tracked copy landed
+inline std::unique_ptr<std::atomic<uint32_t>[]> emu_chunk_bar;      // the mbarrier a tensor copy completed on
 inline std::size_t emu_unfenced_chunks = 0;
 inline std::atomic<long long> emu_proxy_clock{0};                // ticks at every such landing and fence
 inline thread_local long long emu_fenced_at = -1;                // this thread's last fence.proxy.async
-inline thread_local long long emu_waited_at = -1;                // this thread's last completed mbarrier wait
+inline thread_local std::map<uint32_t, long long> emu_waited_at;  // per mbarrier: this thread's last completed wait
 inline thread_local std::vector<uint32_t> emu_unfenced_mine;  // chunks this thread wrote since its fence
 // fence.proxy.async.shared::cta: this thread's cp.async writes become visible to the async proxy, and so do,
 // for this thread's own async-proxy reads, the mbarrier-tracked copies that landed before it (the consumer
@@ -244,11 +245,14 @@ inline void emu_fence_proxy_async() {
 // the async proxy of this thread sees the byte at shared address `addr`: no unfenced cp.async write to its
 // chunk (by the writer's fence, or, for copies completed on an mbarrier, by this thread's fence after they
 // landed)
-// (a tensor copy's bytes: once this thread has completed an mbarrier wait after they landed)
+// (a tensor copy's bytes: once this thread has completed a wait on the copy's mbarrier after they landed)
 inline bool emu_async_proxy_sees(uint32_t addr) {
   const int w = emu_unfenced_writer[addr / 16].load();
   if (w == EMU_MBAR_WRITER) return emu_chunk_landed[addr / 16].load() < emu_fenced_at;
-  if (w == EMU_TMA_WRITER) return emu_chunk_landed[addr / 16].load() < emu_waited_at;
+  if (w == EMU_TMA_WRITER) {
+    const auto it = emu_waited_at.find(emu_chunk_bar[addr / 16].load());
+    return it != emu_waited_at.end() && emu_chunk_landed[addr / 16].load() < it->second;
+  }
   return w < 0;
 }
 
@@ -355,8 +359,11 @@ inline void emu_mbar_wait(uint32_t addr, uint32_t parity) {
   std::unique_lock<std::mutex> lk(emu_mbar_mu);
   EmuMbar* b = emu_mbar_at_locked(addr);
   if (b == nullptr) return;
-  emu_wait_until(emu_mbar_cv, lk, [&] { return (uint32_t)(b->phase & 1) != (parity & 1); }, "mbarrier wait");
-  emu_waited_at = ++emu_proxy_clock;
+  if (!emu_wait_until(emu_mbar_cv, lk, [&] { return (uint32_t)(b->phase & 1) != (parity & 1); }, "mbarrier wait"))
+    emu_error("the mbarrier wait above: shared address " + std::to_string(addr) + ", parity " +
+              std::to_string(parity) + ", " + std::to_string(b->phase) + " phases completed, " +
+              std::to_string(b->pending) + " arrivals and " + std::to_string(b->tx) + " bytes pending");
+  emu_waited_at[addr] = ++emu_proxy_clock;
 }
 // cp.async.mbarrier.arrive.noinc: one arrival once every earlier cp.async of this thread has landed. The
 // emulation lands them now (their groups empty out); the async proxy sees them only in a thread that executes
@@ -408,7 +415,7 @@ inline constexpr uint64_t EMU_TMAP_MAGIC = 0x70616d54756d45ull;  // "EmuTmap"
 // at coordinates c (elements; outside the tensor: zeros) into shared memory at `dst`, rows of box[0] elements one
 // after another, the 128-byte swizzle applied to the shared address (16-byte chunk bits [4, 7) XOR bits [7, 10)),
 // then complete_tx of the box's bytes on `mbar`. The bytes land at issue; the async proxy (wgmma) of a thread sees
-// them once that thread has completed an mbarrier wait after they landed.
+// them once that thread has completed a wait on `mbar` after they landed.
 inline void emu_tma_load(uint32_t dst, const void* map, const int* c, int rank, uint32_t mbar) {
   EmuTensorMap m;
   std::memcpy(&m, map, sizeof m);
@@ -444,6 +451,7 @@ inline void emu_tma_load(uint32_t dst, const void* map, const int* c, int rank, 
   for (uint64_t off = 0; off < bytes; off += 16) {
     const uint32_t chunk = (dst + (uint32_t)off) / 16;
     emu_chunk_landed[chunk].store(++emu_proxy_clock);
+    emu_chunk_bar[chunk].store(mbar);
     emu_unfenced_writer[chunk].store(EMU_TMA_WRITER);
   }
   emu_mbar_complete_tx(mbar, (uint32_t)bytes);
