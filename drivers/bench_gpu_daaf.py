@@ -61,7 +61,7 @@ MODELS = {  # the TTFT models (--models) and their shapes
     "small": "d_model = heads x dim, GELU MLP (--mlp-ratio), --layers layers",
     "7b": "d_model 4096 = 32 heads x 128, SwiGLU MLP --big-ffn, --big-layers layers",
 }
-DEFAULT_IMPLS = "auto,tc2,hwg,hwg64,hwg3,hfa2,hws,hfa3,hfa3p"
+DEFAULT_IMPLS = "auto,tc2,hwg,hwg64,hwg3,hfa2,hws,hfa3,hfa3p,hfa3s3"
 #: x FlexAttention aimed for (issue 32): window alone; key regions at 8k; key regions from 32k on
 TARGET_VS_FLEX = {"window": 0.4, "key_regions_8k": 0.75, "key_regions": 0.7}
 

@@ -171,6 +171,12 @@ __device__ __forceinline__ void fa3_body(const Fa3TensorMap* tm_q, const Fa3Tens
         dh_setmaxnreg_dec<C::REG_PRODUCER>();
         if (tid >= 32) return;
         const int lane = tid;
+        // the warp waits through lane 0: a lane that waited on a barrier it never arrives on could fall a phase
+        // behind (parity waits cannot tell phase u from u + 2); __syncwarp orders the others after it
+        auto pwait = [&](u32 bar, u32 parity) {
+            if (lane == 0) dh_mbar_wait(bar, parity);
+            __syncwarp();
+        };
         if (lane == 0) {
             fa3_prefetch_map(tm_q);
             fa3_prefetch_map(tm_k);
@@ -208,7 +214,7 @@ __device__ __forceinline__ void fa3_body(const Fa3TensorMap* tm_q, const Fa3Tens
             }
             // publish the tile (slot n % 2, once the consumers have read its use n - 2)
             const int sl = n & 1;
-            if (n >= 2) dh_mbar_wait(info_empty(sl), (u32)(((n - 2) >> 1) & 1));
+            if (n >= 2) pwait(info_empty(sl), (u32)(((n - 2) >> 1) & 1));
             if (lane == 0) {
                 int* const f = info + sl * C::INFO_INTS;
                 f[FA3_I_TILE] = done ? -1 : work;
@@ -228,7 +234,7 @@ __device__ __forceinline__ void fa3_body(const Fa3TensorMap* tm_q, const Fa3Tens
             if (done) break;
             // Q: the tile's BM rows (rows past T: zeros), once the consumers are done with this buffer's last tile
             const int qb = n % NQ;
-            if (n >= NQ) dh_mbar_wait(q_empty(qb), (u32)(((n - NQ) / NQ) & 1));
+            if (n >= NQ) pwait(q_empty(qb), (u32)(((n - NQ) / NQ) & 1));
             if (lane == 0) {
                 const u32 dq = sb + C::OFF_Q + (u32)(qb * C::Q_BYTES);
                 fa3_mbar_arrive_expect_tx(q_full(qb), (u32)C::Q_BYTES);
@@ -252,7 +258,7 @@ __device__ __forceinline__ void fa3_body(const Fa3TensorMap* tm_q, const Fa3Tens
 #pragma unroll
                 for (int kv = 0; kv < 2; ++kv) {
                     const u32 full = kv == 0 ? full_k(s) : full_v(s);
-                    if (u > 0) dh_mbar_wait(kv == 0 ? empty_k(s) : empty_v(s), (u32)((u - 1) & 1));
+                    if (u > 0) pwait(kv == 0 ? empty_k(s) : empty_v(s), (u32)((u - 1) & 1));
                     const u32 dst = sb + (u32)((kv == 0 ? C::OFF_K : C::OFF_V) + s * C::TILE_BYTES);
                     const Fa3TensorMap* const map = kv == 0 ? tm_k : tm_v;
                     if (run0 >= 0) {
@@ -285,7 +291,7 @@ __device__ __forceinline__ void fa3_body(const Fa3TensorMap* tm_q, const Fa3Tens
             }
         }
         // leave once the last tile's copies have landed (cp.async of this warp must not outlive it)
-        if (it > 0) dh_mbar_wait(full_v((it - 1) % ST), (u32)(((it - 1) / ST) & 1));
+        if (it > 0) pwait(full_v((it - 1) % ST), (u32)(((it - 1) / ST) & 1));
         // the last CTA to finish resets the queue for the next launch
         if (lane == 0) {
             fa3_threadfence();
@@ -548,7 +554,7 @@ __device__ __forceinline__ void fa3_body(const Fa3TensorMap* tm_q, const Fa3Tens
                                         scale_log2, sched, n_work);                                              \
     }
 
-// name: daaf_hfa3_{elem}_d{D}[_pp]; (BN, ST, NQ) per D as gpu/daaf_fa3.py CONFIG. FA3_GROUP (default 0: all) builds
+// name: daaf_hfa3_{elem}_d{D}[_pp|_s3]; (BN, ST, NQ) as gpu/daaf_fa3.py's variants' configs. FA3_GROUP (default 0: all) builds
 // one group (gpu/daaf_fa3.py GROUPS: the groups compile in parallel); the sm_90 compile check of every gpu/*.cu
 // (-DGLA_INSTANTIATE_FAST) builds group 1 only.
 #ifndef FA3_GROUP
@@ -580,4 +586,8 @@ FA3_KERNEL(daaf_hfa3_f16_d256, false, 256, 64, 2, 1, false)
 #if FA3_IN_GROUP(5)
 FA3_KERNEL(daaf_hfa3_bf16_d256_pp, true, 256, 64, 2, 1, true)
 FA3_KERNEL(daaf_hfa3_f16_d256_pp, false, 256, 64, 2, 1, true)
+#endif
+// hfa3s3: D = 128 with 3 K/V stages and one Q buffer (a deeper K/V ring instead of the next tile's Q in advance)
+#if FA3_IN_GROUP(6)
+FA3_KERNEL(daaf_hfa3_bf16_d128_s3, true, 128, 128, 3, 1, false)
 #endif

@@ -3,7 +3,8 @@
 The semantics and plan are those of :mod:`hpczeco.gpu.daaf_hopper` (any object with ``global_idx``, ``gmask``,
 ``n_global``, ``local_window``, ``T``, e.g. a :class:`hpczeco.gpu.daaf.DevicePlan`). ``q, k, v, o: [B, T, H, D]``
 16-bit (bf16/f16 bits), ``D == Dv`` in {64, 128, 256}. Kernels (:data:`VARIANTS`): ``"hfa3"`` and ``"hfa3p"``
-(ping-pong between the two consumer warpgroups): a producer warp loads Q, K and V by TMA (tensor maps of the 4-d
+(ping-pong between the two consumer warpgroups), ``"hfa3s3"`` (bf16, D = 128: 3 K/V stages, one Q buffer): a
+producer warp loads Q, K and V by TMA (tensor maps of the 4-d
 tensors made here per pointer, passed by value) into mbarrier rings, two consumer warpgroups of 64 rows run the
 wgmma loop, persistent CTAs (one per multiprocessor) take query tiles from a queue in the order of
 :data:`SCHED_DEFAULT` (the longest rows first). Per D (:data:`CONFIG`): 128 keys per tile, 2 K/V stages and 2 Q
@@ -49,23 +50,34 @@ THREADS = 384
 
 @dataclass(frozen=True)
 class Fa3Variant:
-    """``pingpong``: the consumer warpgroups take turns issuing their wgmma batches."""
+    """``pingpong``: the consumer warpgroups take turns issuing their wgmma batches; ``config``: D -> (keys per tile,
+    K/V stages, Q buffers) where it differs from :data:`CONFIG`; ``suffix`` of its kernel names."""
 
     pingpong: bool
     elems: tuple[str, ...] = ELEMS
     dims: tuple[int, ...] = DIMS
+    config: tuple[tuple[int, tuple[int, int, int]], ...] = ()
+    suffix: str = ""
     kind: str = "fa3"
     rows: int = BM
     threads: int = THREADS
 
+    def shape(self, D: int) -> tuple[int, int, int]:
+        """(keys per tile BN, K/V stages ST, Q buffers NQ) at head dim ``D``."""
+        return dict(self.config).get(D, CONFIG[D])
 
-VARIANTS: dict[str, Fa3Variant] = {"hfa3": Fa3Variant(False), "hfa3p": Fa3Variant(True)}
+
+VARIANTS: dict[str, Fa3Variant] = {
+    "hfa3": Fa3Variant(False),
+    "hfa3p": Fa3Variant(True, suffix="_pp"),
+    "hfa3s3": Fa3Variant(False, elems=("bf16",), dims=(128,), config=((128, (128, 3, 1)),), suffix="_s3"),
+}
 IMPLS = tuple(VARIANTS)
 
 
 def kernel_name(impl: str, elem: str, D: int) -> str:
     """The extern "C" name of ``impl`` for ``elem`` ("bf16"/"f16") and head dim ``D``."""
-    return f"daaf_hfa3_{elem}_d{D}" + ("_pp" if VARIANTS[impl].pingpong else "")
+    return f"daaf_hfa3_{elem}_d{D}" + VARIANTS[impl].suffix
 
 
 def kernel_names() -> list[str]:
@@ -73,6 +85,8 @@ def kernel_names() -> list[str]:
 
 
 def _group_of(name: str) -> int:
+    if name.endswith("_s3"):
+        return 6
     D = int(name.split("_d")[1].split("_")[0])
     pp = name.endswith("_pp")
     return {(128, False): 1, (128, True): 2, (64, False): 3, (64, True): 3, (256, False): 4, (256, True): 5}[(D, pp)]
@@ -83,9 +97,9 @@ GROUPS: dict[str, int] = {n: _group_of(n) for n in kernel_names()}
 N_GROUPS = max(GROUPS.values())
 
 
-def smem_bytes(D: int) -> int:
-    """Dynamic shared memory of the D-kernels (Fa3Cfg::SMEM_BYTES)."""
-    BN, ST, NQ = CONFIG[D]
+def smem_bytes(D: int, impl: str = "hfa3") -> int:
+    """Dynamic shared memory of ``impl``'s kernels at head dim ``D`` (Fa3Cfg::SMEM_BYTES)."""
+    BN, ST, NQ = VARIANTS[impl].shape(D)
     n_bar = 4 * ST + 2 * NQ + 4
     off_flag = NQ * BM * D * 2 + 2 * ST * BN * D * 2 + 8 * n_bar + 2 * 16 * 4
     return off_flag + (2 * ST * 4 + 15) // 16 * 16 + 1024
@@ -229,7 +243,7 @@ def _queue(rt: Any, dev: int, stream: int) -> Any:
     qa = _QUEUES.get(key)
     if qa is None:
         cuda = getattr(rt.xp, "cuda", None)
-        if cuda is None:
+        if cuda is None or stream == _current_stream(rt.xp):
             qa = rt.xp.zeros(2, dtype=np.int32)
         else:  # zeroed on the stream the kernels will run on (ordered before them, no host sync)
             with cuda.ExternalStream(stream):
@@ -292,11 +306,11 @@ def prepare(q, k, v, plan, scale: float | None = None, *, impl: str = "hfa3", st
     if gidx is None:
         gidx = plan.global_idx if plan.global_idx.size else xp.zeros(1, dtype=np.int32)
     name = kernel_name(impl, elem, D)
-    BN = CONFIG[D][0]
+    BN = VARIANTS[impl].shape(D)[0]
     n_work = (T + BM - 1) // BM * H * B
     dev = _device(rt)
     grid = (min(n_work, _sm_count(rt, dev)),)
-    smem = smem_bytes(D)
+    smem = smem_bytes(D, impl)
     stream0 = _current_stream(xp)
 
     def maps(ptrs: tuple[int, int, int, int]) -> tuple:

@@ -370,8 +370,13 @@ def call_torch(gd, q, k, v, global_idx, local_window, scale, mask, impl, validat
         return gd.prepare_torch(q, k, v, None, local_window, scale, None, impl=impl, validate=validate,
                                 plan=p_).prepared
 
-    with rt.xp.cuda.Device(dev):
-        rec = _recipe(key, make, p_, gd, rt.xp)
+    rec = _RECIPES.get(key)
+    if rec is not None:
+        _RECIPES.move_to_end(key)
+        _STATS["hit"] += 1
+    else:
+        with rt.xp.cuda.Device(dev):
+            rec = _recipe(key, make, p_, gd, rt.xp)
     if rec is None:
         _STATS["full"] += 1
         return None

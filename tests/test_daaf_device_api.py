@@ -828,3 +828,63 @@ def test_hopper_auto_on_the_device_planner(cph, rng):
     g = np.asarray(dp.gmask).astype(bool)
     ref = attention_reference(*host, g, None, local_window=W)
     assert rel_max(bf16.from_bits(np.asarray(o)), ref) <= 1e-2
+
+
+@pytest.fixture(scope="module")
+def fa3_sources():
+    """The FA3-design kernels (the build of tests/test_daaf_fa3_emu.py, so the compiled library is shared)."""
+    if gemu.compiler() is None:
+        pytest.skip("g++ not found: the CPU emulation of the kernels needs it")
+    from hpczeco.gpu import daaf_fa3 as fa3
+
+    faults = Path(__file__).resolve().parent / "daaf_fa3_faults.cu"
+    return fa3.kernel_source() + "\n" + faults.read_text(), [*fa3.kernel_names(), "daaf_tma_fault_check"]
+
+
+def test_hfa3_per_call(cph, fa3_sources, rng, monkeypatch):
+    """The FA3-design kernel through hpczeco.gpu.daaf: impl="hfa3" by name and "auto" at D = 256 (its only
+    tensor-core kernel) pick it; per call after the first no upload and no host read, the tensor maps follow the
+    new arrays, the queue is left at zero; bf16 and f16 against the reference."""
+    from hpczeco.base import bf16
+    from hpczeco.gpu import daaf_fa3 as fa3
+
+    from hpczeco.daaf.reference import attention_reference
+
+    cp = cph
+    monkeypatch.setenv("HPCZECO_EMU_WAIT_TIMEOUT_S", "600")
+    rt = _CountingEmu(*fa3_sources, cp)
+    old = fa3._set_runtime(rt)
+    try:
+        T, W = 150, 8
+        g = np.zeros(T, bool)
+        g[[3, 4, 5, 6, 40, 41, 90]] = True
+        gi = np.flatnonzero(g).astype(np.int32)
+        for D, elem, impl, want in ((128, "bf16", "hfa3", "hfa3"), (256, "f16", "auto", "hfa3"),
+                                    (64, "bf16", "hfa3p", "hfa3p")):
+            storage = "bfloat16" if elem == "bf16" else "float16"
+
+            def qkv(D=D, elem=elem):
+                x = [rng.standard_normal((1, T, 1, D)).astype(np.float32) for _ in range(3)]
+                bits = [bf16.to_bits(a) if elem == "bf16" else a.astype(np.float16).view(np.uint16) for a in x]
+                vals = [bf16.from_bits(b) if elem == "bf16" else b.view(np.float16).astype(np.float32) for b in bits]
+                return vals, [cp.asarray(b) for b in bits]
+
+            layers = [qkv() for _ in range(2)]
+            gd.attention(*layers[0][1], gi, W, impl=impl, storage=storage)  # the first call: plan, launch
+            cp.reset()
+            cp.state["strict"] = True
+            try:
+                outs = [gd.attention(*layers[i % 2][1], gi, W, impl=impl, storage=storage) for i in range(3)]
+            finally:
+                cp.state["strict"] = False
+            assert cp.counts == {"sync": 0, "upload": 0}, (D, cp.state["where"])
+            for i, o in enumerate(outs):
+                got = bf16.from_bits(np.asarray(o)) if elem == "bf16" else np.asarray(o).view(np.float16)
+                ref = attention_reference(*layers[i % 2][0], g, None, local_window=W)
+                assert rel_max(got.astype(np.float32), ref) <= 1e-2, (D, elem, i)
+            p = gd.prepare(*layers[0][1], gi, W, impl=impl, storage=storage)
+            assert p.impl == want and p.name == fa3.kernel_name(want, elem, D)
+        assert all(np.asarray(qa).tolist() == [0, 0] for qa in fa3._QUEUES.values())
+        assert sum(name.startswith("daaf_hfa3") for name in rt.launched) >= 12
+    finally:
+        fa3._set_runtime(old)

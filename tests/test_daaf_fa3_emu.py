@@ -39,7 +39,7 @@ pytestmark = pytest.mark.timeout(1800)
 def test_names_groups_and_sizes():
     """Kernel names, compile groups (as FA3_IN_GROUP blocks of the source), shared memory, the variant checks."""
     names = fa3.kernel_names()
-    assert len(set(names)) == len(names) == 2 * 2 * 3
+    assert len(set(names)) == len(names) == 2 * 2 * 3 + 1
     assert fa3.kernel_name("hfa3p", "f16", 256) == "daaf_hfa3_f16_d256_pp"
     text = (GPU_DIR / "daaf_fa3.cu").read_text()
     found = {}
@@ -47,9 +47,12 @@ def test_names_groups_and_sizes():
         for name in re.findall(r"^FA3_KERNEL\((\w+),", m.group(2), re.M):
             found[name] = int(m.group(1))
     assert found == fa3.GROUPS
-    for D, (BN, ST, NQ) in fa3.CONFIG.items():  # the instantiations use CONFIG's (BN, ST, NQ)
-        assert re.search(rf"FA3_KERNEL\(daaf_hfa3_bf16_d{D}, true, {D}, {BN}, {ST}, {NQ}, false\)", text)
-        assert fa3.smem_bytes(D) <= 232448
+    for impl, var in fa3.VARIANTS.items():  # the instantiations use the variants' (BN, ST, NQ)
+        for D in var.dims:
+            BN, ST, NQ = var.shape(D)
+            name, pp = fa3.kernel_name(impl, "bf16", D), str(var.pingpong).lower()
+            assert re.search(rf"FA3_KERNEL\({name}, true, {D}, {BN}, {ST}, {NQ}, {pp}\)", text), name
+            assert fa3.smem_bytes(D, impl) <= 232448
     with pytest.raises(ValueError, match="D == Dv"):
         fa3.resolve("hfa3", "bf16", 96, 96)
     with pytest.raises(ValueError, match="impl"):
@@ -132,7 +135,8 @@ CASES = [(700, 16, "sparse", 1, 1, 3), (461, 5, "first", 1, 2, 1), (333, 128, "r
 
 
 @pytest.mark.parametrize("impl,D,elem", [("hfa3", 128, "bf16"), ("hfa3p", 128, "f16"), ("hfa3", 64, "f16"),
-                                          ("hfa3p", 64, "bf16"), ("hfa3", 256, "bf16"), ("hfa3p", 256, "f16")])
+                                          ("hfa3p", 64, "bf16"), ("hfa3", 256, "bf16"), ("hfa3p", 256, "f16"),
+                                          ("hfa3s3", 128, "bf16")])
 def test_emulated_matches_reference(emu, rng, impl, D, elem):
     cases = CASES if D == 128 else CASES[:4]  # (D = 256: ~4x the emulated work per tile)
     for T, W, plan, B, H, sched in cases:
@@ -217,9 +221,7 @@ def _hopper_or_skip():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", fa3.IMPLS)
-@pytest.mark.parametrize("D", fa3.DIMS)
-@pytest.mark.parametrize("elem", fa3.ELEMS)
+@pytest.mark.parametrize("impl,D,elem", [(i, d, e) for i, v in fa3.VARIANTS.items() for d in v.dims for e in v.elems])
 def test_gpu_kernels_match_reference(rng, impl, D, elem):
     cp = _hopper_or_skip()
     from hpczeco.gpu import daaf as gd

@@ -359,8 +359,10 @@ inline void emu_mbar_wait(uint32_t addr, uint32_t parity) {
   std::unique_lock<std::mutex> lk(emu_mbar_mu);
   EmuMbar* b = emu_mbar_at_locked(addr);
   if (b == nullptr) return;
-  if (!emu_wait_until(emu_mbar_cv, lk, [&] { return (uint32_t)(b->phase & 1) != (parity & 1); }, "mbarrier wait"))
-    emu_error("the mbarrier wait above: shared address " + std::to_string(addr) + ", parity " +
+  auto done = [&] { return (uint32_t)(b->phase & 1) != (parity & 1); };
+  if (!emu_wait_abandoned.load() && !emu_mbar_cv.wait_for(lk, emu_wait_timeout(), done) &&
+      !emu_wait_abandoned.exchange(true))
+    emu_error("mbarrier wait never completed (deadlock?): shared address " + std::to_string(addr) + ", parity " +
               std::to_string(parity) + ", " + std::to_string(b->phase) + " phases completed, " +
               std::to_string(b->pending) + " arrivals and " + std::to_string(b->tx) + " bytes pending");
   emu_waited_at[addr] = ++emu_proxy_clock;
