@@ -500,8 +500,8 @@ def device_plan(global_idx: Any, local_window: int, T: int, is_global_query_mask
     ``validate`` checks the contents too.
 
     Costs: host ``global_idx`` (numpy, list, CPU tensor) is checked on the host (no device synchronisation)
-    and its device arrays come from a content-keyed cache (uploaded, with one synchronisation, on first
-    use); a device mask next to it is checked on the device once (one synchronisation), and not again for
+    and its device arrays come from a content-keyed cache (uploaded on first use, without a host
+    synchronisation); a device mask next to it is checked on the device once (one synchronisation), and not again for
     the same unmodified torch tensor. Device ``global_idx`` (CuPy, CUDA tensor) is used in place (cast to
     int32 if needed); ``validate`` checks it with one kernel and one synchronisation, ``validate=False``
     costs no synchronisation. To reuse a plan across calls and layers, build it once and pass ``plan=``.
@@ -555,7 +555,7 @@ def device_plan(global_idx: Any, local_window: int, T: int, is_global_query_mask
 def plan_on_device(plan: Any) -> DevicePlan:
     """The device arrays of a :class:`hpczeco.daaf.Plan`, built once per plan and device (kept while the
     plan lives). A Plan is valid by construction: nothing is checked or read back; the first call uploads
-    (one synchronisation), later calls cost a dictionary lookup. Any object with a Plan's ``T``,
+    (no host synchronisation), later calls cost a dictionary lookup. Any object with a Plan's ``T``,
     ``global_mask``, ``local_window``, ``policy``, ``reason``, ``threshold`` and ``regions`` is taken for one
     (this layer does not import :mod:`hpczeco.daaf`)."""
     if not all(hasattr(plan, name) for name in _PLAN_FIELDS):
@@ -607,8 +607,10 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
     ``is_global_query_mask`` are ignored. ``sched``: the Hopper kernels' schedule bits (0..3; default
     :data:`AUTO_SCHED`, or 2 when ``reverse`` is False); ignored by the other kernels. The result's ``impl``
     and ``sched`` say what ``"auto"`` chose. Nothing here reads the device: the only synchronisations are
-    those :func:`device_plan` documents (none for ``plan=``, none for host ``global_idx`` seen before); the
-    launch parameters come from the plan's host fields.
+    those :func:`device_plan` documents (none for ``plan=``, none for a host ``global_idx``); the launch
+    parameters come from the plan's host fields. A plan uploaded from the host on another stream is ordered before
+    the current stream here (an event wait on the device); launching the result on yet another stream before that
+    upload has finished needs the caller's ordering, as for any array made on one stream.
     """
     rt = _runtime()
     cupy = rt.xp
