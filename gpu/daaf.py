@@ -351,7 +351,10 @@ class DevicePlan:
         W = min(check_int("local_window", local_window, 0), self.T)
         if W == self.local_window:
             return self
-        return DevicePlan(self.global_idx, self.gmask, self.T, W, self.n_global, self.host_idx, self.info)
+        dp = DevicePlan(self.global_idx, self.gmask, self.T, W, self.n_global, self.host_idx, self.info)
+        if hasattr(self, "_upload"):  # the same arrays: the same upload to wait for on other streams
+            dp._upload = self._upload
+        return dp
 
 
 #: device plans of host index arrays, by content: (xp, device, T, W, G, first, last) -> [(host_idx, plan)]
