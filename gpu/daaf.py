@@ -19,8 +19,11 @@ Kernels (``impl``):
   ``D == Dv`` in {64, 128} (most variants: bf16, D = 128), compute capability 9.0 only (sm_90a cubins).
   ``sched`` (:func:`prepare`): bit 0 longest rows first, bit 1 heads fastest (default :data:`AUTO_SCHED`,
   bit 0 cleared when ``reverse=False``).
+* the FlashAttention-3-design kernels of :mod:`hpczeco.gpu.daaf_fa3` (``"hfa3"``, ``"hfa3p"``: TMA, a producer
+  warp, persistent CTAs; bf16/f16, ``D == Dv`` in {64, 128, 256}), compute capability 9.0 only.
 * ``"auto"`` (:func:`auto_choice`, from the dtype, head dims, the device's compute capability and the
-  plan's host metadata only, never a device read): float32 or other head dims -> ``"simple"``; not
+  plan's host metadata only, never a device read): 16-bit with ``D == Dv == 256`` -> :data:`AUTO_FA3`
+  (``"hfa3"``) on compute capability 9.0, else ``"simple"``; float32 or other head dims -> ``"simple"``; not
   compute capability 9.0 -> :data:`AUTO_TC` (``"tc"``); on 9.0 ``daaf_hopper.choose_impl(plan, D=, cc=,
   elem=)`` when that function exists and returns a choice (the window kernel ``"hwin"`` for plans without
   key regions, ``"hwg3"`` for one span, ``"hws"`` for several), else: no key-region token -> :data:`AUTO_WINDOW`
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 import warnings
 import weakref
 from collections import OrderedDict
@@ -49,10 +53,11 @@ import numpy as np
 
 from ..base.backend import get_array_module
 from ..base.checks import check_int, check_scale
-from . import daaf_hopper, daaf_plan
+from . import daaf_fa3, daaf_hopper, daaf_launch, daaf_plan
 from .runtime import HERE, KernelSet, Prepared, RuntimeSlot
 
 __all__ = [
+    "AUTO_FA3",
     "AUTO_HOPPER_ONE_SPAN",
     "AUTO_HOPPER_SPANS",
     "AUTO_SCHED",
@@ -87,6 +92,7 @@ AUTO_WINDOW = "tc2"  # "auto" on compute capability 9.0 without key-region token
 AUTO_HOPPER_ONE_SPAN = ("hwg3", "hws", "hwg", "hfa2")  # ... key regions in one span (e.g. a leading block)
 AUTO_HOPPER_SPANS = ("hws", "hwg64", "hwg", "hfa2")  # ... several spans, or their number unknown
 AUTO_SCHED = 3  # sched of the Hopper kernels: longest rows first, heads fastest
+AUTO_FA3 = "hfa3"  # "auto" on compute capability 9.0 for head dims only daaf_fa3 has a tensor-core kernel for (256)
 TC_MTILES = {"tc": 1, "tc2": 2, "tc3": 1}  # 16-row m-tiles per warp
 TC_BLOCK_Q = 64  # query rows per block per m-tile (DAAF_TC_BR)
 TC_BLOCK_K = 64  # keys per tile (DAAF_TC_BC)
@@ -107,8 +113,19 @@ def tc_smem_bytes(D: int, mtiles: int = 1) -> int:
 
 
 def impl_names() -> tuple[str, ...]:
-    """Every ``impl`` :func:`prepare` accepts: :data:`IMPLS` and the Hopper kernels (``daaf_hopper.IMPLS``)."""
-    return IMPLS + tuple(daaf_hopper.IMPLS)
+    """Every ``impl`` :func:`prepare` accepts: :data:`IMPLS` and the Hopper kernels (``daaf_hopper.IMPLS``,
+    ``daaf_fa3.IMPLS``)."""
+    return IMPLS + tuple(daaf_hopper.IMPLS) + tuple(daaf_fa3.IMPLS)
+
+
+def _hvar(impl: str) -> Any:
+    """The variant of a Hopper kernel (daaf_hopper's or daaf_fa3's), None for any other name."""
+    return daaf_hopper.VARIANTS.get(impl) or daaf_fa3.VARIANTS.get(impl)
+
+
+def _hmod(impl: str) -> Any:
+    """The module that launches the Hopper kernel ``impl``."""
+    return daaf_fa3 if impl in daaf_fa3.VARIANTS else daaf_hopper
 
 
 def _norm_cc(cc: Any) -> str:
@@ -119,7 +136,7 @@ def _norm_cc(cc: Any) -> str:
 
 
 def _check_hopper(impl: str, elem: str, D: int, Dv: int, cc: Any) -> None:
-    var = daaf_hopper.VARIANTS[impl]
+    var = _hvar(impl)
     if elem not in var.elems or D != Dv or D not in var.dims:
         raise ValueError(f"impl={impl!r} needs {'/'.join(var.elems)} inputs with D == Dv in {var.dims}; got {elem}, "
                          f"D={D}, Dv={Dv} (use impl='auto')")
@@ -142,9 +159,12 @@ def auto_choice(elem: str, D: int, Dv: int, plan: Any = None, cc: Any = None) ->
     """``(impl, sched)`` that ``impl="auto"`` means (``sched`` None: not a Hopper kernel); see the module
     docstring. ``plan``: a :class:`DevicePlan` (its host fields ``n_global``, ``n_regions``; None: key regions
     assumed, their layout unknown); ``cc``: the device's compute capability ("90"; None: unknown, no Hopper)."""
+    hopper = cc is not None and _norm_cc(cc) == HOPPER_CC
+    if elem in ("f16", "bf16") and D == Dv and D in daaf_fa3.DIMS and D not in TC_DIMS:
+        return (AUTO_FA3, AUTO_SCHED) if hopper else ("simple", None)  # D = 256: hfa3 is the tensor-core kernel
     if not (elem in ("f16", "bf16") and D == Dv and D in TC_DIMS):
         return "simple", None
-    if cc is None or _norm_cc(cc) != HOPPER_CC:
+    if not hopper:
         return AUTO_TC, None
     choose = getattr(daaf_hopper, "choose_impl", None)
     if choose is not None and plan is not None:
@@ -152,7 +172,7 @@ def auto_choice(elem: str, D: int, Dv: int, plan: Any = None, cc: Any = None) ->
         if got is not None:
             name, sched = got if isinstance(got, tuple) else (got, None)
             resolve_impl(name, elem, D, Dv, cc=cc)  # a choice that does not exist here raises
-            if name not in daaf_hopper.VARIANTS:
+            if _hvar(name) is None:
                 return name, None
             return name, AUTO_SCHED if sched is None else int(sched)
     if plan is not None and plan.n_global == 0:
@@ -166,15 +186,16 @@ def auto_choice(elem: str, D: int, Dv: int, plan: Any = None, cc: Any = None) ->
 _HOPPER_USABLE: dict[tuple[int, int, str], bool] = {}
 
 
-def _hopper_usable(kernel: str) -> bool:
-    """Whether the Hopper kernel ``kernel`` is there (its cubin builds and loads; checked once per device, a
-    failure warned about once): ``"auto"`` falls back to :data:`AUTO_WINDOW` otherwise."""
-    rt = daaf_hopper.RUNTIME.get()
+def _hopper_usable(kernel: str, mod: Any = daaf_hopper) -> bool:
+    """Whether the Hopper kernel ``kernel`` of ``mod`` (daaf_hopper or daaf_fa3) is there (its cubin builds and
+    loads; checked once per device, a failure warned about once): ``"auto"`` falls back to :data:`AUTO_WINDOW`
+    (``"simple"`` for kernels tc2 cannot run) otherwise."""
+    rt = mod.RUNTIME.get()
     key = (id(rt), _device_id(rt), kernel)
     ok = _HOPPER_USABLE.get(key)
     if ok is None:
-        group = daaf_hopper.GROUPS.get(kernel)
-        ok = True if group is None else bool(rt.available(daaf_hopper.KERNEL_SOURCE.name, str(group)))
+        group = mod.GROUPS.get(kernel)
+        ok = True if group is None else bool(rt.available(mod.KERNEL_SOURCE.name, str(group)))
         _HOPPER_USABLE[key] = ok
         if not ok:
             warnings.warn(f"hpczeco.gpu.daaf: the Hopper kernel {kernel} does not build here "
@@ -191,7 +212,7 @@ def resolve_impl(impl: str, elem: str, D: int, Dv: int, plan: Any = None, cc: An
     if impl == "auto":
         return auto_choice(elem, D, Dv, plan, cc)[0]
     if impl not in IMPLS:
-        if impl in daaf_hopper.VARIANTS:
+        if _hvar(impl) is not None:
             _check_hopper(impl, elem, D, Dv, cc)
             return impl
         raise ValueError(f"impl must be one of {impl_names()}, got {impl!r}")
@@ -315,7 +336,10 @@ class DevicePlan:
         W = min(check_int("local_window", local_window, 0), self.T)
         if W == self.local_window:
             return self
-        return DevicePlan(self.global_idx, self.gmask, self.T, W, self.n_global, self.host_idx, self.info)
+        dp = DevicePlan(self.global_idx, self.gmask, self.T, W, self.n_global, self.host_idx, self.info)
+        if hasattr(self, "_upload"):  # the same arrays: the same upload to wait for on other streams
+            dp._upload = self._upload
+        return dp
 
 
 #: device plans of host index arrays, by content: (xp, device, T, W, G, first, last) -> [(host_idx, plan)]
@@ -408,7 +432,8 @@ def _check_on_device(gi, G: int, T: int, gm_in, gm_out, validate: bool) -> None:
 
 def _host_plan_cached(gi: np.ndarray, W: int, T: int, rt, info: dict | None = None) -> DevicePlan:
     """The device plan of the (valid) host index ``gi`` int32 ``[G]``: from the content cache, or uploaded
-    (a cache miss uploads two arrays and synchronises once, so later calls on any stream may use them)."""
+    (a cache miss uploads two arrays on the current stream without a host synchronisation; a launch on another
+    stream waits for the upload's event: :func:`hpczeco.gpu.daaf_launch.order_plan`)."""
     xp = rt.xp
     G = int(gi.size)
     key = (id(xp), _device_id(rt), T, W, G, int(gi[0]) if G else -1, int(gi[-1]) if G else -1)
@@ -422,9 +447,7 @@ def _host_plan_cached(gi: np.ndarray, W: int, T: int, rt, info: dict | None = No
     gm[gi] = 1
     host = gi.copy()
     dp = DevicePlan(xp.asarray(host), xp.asarray(gm), T, W, G, host, info)
-    cuda = getattr(xp, "cuda", None)
-    if cuda is not None:
-        cuda.get_current_stream().synchronize()
+    daaf_launch.mark_uploaded(dp, xp)  # no host sync: launches on other streams wait for the upload's event
     _HOST_PLANS.setdefault(key, []).append((host, dp))
     _HOST_PLANS.move_to_end(key)
     while len(_HOST_PLANS) > HOST_PLAN_CACHE:
@@ -465,8 +488,8 @@ def device_plan(global_idx: Any, local_window: int, T: int, is_global_query_mask
     ``validate`` checks the contents too.
 
     Costs: host ``global_idx`` (numpy, list, CPU tensor) is checked on the host (no device synchronisation)
-    and its device arrays come from a content-keyed cache (uploaded, with one synchronisation, on first
-    use); a device mask next to it is checked on the device once (one synchronisation), and not again for
+    and its device arrays come from a content-keyed cache (uploaded on first use, without a host
+    synchronisation); a device mask next to it is checked on the device once (one synchronisation), and not again for
     the same unmodified torch tensor. Device ``global_idx`` (CuPy, CUDA tensor) is used in place (cast to
     int32 if needed); ``validate`` checks it with one kernel and one synchronisation, ``validate=False``
     costs no synchronisation. To reuse a plan across calls and layers, build it once and pass ``plan=``.
@@ -520,7 +543,7 @@ def device_plan(global_idx: Any, local_window: int, T: int, is_global_query_mask
 def plan_on_device(plan: Any) -> DevicePlan:
     """The device arrays of a :class:`hpczeco.daaf.Plan`, built once per plan and device (kept while the
     plan lives). A Plan is valid by construction: nothing is checked or read back; the first call uploads
-    (one synchronisation), later calls cost a dictionary lookup. Any object with a Plan's ``T``,
+    (no host synchronisation), later calls cost a dictionary lookup. Any object with a Plan's ``T``,
     ``global_mask``, ``local_window``, ``policy``, ``reason``, ``threshold`` and ``regions`` is taken for one
     (this layer does not import :mod:`hpczeco.daaf`)."""
     if not all(hasattr(plan, name) for name in _PLAN_FIELDS):
@@ -572,8 +595,10 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
     ``is_global_query_mask`` are ignored. ``sched``: the Hopper kernels' schedule bits (0..3; default
     :data:`AUTO_SCHED`, or 2 when ``reverse`` is False); ignored by the other kernels. The result's ``impl``
     and ``sched`` say what ``"auto"`` chose. Nothing here reads the device: the only synchronisations are
-    those :func:`device_plan` documents (none for ``plan=``, none for host ``global_idx`` seen before); the
-    launch parameters come from the plan's host fields.
+    those :func:`device_plan` documents (none for ``plan=``, none for a host ``global_idx``); the launch
+    parameters come from the plan's host fields. A plan uploaded from the host on another stream is ordered before
+    the current stream here (an event wait on the device); launching the result on yet another stream before that
+    upload has finished needs the caller's ordering, as for any array made on one stream.
     """
     rt = RUNTIME.get()
     cupy = rt.xp
@@ -595,7 +620,7 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
     if T >= 2**31 - TC_BLOCK_Q or H > 65535 or B > 65535:
         raise ValueError(f"shape out of range for the kernels: B={B} (<= 65535), T={T}, H={H} (<= 65535)")
     elem = _elem_of(q, storage)
-    hopper = impl not in IMPLS and impl in daaf_hopper.VARIANTS
+    hopper = impl not in IMPLS and _hvar(impl) is not None
     cc = compute_capability(rt) if (hopper or impl == "auto") else None
     if impl != "auto":
         kind = resolve_impl(impl, elem, D, Dv, cc=cc if cc is not None else "unknown")
@@ -608,11 +633,14 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
         plan = plan_on_device(plan)
     if plan.T != T:
         raise ValueError(f"plan covers T={plan.T} tokens, q has T={T}")
+    cuda = getattr(cupy, "cuda", None)
+    if cuda is not None:  # a plan uploaded on another stream: this one waits for it (on the device)
+        daaf_launch.order_plan(plan, int(getattr(cuda.get_current_stream(), "ptr", 0)), cupy)
     auto_sched = None
     if impl == "auto":
         kind, auto_sched = auto_choice(elem, D, Dv, plan, cc)
-        if kind not in IMPLS and not _hopper_usable(daaf_hopper.kernel_name(kind, elem, D)):
-            kind, auto_sched = AUTO_WINDOW, None
+        if kind not in IMPLS and not _hopper_usable(_hmod(kind).kernel_name(kind, elem, D), _hmod(kind)):
+            kind, auto_sched = (AUTO_WINDOW if D in TC_DIMS else "simple"), None
 
     def prep(x):
         if not x.flags.c_contiguous:
@@ -630,7 +658,7 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
     if kind not in IMPLS:  # a Hopper kernel (daaf_hopper.py launches it)
         hs = sched if sched is not None else auto_sched if auto_sched is not None else (
             AUTO_SCHED if reverse else AUTO_SCHED & ~1)
-        p = daaf_hopper.prepare(q, k, v, plan, scale, impl=kind, storage=storage, out=out, sched=hs)
+        p = _hmod(kind).prepare(q, k, v, plan, scale, impl=kind, storage=storage, out=out, sched=hs)
         p.sched = hs
         return p
     if kind == "simple":
@@ -639,13 +667,17 @@ def prepare(q, k, v, global_idx: Any, local_window: int, scale: float | None = N
         grid = ((rows + SIMPLE_ROWS_PER_BLOCK - 1) // SIMPLE_ROWS_PER_BLOCK,)
         args = (q, k, v, out, plan._gidx_arg, plan.gmask, np.int32(B), np.int32(T), np.int32(H), np.int32(D),
                 np.int32(Dv), np.int32(plan.n_global), np.int32(plan.local_window), np.float32(scale))
-        return Prepared(rt.bind(name, grid, (32 * SIMPLE_ROWS_PER_BLOCK,), args), out, kind, name)
+        block = (32 * SIMPLE_ROWS_PER_BLOCK,)
+        return daaf_launch.record(Prepared(rt.bind(name, grid, block, args), out, kind, name), rt, name, grid, block,
+                                  args)
     name = f"daaf_{kind}_{elem}_d{D}"
     rows_per_block = TC_BLOCK_Q * TC_MTILES[kind]
     grid = ((T + rows_per_block - 1) // rows_per_block, H, B)
     args = (q, k, v, out, plan._gidx_arg, plan.gmask, np.int32(T), np.int32(H), np.int32(plan.n_global),
             np.int32(plan.local_window), np.float32(scale * math.log2(math.e)), np.int32(1 if reverse else 0))
-    return Prepared(rt.bind(name, grid, (TC_THREADS,), args, tc_smem_bytes(D, TC_MTILES[kind])), out, kind, name)
+    smem = tc_smem_bytes(D, TC_MTILES[kind])
+    return daaf_launch.record(Prepared(rt.bind(name, grid, (TC_THREADS,), args, smem), out, kind, name), rt, name,
+                              grid, (TC_THREADS,), args, smem)
 
 
 def attention(q, k, v, global_idx: Any, local_window: int, scale: float | None = None,
@@ -657,7 +689,14 @@ def attention(q, k, v, global_idx: Any, local_window: int, scale: float | None =
     bool ``[T]``, True exactly there (built from ``global_idx`` when None); ``scale`` defaults to
     ``D ** -0.5``; ``plan``: a :class:`DevicePlan` or :class:`hpczeco.daaf.Plan` instead of the index
     arrays (see :func:`prepare`). Runs on the current CuPy stream; returns ``o`` ``[B, T, H, Dv]``.
+
+    Per call: after the first call of a (shape, dtype, plan, window, scale, kernel) the launch comes from a cache
+    and a host index unchanged since its plan was made is not checked again (:mod:`hpczeco.gpu.daaf_launch`).
     """
+    o = daaf_launch.call_cupy(sys.modules[__name__], q, k, v, global_idx, local_window, scale, is_global_query_mask,
+                              impl, storage, validate, out, plan)
+    if o is not None:
+        return o
     return prepare(q, k, v, global_idx, local_window, scale, is_global_query_mask, impl=impl,
                    storage=storage, validate=validate, out=out, plan=plan)()
 
@@ -725,6 +764,15 @@ def prepare_torch(q, k, v, global_idx: Any, local_window: int, scale: float | No
 def attention_torch(q, k, v, global_idx: Any, local_window: int, scale: float | None = None,
                     is_global_query_mask: Any = None, *, impl: str = "auto", validate: bool = True,
                     plan: Any = None):
-    """DAAF attention for PyTorch CUDA tensors (bf16/fp16/fp32) ``[B, T, H, D]`` -> ``[B, T, H, Dv]``."""
+    """DAAF attention for PyTorch CUDA tensors (bf16/fp16/fp32) ``[B, T, H, D]`` -> ``[B, T, H, Dv]``.
+
+    Per call: a lookup and one driver launch on torch's current stream once the (shape, dtype, plan, window, scale,
+    kernel) has been seen; a host ``global_idx`` (and mask) unchanged since its plan was made is not checked or
+    uploaded again; nothing synchronises (:mod:`hpczeco.gpu.daaf_launch`). A plan is reused across layers and heads
+    without the caller holding a prepared object."""
+    o = daaf_launch.call_torch(sys.modules[__name__], q, k, v, global_idx, local_window, scale, is_global_query_mask,
+                               impl, validate, plan)
+    if o is not None:
+        return o
     return prepare_torch(q, k, v, global_idx, local_window, scale, is_global_query_mask, impl=impl,
                          validate=validate, plan=plan)()

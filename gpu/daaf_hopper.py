@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from ..base.checks import check_scale
+from . import daaf_launch
 from .runtime import HERE, KernelSet, Prepared, RuntimeSlot, compile_cubin
 from .runtime import cached_cubin as runtime_cached_cubin
 
@@ -347,7 +348,8 @@ def prepare(q, k, v, plan, scale: float | None = None, *, impl: str = "hwg", sto
     launch = rt.bind(name, (nqt * H * B,), (var.threads,), args, smem_bytes(impl, D))
     if var.kind == "win" and var.nwg == 1:
         _prefer_max_shared(rt, name, smem_bytes(impl, D))
-    return Prepared(launch, out, impl, name)
+    return daaf_launch.record(Prepared(launch, out, impl, name), rt, name, (nqt * H * B,), (var.threads,), args,
+                              smem_bytes(impl, D))
 
 
 def _prefer_max_shared(rt: Any, name: str, smem: int) -> None:
@@ -382,7 +384,11 @@ def choose_impl(plan: Any, T: int | None = None, D: int = 128, cc: str | int = "
     else:
         key = "one_span" if getattr(plan, "n_regions", None) == 1 else "key_regions"
     for impl in (AUTO_IMPLS[key], "hws", "hwg"):
-        v = VARIANTS[impl]
+        v = VARIANTS.get(impl)
+        if v is None:  # a kernel of gpu/daaf_fa3.py (e.g. AUTO_IMPLS["key_regions"] = "hfa3")
+            from . import daaf_fa3  # noqa: PLC0415
+
+            v = daaf_fa3.VARIANTS[impl]
         if elem in v.elems and D in v.dims and (v.kind != "win" or key == "window"):
             return impl
     return None

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from helpers import fake_cupy, rel_max
 from hpczeco.gpu import daaf as gd
+from hpczeco.gpu import daaf_launch as dl
 from hpczeco.gpu import daaf_plan as dk
 from hpczeco.gpu import emu as gemu
 
@@ -64,10 +65,12 @@ def cp(emu_sources, monkeypatch):
     old_p = dk.RUNTIME.set(_CountingEmu(*emu_sources[1], mod))
     monkeypatch.setattr(dk, "INDEX_THREADS", 64)
     gd._HOST_PLANS.clear()
+    dl.clear()
     yield mod
     gd.RUNTIME.set(old_a)
     dk.RUNTIME.set(old_p)
     gd._HOST_PLANS.clear()
+    dl.clear()
 
 
 def _stream(rng, pieces) -> np.ndarray:
@@ -423,6 +426,205 @@ def test_host_index_cache_is_by_content(cp, rng):
     assert gd.device_plan(g, 3, T) is not b and gd.device_plan(g, 3, T).local_window == 3
 
 
+def test_per_call_cache_cupy(cp, rng):
+    """hpczeco.gpu.daaf.attention with a host index: the first call makes the plan (two uploads on the stream, no
+    host synchronisation) and the launch; later calls, with other q, k, v of the same shape too (another layer),
+    upload and read nothing and are served from the cache; an index changed in place is a new plan; a content first
+    seen unchecked is checked when a later call asks for it."""
+    from hpczeco.daaf.reference import attention_reference
+
+    T, W = 40, 3
+    g = np.array([0, 1, 2, 17, 30, 31], np.int32)
+    m = np.zeros(T, bool)
+    m[g] = True
+    host, (q, k, v) = _qkv(cp, rng, T)
+    ref = attention_reference(*host, m, None, local_window=W)
+    cp.reset()
+    o1 = gd.attention(q, k, v, g, W, impl="simple")
+    assert cp.counts == {"sync": 0, "upload": 2} and dl.stats()["miss"] == 1  # the plan's two arrays, no wait
+    np.testing.assert_allclose(np.asarray(o1), ref, rtol=0, atol=1e-4)
+    host2, (q2, k2, v2) = _qkv(cp, rng, T)  # another layer: same shape, other arrays
+    ref2 = attention_reference(*host2, m, None, local_window=W)
+    cp.reset()
+    cp.state["strict"] = True
+    try:
+        outs = [gd.attention(*x, g, W, impl="simple") for x in ((q, k, v), (q2, k2, v2), (q, k, v))]
+        o_out = cp.asarray(np.full((1, T, 1, 16), np.nan, np.float32))
+        cp.reset()
+        assert gd.attention(q2, k2, v2, g, W, impl="simple", out=o_out) is o_out
+    finally:
+        cp.state["strict"] = False
+    assert cp.counts == {"sync": 0, "upload": 0} and dl.stats() == {"hit": 4, "miss": 1, "full": 0}
+    assert len({id(o) for o in (o1, *outs)}) == 4  # a new output per call
+    for o, r in zip((*outs, o_out), (ref, ref2, ref, ref2)):
+        np.testing.assert_allclose(np.asarray(o), r, rtol=0, atol=1e-4)
+    g[3] = 18  # in place: the cached plan is not this content any more
+    m2 = np.zeros(T, bool)
+    m2[g] = True
+    o = gd.attention(q, k, v, g, W, impl="simple")
+    np.testing.assert_allclose(np.asarray(o), attention_reference(*host, m2, None, local_window=W), rtol=0, atol=1e-4)
+    assert dl.stats()["miss"] == 2
+    bad = np.array([9, 4], np.int32)  # unsorted: first unchecked (a launch), then checked (an error)
+    gd.attention(q, k, v, bad, W, impl="simple", validate=False)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        gd.attention(q, k, v, bad, W, impl="simple")
+    with pytest.raises(ValueError, match="strictly increasing"):  # ... and on every later call
+        gd.attention(q, k, v, bad, W, impl="simple")
+    with pytest.raises(ValueError, match="exactly at global_idx"):  # a mask that disagrees is still checked
+        gd.attention(q, k, v, g, W, None, m, impl="simple")
+    o = gd.attention(q, k, v, g, W, None, m2, impl="simple")
+    mm = m2.copy()
+    gd.attention(q, k, v, g, W, None, mm, impl="simple")
+    mm[0] = not mm[0]  # the same mask array, changed in place: checked again
+    with pytest.raises(ValueError, match="exactly at global_idx"):
+        gd.attention(q, k, v, g, W, None, mm, impl="simple")
+
+
+def test_plan_uploaded_on_one_stream_is_ordered_on_another(cp, rng):
+    """A plan uploaded without a host sync: a launch on another stream first waits for the upload's event (once)."""
+    g = np.array([2, 5], np.int32)
+    dp = gd.device_plan(g, 2, 16)
+    ev, streams = dp._upload
+    assert streams == {0}
+    waited = []
+
+    class Ext:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+        def wait_event(self, e):
+            waited.append((self.ptr, e))
+
+    cuda = cp.cuda
+    old = cuda.ExternalStream
+    cuda.ExternalStream = Ext
+    try:
+        dl.order_plan(dp, 0, cp)
+        dl.order_plan(dp, 7, cp)
+        dl.order_plan(dp, 7, cp)
+    finally:
+        cuda.ExternalStream = old
+    assert waited == [(7, ev)] and streams == {0, 7}
+
+
+def test_launcher_parameter_block(rng):
+    """The driver path of Launcher: one parameter block whose pointer slots are rewritten per call, each argument
+    with its C size, launched on the given stream (a stand-in driver reads the block back)."""
+    import ctypes
+    from types import SimpleNamespace
+
+    seen = []
+
+    def launch_kernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        ptrs = (ctypes.c_void_p * 8).from_address(params)
+        seen.append({"f": f, "dims": (gx, gy, gz, bx, by, bz), "smem": smem, "stream": stream, "extra": extra,
+                     "u64": [ctypes.c_uint64.from_address(ptrs[i]).value for i in (0, 1, 2, 3, 4)],
+                     "i32": ctypes.c_int32.from_address(ptrs[5]).value,
+                     "f32": ctypes.c_float.from_address(ptrs[6]).value,
+                     "map": bytes((ctypes.c_ubyte * 128).from_address(ptrs[7]))})
+
+    class Dev(np.ndarray):
+        pass
+
+    class Rt:
+        xp = SimpleNamespace(cuda=SimpleNamespace(driver=SimpleNamespace(launchKernel=launch_kernel)))
+
+        @staticmethod
+        def is_native(x):
+            return isinstance(x, Dev)
+
+        @staticmethod
+        def ptr(x):
+            return int(x.ctypes.data)
+
+        def function(self, name, smem):
+            assert (name, smem) == ("kern", 4096)
+            return SimpleNamespace(kernel=SimpleNamespace(ptr=0xF00))
+
+    arrays = [np.zeros(4, np.float32).view(Dev) for _ in range(5)]
+    tmap = (ctypes.c_ubyte * 128)(*range(128))
+    spec = dl.LaunchSpec(Rt(), "kern", (3, 2), (128,), 4096, (*arrays, np.int32(-7), np.float32(0.5), tmap),
+                         retarget=lambda p, s: {7: (ctypes.c_ubyte * 128)(*[(p[0] + s + i) % 256 for i in range(128)])})
+    launcher = dl.Launcher(spec)
+    assert launcher.direct and launcher.spec.args[:4] == (None,) * 4  # the first call's arrays are not kept
+    launcher((16, 32, 48, 64), 99)
+    launcher((160, 320, 480, 640), 5)
+    assert [s["u64"][:4] for s in seen] == [[16, 32, 48, 64], [160, 320, 480, 640]]
+    assert all(s["u64"][4] == arrays[4].ctypes.data and s["i32"] == -7 and s["f32"] == 0.5 for s in seen)
+    assert [s["stream"] for s in seen] == [99, 5] and all(s["f"] == 0xF00 and s["smem"] == 4096 for s in seen)
+    assert all(s["dims"] == (3, 2, 1, 128, 1, 1) and s["extra"] == 0 for s in seen)
+    assert seen[1]["map"] == bytes((160 + 5 + i) % 256 for i in range(128))
+
+
+@pytest.fixture
+def torch_as_cuda(cp, monkeypatch):
+    """CPU tensors stand in for CUDA tensors on device 0 (stream 0) in hpczeco.gpu.daaf's torch entry points."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(dl, "_torch_device", lambda x: 0)
+    monkeypatch.setattr(dl, "_torch_current_device", lambda: 0)
+    monkeypatch.setattr(dl, "_torch_stream", lambda dev: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    bits = {torch.bfloat16: ("bfloat16", torch.int16), torch.float16: ("float16", torch.int16),
+            torch.float32: (None, None)}
+    monkeypatch.setattr(gd, "_torch_views", lambda q, k, v: bits[q.dtype])
+    return torch
+
+
+def test_per_call_cache_torch(torch_as_cuda, cp, rng):
+    """attention_torch per call: after the first call of a shape and plan, no upload, no host read, a new output
+    tensor each call equal to the reference; another layer's tensors reuse the launch; the forms with a Plan and a
+    DevicePlan too; an index or mask changed in place is taken as new (and checked)."""
+    torch = torch_as_cuda
+    from hpczeco.daaf.reference import attention_reference
+
+    T, W = 48, 4
+    g = np.zeros(T, bool)
+    g[[1, 2, 3, 20, 21, 40]] = True
+    gidx = np.flatnonzero(g)
+    mask = torch.from_numpy(g.copy())
+    layers = [[torch.from_numpy(rng.standard_normal((1, T, 2, 16)).astype(np.float32)) for _ in range(3)]
+              for _ in range(2)]
+    refs = [attention_reference(*(x.numpy() for x in lay), g, None, local_window=W) for lay in layers]
+    cp.reset()
+    o = gd.attention_torch(*layers[0], gidx, W, None, mask, impl="simple")
+    assert cp.counts == {"sync": 0, "upload": 2}
+    np.testing.assert_allclose(o.numpy(), refs[0], rtol=0, atol=1e-4)
+    plan, dplan = planner.plan_from_mask(g, W), gd.device_plan(gidx, W, T)
+    for form in (dict(global_idx=gidx, is_global_query_mask=mask), dict(global_idx=None, plan=plan),
+                 dict(global_idx=None, plan=dplan)):
+        gd.attention_torch(*layers[0], local_window=W, impl="simple", **form)  # first call of the form
+        cp.reset()
+        cp.state["strict"] = True
+        try:
+            outs = [gd.attention_torch(*layers[i % 2], local_window=W, impl="simple", **form) for i in range(4)]
+        finally:
+            cp.state["strict"] = False
+        assert cp.counts == {"sync": 0, "upload": 0}, form
+        assert len({id(x) for x in outs}) == 4
+        for i, x in enumerate(outs):
+            np.testing.assert_allclose(x.numpy(), refs[i % 2], rtol=0, atol=1e-4)
+    assert dl.stats()["hit"] >= 12
+    mask[7] = True  # in place: checked again
+    with pytest.raises(ValueError, match="exactly at global_idx"):
+        gd.attention_torch(*layers[0], gidx, W, None, mask, impl="simple")
+    gidx[0] = 0  # the index changed in place: a new plan, from the new content
+    g2 = np.zeros(T, bool)
+    g2[gidx] = True
+    o = gd.attention_torch(*layers[1], gidx, W, impl="simple")
+    np.testing.assert_allclose(o.numpy(), attention_reference(*(x.numpy() for x in layers[1]), g2, None,
+                                                              local_window=W), rtol=0, atol=1e-4)
+    # not eligible for the cache (not contiguous): the full path, the same result
+    qt = layers[1][0].transpose(1, 2).contiguous().transpose(1, 2)
+    full = dl.stats()["full"]
+    o = gd.attention_torch(qt, *layers[1][1:], gidx, W, impl="simple")
+    np.testing.assert_allclose(o.numpy(), attention_reference(*(x.numpy() for x in layers[1]), g2, None,
+                                                              local_window=W), rtol=0, atol=1e-4)
+    assert dl.stats()["full"] == full  # (not counted: it never reached a lookup)
+
+
 def test_device_planner_reads_back_once(cp, rng):
     tok = cp.asarray(_stream(rng, [(100, 3), (90, 3000), (70, 5)]))
     cp.reset()
@@ -625,3 +827,63 @@ def test_hopper_auto_on_the_device_planner(cph, rng):
     g = np.asarray(dp.gmask).astype(bool)
     ref = attention_reference(*host, g, None, local_window=W)
     assert rel_max(bf16.from_bits(np.asarray(o)), ref) <= 1e-2
+
+
+@pytest.fixture(scope="module")
+def fa3_sources():
+    """The FA3-design kernels (the build of tests/test_daaf_fa3_emu.py, so the compiled library is shared)."""
+    if gemu.compiler() is None:
+        pytest.skip("g++ not found: the CPU emulation of the kernels needs it")
+    from hpczeco.gpu import daaf_fa3 as fa3
+
+    faults = Path(__file__).resolve().parent / "daaf_fa3_faults.cu"
+    return fa3.KERNELS.source() + "\n" + faults.read_text(), [*fa3.kernel_names(), "daaf_tma_fault_check"]
+
+
+def test_hfa3_per_call(cph, fa3_sources, rng, monkeypatch):
+    """The FA3-design kernel through hpczeco.gpu.daaf: impl="hfa3" by name and "auto" at D = 256 (its only
+    tensor-core kernel) pick it; per call after the first no upload and no host read, the tensor maps follow the
+    new arrays, the queue is left at zero; bf16 and f16 against the reference."""
+    from hpczeco.base import bf16
+    from hpczeco.gpu import daaf_fa3 as fa3
+
+    from hpczeco.daaf.reference import attention_reference
+
+    cp = cph
+    monkeypatch.setenv("HPCZECO_EMU_WAIT_TIMEOUT_S", "600")
+    rt = _CountingEmu(*fa3_sources, cp)
+    old = fa3.RUNTIME.set(rt)
+    try:
+        T, W = 150, 8
+        g = np.zeros(T, bool)
+        g[[3, 4, 5, 6, 40, 41, 90]] = True
+        gi = np.flatnonzero(g).astype(np.int32)
+        for D, elem, impl, want in ((128, "bf16", "hfa3", "hfa3"), (256, "f16", "auto", "hfa3"),
+                                    (64, "bf16", "hfa3p", "hfa3p")):
+            storage = "bfloat16" if elem == "bf16" else "float16"
+
+            def qkv(D=D, elem=elem):
+                x = [rng.standard_normal((1, T, 1, D)).astype(np.float32) for _ in range(3)]
+                bits = [bf16.to_bits(a) if elem == "bf16" else a.astype(np.float16).view(np.uint16) for a in x]
+                vals = [bf16.from_bits(b) if elem == "bf16" else b.view(np.float16).astype(np.float32) for b in bits]
+                return vals, [cp.asarray(b) for b in bits]
+
+            layers = [qkv() for _ in range(2)]
+            gd.attention(*layers[0][1], gi, W, impl=impl, storage=storage)  # the first call: plan, launch
+            cp.reset()
+            cp.state["strict"] = True
+            try:
+                outs = [gd.attention(*layers[i % 2][1], gi, W, impl=impl, storage=storage) for i in range(3)]
+            finally:
+                cp.state["strict"] = False
+            assert cp.counts == {"sync": 0, "upload": 0}, (D, cp.state["where"])
+            for i, o in enumerate(outs):
+                got = bf16.from_bits(np.asarray(o)) if elem == "bf16" else np.asarray(o).view(np.float16)
+                ref = attention_reference(*layers[i % 2][0], g, None, local_window=W)
+                assert rel_max(got.astype(np.float32), ref) <= 1e-2, (D, elem, i)
+            p = gd.prepare(*layers[0][1], gi, W, impl=impl, storage=storage)
+            assert p.impl == want and p.name == fa3.kernel_name(want, elem, D)
+        assert all(np.asarray(qa).tolist() == [0, 0] for qa in fa3._QUEUES.values())
+        assert sum(name.startswith("daaf_hfa3") for name in rt.launched) >= 12
+    finally:
+        fa3.RUNTIME.set(old)

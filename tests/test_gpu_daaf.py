@@ -506,14 +506,15 @@ def test_bench_parser_bound_and_table():
         "timings": [{"T": 8192, "plan": "w128+8x512", "method": "daaf-auto", "choice": "hwg64/s3", "median_ms": 0.5,
                      "tflops": 300.0, "vs_flex": 0.77}, {"name": "T=8192 flex", "error": "boom"}],
         "api": [{"T": 8192, "plan": "w128", "form": "attention_torch(plan=Plan)", "stream_ms": 0.12,
-                 "synced_ms": 0.2, "stream_ratio": 1.02, "synced_ratio": 1.4}],
+                 "synced_ms": 0.2, "stream_ratio": 1.02, "synced_ratio": 1.4, "host_us": 14.5}],
         "ttft": [{"model": "7b", "T": 32768, "impl": "hwg64/s3", "ttft_exact_ms": 100.0, "ttft_daaf_ms": 60.0,
                   "speedup": 100 / 60, "amdahl_bound": 2.0, "of_bound": 100 / 120, "attn_fraction_exact": 0.5,
                   "plan_ms": 0.3, "hidden_rel_err": 0.1, "needle_daaf_key_pct": 100.0},
                  {"model": "7b", "T": 131072, "skipped": "out of memory"}],
     }
     text = bench.table(tables)
-    assert "hwg64/s3" in text and "0.77x" in text and "boom" in text and "1.40" in text
+    assert "hwg64/s3" in text and "0.77x" in text and "boom" in text and "1.40" in text and "14.5" in text
+    assert bench.TARGET_VS_FLEX == {"window": 0.4, "key_regions_8k": 0.75, "key_regions": 0.7}  # issue 32
     row = next(line for line in text.splitlines() if line.startswith("7b") and "32768" in line).split()
     assert row[5:9] == ["1.67x", "2.00x", "83%", "50%"] and row[-1] == "100%"
     assert "skipped: out of memory" in text

@@ -15,6 +15,7 @@ import ctypes
 import hashlib
 import os
 import shutil
+import struct
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -27,7 +28,24 @@ _HERE = Path(__file__).resolve().parent
 HEADER = _HERE / "cuda_emu.h"
 HEADERS = (HEADER, _HERE / "emu_core.h", _HERE / "wgmma_emu.h")  # cuda_emu.h and the headers it includes
 
-__all__ = ["EmuCheckError", "EmuRuntime", "build", "compiler", "HEADER", "HEADERS"]
+__all__ = ["EmuCheckError", "EmuRuntime", "build", "compiler", "tensor_map", "HEADER", "HEADERS", "TMAP_MAGIC"]
+
+TMAP_MAGIC = 0x70616D54756D45  # EMU_TMAP_MAGIC of emu_core.h
+
+
+def tensor_map(ptr: int, dims, strides, box, elem: int, swizzle: int) -> ctypes.Array:
+    """The emulation's tensor map (``EmuTensorMap`` of emu_core.h, 128 bytes, passed by value as CUtensorMap is):
+    a tensor at ``ptr`` of ``dims`` elements (innermost first) with byte ``strides`` of dims 1.. (dim 0: contiguous
+    elements of ``elem`` bytes), tiles of ``box`` elements, ``swizzle`` 0 (none) or 3 (128-byte), as
+    ``cuTensorMapEncodeTiled`` takes them."""
+    rank = len(dims)
+    if not (1 <= rank <= 5 and len(box) == rank and len(strides) == rank - 1):
+        raise ValueError(f"tensor map: rank {rank}, box {box}, strides {strides}")
+    pad = [0] * (5 - rank)
+    fields = struct.pack("<QQ5Q5Q5IIII", TMAP_MAGIC, int(ptr), *[int(d) for d in dims], *pad,
+                         int(elem), *[int(x) for x in strides], *pad, *[int(b) for b in box], *pad, rank, int(elem),
+                         int(swizzle))
+    return (ctypes.c_ubyte * 128).from_buffer_copy(fields)
 
 
 class EmuCheckError(RuntimeError):
@@ -77,6 +95,8 @@ def _c_arg(name: str, a: Any):
         return ctypes.c_float(float(a))
     if isinstance(a, np.uint64):
         return ctypes.c_uint64(int(a))
+    if isinstance(a, (ctypes.Array, ctypes.Structure, ctypes._SimpleCData)):  # by value (a tensor map: 128 bytes)
+        return a
     raise TypeError(f"{name}: unsupported kernel argument {type(a).__name__}")
 
 
@@ -88,6 +108,7 @@ class EmuRuntime:
     """
 
     xp: Any = np
+    sm_count = 2  # multiprocessors the persistent kernels size their grid by (blocks run one after another here)
 
     def __init__(self, source: str, names: list[str]):
         self.lib = ctypes.CDLL(str(build(source, names)))
@@ -109,6 +130,11 @@ class EmuRuntime:
     def available(self, file: str, group: str | None = None) -> bool:
         """Every kernel of the build is there (one not built raises ``KeyError`` at launch)."""
         return True
+
+    @staticmethod
+    def tensor_map(ptr: int, dims, strides, box, elem: int, swizzle: int) -> ctypes.Array:
+        """An emulated tensor map (:func:`tensor_map`), where CuPy's runtime would encode a CUtensorMap."""
+        return tensor_map(ptr, dims, strides, box, elem, swizzle)
 
     def bind(self, name: str, grid, block, args, shared_mem: int = 0) -> Callable[[], None]:
         keep = [_c_arg(name, a) for a in args]

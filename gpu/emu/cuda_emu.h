@@ -22,8 +22,11 @@
 //     the first arriving thread of a phase names, per block;
 //   * mbarriers (init, arrive, try_wait.parity, and cp.async.mbarrier.arrive.noinc, whose tracked copies
 //     land at once and reach the async proxy only through a fence.proxy.async of the reading thread after
-//     they landed); setmaxnreg moves registers through the CTA's pool (an increase the decreases do not
-//     cover waits forever, as on the GPU);
+//     they landed); transaction counts (mbarrier.arrive.expect_tx, complete_tx); setmaxnreg moves registers
+//     through the CTA's pool (an increase the decreases do not cover waits forever, as on the GPU);
+//   * the tensor memory accelerator's tiled loads (cp.async.bulk.tensor with an emulated tensor map: zeros outside
+//     the tensor, the 128-byte swizzle on the shared address, complete_tx on the mbarrier; async-proxy writes that
+//     a thread's wgmma may read once it has completed a wait on that mbarrier after they landed);
 //   * the warpgroup MMA (wgmma) with its shared-memory descriptors and asynchronous retirement: wgmma_emu.h.
 // Broken rules the emulation sees (a cp.async outside the dynamic shared memory or misaligned, copies
 // still pending at kernel exit, a launch whose dynamic shared memory is not the size a kernel states with
@@ -65,6 +68,7 @@ void emu_launch(void (*k)(A...), dim3 grid, dim3 block, std::size_t smem_bytes, 
   emu_unfenced_chunks = smem.size() * sizeof(EmuSmemLine) / 16;
   emu_unfenced_writer = std::make_unique<std::atomic<int>[]>(emu_unfenced_chunks);
   emu_chunk_landed = std::make_unique<std::atomic<long long>[]>(emu_unfenced_chunks);
+  emu_chunk_bar = std::make_unique<std::atomic<uint32_t>[]>(emu_unfenced_chunks);
   emu_wait_abandoned = false;
   blockDim = block;
   gridDim = grid;
@@ -79,6 +83,7 @@ void emu_launch(void (*k)(A...), dim3 grid, dim3 block, std::size_t smem_bytes, 
         for (std::size_t c = 0; c < emu_unfenced_chunks; ++c) {
           emu_unfenced_writer[c].store(-1);
           emu_chunk_landed[c].store(0);
+          emu_chunk_bar[c].store(0);
         }
         emu_warps.clear();
         for (unsigned w = 0; w < (nt + 31) / 32; ++w) {

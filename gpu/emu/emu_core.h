@@ -1,6 +1,7 @@
 // The CUDA execution model of the emulation (gpu/emu/cuda_emu.h is the header kernels are built after):
 // threads, blocks, warps and their collectives (shuffles, ldmatrix, mma.sync), shared memory, cp.async and
-// the proxies, named barriers, mbarriers, setmaxnreg, and emu_error, which records a broken rule. The
+// the proxies, named barriers, mbarriers (with transaction counts), the tensor memory accelerator's tiled loads
+// (cp.async.bulk.tensor), setmaxnreg, and emu_error, which records a broken rule. The
 // warpgroup MMA builds on it (wgmma_emu.h); the launch by name comes last (cuda_emu.h).
 #pragma once
 #include <algorithm>
@@ -34,6 +35,7 @@
 #define __launch_bounds__(...)
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
+#define __grid_constant__
 
 using std::max;
 using std::min;
@@ -220,11 +222,14 @@ inline void emu_expect_dynamic_smem(std::size_t bytes) {
 // wrote it and which has not fenced since (-1: none; EMU_MBAR_WRITER: copies completed on an mbarrier,
 // see emu_cp_async_mbar_arrive); reset per block
 inline constexpr int EMU_MBAR_WRITER = -2;
+inline constexpr int EMU_TMA_WRITER = -3;  // written by a tensor copy (async proxy): visible after an mbarrier wait
 inline std::unique_ptr<std::atomic<int>[]> emu_unfenced_writer;
 inline std::unique_ptr<std::atomic<long long>[]> emu_chunk_landed;  // when an mbarrier-tracked copy landed
+inline std::unique_ptr<std::atomic<uint32_t>[]> emu_chunk_bar;      // the mbarrier a tensor copy completed on
 inline std::size_t emu_unfenced_chunks = 0;
 inline std::atomic<long long> emu_proxy_clock{0};                // ticks at every such landing and fence
 inline thread_local long long emu_fenced_at = -1;                // this thread's last fence.proxy.async
+inline thread_local std::map<uint32_t, long long> emu_waited_at;  // per mbarrier: this thread's last completed wait
 inline thread_local std::vector<uint32_t> emu_unfenced_mine;  // chunks this thread wrote since its fence
 // fence.proxy.async.shared::cta: this thread's cp.async writes become visible to the async proxy, and so do,
 // for this thread's own async-proxy reads, the mbarrier-tracked copies that landed before it (the consumer
@@ -240,9 +245,14 @@ inline void emu_fence_proxy_async() {
 // the async proxy of this thread sees the byte at shared address `addr`: no unfenced cp.async write to its
 // chunk (by the writer's fence, or, for copies completed on an mbarrier, by this thread's fence after they
 // landed)
+// (a tensor copy's bytes: once this thread has completed a wait on the copy's mbarrier after they landed)
 inline bool emu_async_proxy_sees(uint32_t addr) {
   const int w = emu_unfenced_writer[addr / 16].load();
   if (w == EMU_MBAR_WRITER) return emu_chunk_landed[addr / 16].load() < emu_fenced_at;
+  if (w == EMU_TMA_WRITER) {
+    const auto it = emu_waited_at.find(emu_chunk_bar[addr / 16].load());
+    return it != emu_waited_at.end() && emu_chunk_landed[addr / 16].load() < it->second;
+  }
   return w < 0;
 }
 
@@ -284,10 +294,12 @@ inline void emu_cp_async_wait(int pending) {
 // ---------------------------------------------------------------- mbarrier
 
 // mbarrier objects (8 bytes of shared memory each, by shared address; reset per block): a phase completes
-// when `expected` arrivals have happened; try_wait.parity(p) succeeds once the phase of parity p completed,
+// when `expected` arrivals have happened and its transaction count (expect_tx adds bytes, a tensor copy's
+// complete_tx takes them off) is back at zero; try_wait.parity(p) succeeds once the phase of parity p completed,
 // i.e. while the number of completed phases has the other parity. Waits block (with the deadlock timeout).
 struct EmuMbar {
   int expected = 0, pending = 0;
+  long long tx = 0;     // transaction bytes still expected in the current phase
   long long phase = 0;  // completed phases
 };
 inline std::mutex emu_mbar_mu;
@@ -307,25 +319,53 @@ inline void emu_mbar_init(uint32_t addr, int count) {
   if (count < 1) emu_error("mbarrier.init with a count below 1");
   emu_mbars[addr] = EmuMbar{count, count, 0};
 }
-inline void emu_mbar_arrive_locked(uint32_t addr) {
-  EmuMbar* b = emu_mbar_at_locked(addr);
-  if (b == nullptr) return;
-  if (--b->pending == 0) {
+inline void emu_mbar_maybe_complete(EmuMbar* b) {
+  if (b->pending < 0) emu_error("mbarrier: more arrivals than its count in one phase");
+  if (b->pending <= 0 && b->tx == 0) {
     ++b->phase;
     b->pending = b->expected;
     emu_mbar_cv.notify_all();
   }
 }
+inline void emu_mbar_arrive_locked(uint32_t addr) {
+  EmuMbar* b = emu_mbar_at_locked(addr);
+  if (b == nullptr) return;
+  --b->pending;
+  emu_mbar_maybe_complete(b);
+}
 inline void emu_mbar_arrive(uint32_t addr) {
   std::lock_guard<std::mutex> lk(emu_mbar_mu);
   emu_mbar_arrive_locked(addr);
+}
+// mbarrier.arrive.expect_tx: the phase expects `bytes` more transaction bytes, then one arrival
+inline void emu_mbar_arrive_expect_tx(uint32_t addr, uint32_t bytes) {
+  std::lock_guard<std::mutex> lk(emu_mbar_mu);
+  EmuMbar* b = emu_mbar_at_locked(addr);
+  if (b == nullptr) return;
+  b->tx += bytes;
+  --b->pending;
+  emu_mbar_maybe_complete(b);
+}
+// complete_tx of a tensor copy: `bytes` of the phase's transactions have landed
+inline void emu_mbar_complete_tx(uint32_t addr, uint32_t bytes) {
+  std::lock_guard<std::mutex> lk(emu_mbar_mu);
+  EmuMbar* b = emu_mbar_at_locked(addr);
+  if (b == nullptr) return;
+  b->tx -= bytes;
+  emu_mbar_maybe_complete(b);
 }
 // mbarrier.try_wait.parity in a loop: until the phase of parity `parity` has completed
 inline void emu_mbar_wait(uint32_t addr, uint32_t parity) {
   std::unique_lock<std::mutex> lk(emu_mbar_mu);
   EmuMbar* b = emu_mbar_at_locked(addr);
   if (b == nullptr) return;
-  emu_wait_until(emu_mbar_cv, lk, [&] { return (uint32_t)(b->phase & 1) != (parity & 1); }, "mbarrier wait");
+  auto done = [&] { return (uint32_t)(b->phase & 1) != (parity & 1); };
+  if (!emu_wait_abandoned.load() && !emu_mbar_cv.wait_for(lk, emu_wait_timeout(), done) &&
+      !emu_wait_abandoned.exchange(true))
+    emu_error("mbarrier wait never completed (deadlock?): shared address " + std::to_string(addr) + ", parity " +
+              std::to_string(parity) + ", " + std::to_string(b->phase) + " phases completed, " +
+              std::to_string(b->pending) + " arrivals and " + std::to_string(b->tx) + " bytes pending");
+  emu_waited_at[addr] = ++emu_proxy_clock;
 }
 // cp.async.mbarrier.arrive.noinc: one arrival once every earlier cp.async of this thread has landed. The
 // emulation lands them now (their groups empty out); the async proxy sees them only in a thread that executes
@@ -345,6 +385,78 @@ inline void emu_cp_async_mbar_arrive(uint32_t addr) {
   for (const EmuCopy& c : emu_cp_open) land(c);
   emu_cp_open.clear();
   emu_mbar_arrive(addr);
+}
+// cp.async.mbarrier.arrive (without .noinc): the pending count goes up by one now and down by one when this
+// thread's earlier cp.async have landed (at once here): no net arrival; someone else's arrival ends the phase
+inline void emu_cp_async_mbar_arrive_inc(uint32_t addr) {
+  {
+    std::lock_guard<std::mutex> lk(emu_mbar_mu);
+    EmuMbar* b = emu_mbar_at_locked(addr);
+    if (b == nullptr) return;
+    ++b->pending;
+  }
+  emu_cp_async_mbar_arrive(addr);
+}
+
+// ---------------------------------------------------------------- tensor memory accelerator (tiled loads)
+
+// The emulation's tensor map (128 bytes, as CUtensorMap; filled by gpu/emu/__init__.py tensor_map): global base
+// address, rank, element size, dims and byte strides (stride[0] = element size), box, swizzle (0 none, 3 128-byte)
+struct EmuTensorMap {
+  uint64_t magic;
+  uint64_t base;
+  uint64_t dims[5];
+  uint64_t strides[5];
+  uint32_t box[5];
+  uint32_t rank, elem, swizzle;
+};
+static_assert(sizeof(EmuTensorMap) == 128, "a tensor map is 128 bytes");
+inline constexpr uint64_t EMU_TMAP_MAGIC = 0x70616d54756d45ull;  // "EmuTmap"
+
+// cp.async.bulk.tensor.Nd.shared::cluster.global.mbarrier::complete_tx::bytes [dst], [map, {c}], [mbar]: the box
+// at coordinates c (elements; outside the tensor: zeros) into shared memory at `dst`, rows of box[0] elements one
+// after another, the 128-byte swizzle applied to the shared address (16-byte chunk bits [4, 7) XOR bits [7, 10)),
+// then complete_tx of the box's bytes on `mbar`. The bytes land at issue; the async proxy (wgmma) of a thread sees
+// them once that thread has completed a wait on `mbar` after they landed.
+inline void emu_tma_load(uint32_t dst, const void* map, const int* c, int rank, uint32_t mbar) {
+  EmuTensorMap m;
+  std::memcpy(&m, map, sizeof m);
+  if (m.magic != EMU_TMAP_MAGIC) {
+    emu_error("cp.async.bulk.tensor: not a tensor map (made by gpu/emu tensor_map)");
+    return;
+  }
+  if ((int)m.rank != rank) emu_error("cp.async.bulk.tensor: the instruction's rank differs from the tensor map's");
+  const uint32_t align = m.swizzle == 3 ? 1024 : 128;
+  if (dst % align) emu_error("cp.async.bulk.tensor: shared destination not aligned to the swizzle pattern");
+  if (m.swizzle == 3 && m.box[0] * m.elem > 128) emu_error("cp.async.bulk.tensor: a 128-byte swizzled row is wider");
+  uint64_t n = 1;
+  for (int d = 0; d < rank; ++d) n *= m.box[d];
+  const uint64_t bytes = n * m.elem;
+  if (dst + bytes > emu_smem_bytes) {
+    emu_error("cp.async.bulk.tensor: destination beyond the dynamic shared memory");
+    return;
+  }
+  for (uint64_t e = 0; e < n; ++e) {
+    uint64_t rest = e, src = m.base;
+    bool in = true;
+    for (int d = 0; d < rank; ++d) {
+      const long long x = (long long)c[d] + (long long)(rest % m.box[d]);
+      rest /= m.box[d];
+      if (x < 0 || x >= (long long)m.dims[d]) in = false;
+      else src += (uint64_t)x * m.strides[d];
+    }
+    uint32_t a = dst + (uint32_t)(e * m.elem);
+    if (m.swizzle == 3) a ^= ((a >> 7) & 7u) << 4;
+    if (in) std::memcpy(emu_smem_base + a, reinterpret_cast<const void*>(src), m.elem);
+    else std::memset(emu_smem_base + a, 0, m.elem);
+  }
+  for (uint64_t off = 0; off < bytes; off += 16) {
+    const uint32_t chunk = (dst + (uint32_t)off) / 16;
+    emu_chunk_landed[chunk].store(++emu_proxy_clock);
+    emu_chunk_bar[chunk].store(mbar);
+    emu_unfenced_writer[chunk].store(EMU_TMA_WRITER);
+  }
+  emu_mbar_complete_tx(mbar, (uint32_t)bytes);
 }
 
 // setmaxnreg.{inc,dec}.sync.aligned.u32 n: per-thread register budgets moved between the warpgroups of a CTA.

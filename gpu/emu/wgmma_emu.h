@@ -70,7 +70,9 @@ inline float emu_wgmma_smem16(bool bf, uint32_t addr, bool at_issue) {
     return 0.f;
   }
   if (at_issue && !emu_async_proxy_sees(addr))
-    emu_error("wgmma reads shared memory written through the generic proxy without fence.proxy.async");
+    emu_error(emu_unfenced_writer[addr / 16].load() == EMU_TMA_WRITER
+                  ? "wgmma reads shared memory a tensor copy wrote before this thread waited on the copy's mbarrier"
+                  : "wgmma reads shared memory written through the generic proxy without fence.proxy.async");
   uint16_t h;
   std::memcpy(&h, emu_smem_base + addr, 2);
   return bf ? __uint_as_float(((uint32_t)h) << 16) : emu_f16_to_f32(h);
