@@ -32,8 +32,8 @@ Every measurement is guarded (a failure is recorded and the run goes on); a shap
 the GPU's free memory is skipped with a message. Targets (recorded, not asserted): kernels <= 0.7x Flex
 with key regions (0.75x at 8k), <= 0.4x window alone; per-call <= 1.1x prepared (host time per call in the api
 table); TTFT >= 90 % of the bound at 32k and 128k, >= 1.0x at 8k. Correctness is checked by
-``pytest -m gpu tests/test_gpu_daaf*.py``. Results: ``--out``/gpu_daaf.json, gpu_daaf_{timings,api,ttft,targets,device_checks}.csv
-(rewritten after every row) and gpu_daaf.png.
+``pytest -m gpu tests/test_gpu_daaf*.py``. Results: ``--out``/gpu_daaf.json,
+gpu_daaf_{timings,api,ttft,targets,device_checks}.csv (rewritten after every row) and gpu_daaf.png.
 """
 
 from __future__ import annotations
