@@ -1,9 +1,13 @@
 """Host side shared by the chunk-parallel tensor-core GLA forward and backward (``gla_fwd_tc``, ``gla_bwd_tc``).
 
 Kernels: ``gla_tc_states.cu`` (state walks, segment scan, combine), ``gla_fwd_tc.cu`` (output),
-``gla_bwd_tc.cu`` (fused backward), all on ``gla_tc_chunk.cuh``. Inputs are 16-bit (bf16 as ``uint16`` bit
-patterns or a ``bfloat16`` dtype, or float16), ``q, k, g: [B, T, H, K]``, ``v, do: [B, T, H, V]``, C-contiguous
-and 16-byte aligned, K and V multiples of 16 up to 128; T >= 1.
+``gla_bwd_tc.cu`` (fused backward), ``gla_tc_large.cu`` (output and backward tiled over V / K for large heads), all
+on ``gla_tc_chunk.cuh``. Inputs are 16-bit (bf16 as ``uint16`` bit patterns or a ``bfloat16`` dtype, or float16),
+``q, k, g: [B, T, H, K]``, ``v, do: [B, T, H, V]``, C-contiguous and 16-byte aligned, K and V multiples of 16 up to
+:data:`K_MAX` and :data:`V_MAX`; T >= 1. Heads with K and V up to 128 run the one-CTA-per-chunk kernels (``out`` 1 or
+2, ``bwd`` 1); larger ones the tiled kernels (``out`` 3: ``glatc_fwd_vt``, one CTA per chunk and 128 columns of V;
+``bwd`` 2: ``glatc_bwd_kt`` per chunk and 128 columns of K for dq, dk, dg, then ``glatc_bwd_vt`` per chunk and 128
+columns of V for dv), which also take small heads (``out=3``, ``bwd=2``).
 
 A state walk runs every segment of ``nc`` chunks of 64 tokens from a zero state and writes each chunk's state
 inside its segment (``[B*H, NT, K, V]``, 16-bit or fp32), the segment's local state and log decay, and each
@@ -27,7 +31,7 @@ from typing import Any
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-KERNEL_FILES = ("gla_tc_states.cu", "gla_fwd_tc.cu", "gla_bwd_tc.cu")
+KERNEL_FILES = ("gla_tc_states.cu", "gla_fwd_tc.cu", "gla_bwd_tc.cu", "gla_tc_large.cu")
 TYPES = {"uint16": "bf16", "bfloat16": "bf16", "float16": "f16"}
 #: largest diagonal sub-chunk decay span (log units) done on tensor cores; beyond it: exact elementwise
 SPAN_LIMIT = {"bf16": 40.0, "f16": 8.0}
@@ -35,11 +39,22 @@ WALK_THREADS = {1: 128, 2: 256}
 CHUNK_THREADS = 256
 #: the default state walk (1: ``glatc_walk``, 64 x 64 state tiles; 2: ``glatc_walk2``, 64 rows of K x all of V)
 DEFAULT_WALK = 2
+#: largest head sizes the tensor-core kernels take (the tiled kernels loop over pieces of 128 columns; these are the
+#: sizes they are tested at: flash-linear-attention's GLA layer heads, K = 256 with V = 512)
+K_MAX, V_MAX = 256, 512
+#: largest K and V of the one-CTA-per-chunk kernels (``glatc_fwd_out`` / ``glatc_fwd_wide``, ``glatc_bwd``)
+SMALL_MAX = 128
 #: the forward output kernels (1: ``glatc_fwd_wide``, every operand in shared memory; 2: ``glatc_fwd_out``, the
-#: lean layout that lets two CTAs share an SM at KM 128) and the default per KM: at KM 64 the wide one already
-#: fits two CTAs per SM and was faster on an H200 (docs/benchmarks/gla_tc_design.md)
-FWD_KERNELS = {1: "glatc_fwd_wide", 2: "glatc_fwd_out"}
+#: lean layout that lets two CTAs share an SM at KM 128; 3: ``glatc_fwd_vt``, one CTA per chunk and tile of 128
+#: columns of V, any K and V) and the default per KM: at KM 64 the wide one already fits two CTAs per SM and was
+#: faster on an H200 (docs/benchmarks/gla_tc_design.md); above K or V = 128 only 3 applies
+FWD_KERNELS = {1: "glatc_fwd_wide", 2: "glatc_fwd_out", 3: "glatc_fwd_vt"}
 DEFAULT_OUT = {64: 1, 128: 2}
+#: the backward kernels (1: ``glatc_bwd``, one CTA per chunk, K and V up to 128; 2: ``glatc_bwd_kt`` + ``glatc_bwd_vt``,
+#: tiled over K for dq, dk, dg and over V for dv, any K and V)
+BWD_KERNELS = (1, 2)
+#: the tile width of the tiled kernels (``KM`` of their template: 128 columns of V or K per CTA, pieces of 128)
+TILE = 128
 #: walk CTAs per SM each walk aims at (chunks per segment are chosen so the walk fills the device ~6-8 times)
 _WALK_CTAS_PER_SM = {1: 24, 2: 12}
 i32, f32 = np.int32, np.float32
@@ -80,12 +95,20 @@ def walk_name(t: str, reverse: bool, f32_states: bool, walk: int = 1, vm: int = 
 
 
 def fwd_name(t: str, km: int, f32_states: bool, out: int | None = None) -> str:
-    """Name expression of a forward output kernel (``out``: a key of :data:`FWD_KERNELS`; None: the default)."""
-    return f"{FWD_KERNELS[out or DEFAULT_OUT[km]]}<{t}, {km}, {_b(f32_states)}>"
+    """Name expression of a forward output kernel (``out``: a key of :data:`FWD_KERNELS`; None: the default at ``km``,
+    which is 1 or 2; the tiled kernel 3 has KM = :data:`TILE` whatever ``km``)."""
+    o = out or DEFAULT_OUT[km]
+    return f"{FWD_KERNELS[o]}<{t}, {TILE if o == 3 else km}, {_b(f32_states)}>"
 
 
 def bwd_name(t: str, km: int, f32_states: bool) -> str:
+    """Name expression of the fused backward ``glatc_bwd`` (``bwd=1``)."""
     return f"glatc_bwd<{t}, {km}, {_b(f32_states)}>"
+
+
+def bwd_tiled_names(t: str, f32_states: bool) -> tuple[str, str]:
+    """Name expressions of the tiled backward (``bwd=2``): ``glatc_bwd_kt`` (dq, dk, dg), ``glatc_bwd_vt`` (dv)."""
+    return (f"glatc_bwd_kt<{t}, {TILE}, {_b(f32_states)}>", f"glatc_bwd_vt<{t}, {TILE}, {_b(f32_states)}>")
 
 
 def kernel_names(types: tuple[str, ...] = ("bf16", "f16"), kms: tuple[int, ...] = (64, 128),
@@ -107,6 +130,8 @@ def file_kernel_names(file: str, types: tuple[str, ...] = ("bf16", "f16"), kms: 
                     names += [fwd_name(t, km, f, out) for out in FWD_KERNELS]
                 elif file == "gla_bwd_tc.cu":
                     names.append(bwd_name(t, km, f))
+            if file == "gla_tc_large.cu":
+                names += [fwd_name(t, TILE, f, 3), *bwd_tiled_names(t, f)]
             if file == "gla_tc_states.cu":
                 names += [walk_name(t, False, f), walk_name(t, True, f)]
     return names
@@ -124,7 +149,8 @@ def _layout(km: int) -> dict[str, int]:
     wide = F64 + T64 + TK + 2 * A64 + 352 * P * 2 + (8 * km + 4) * 4
     PH = km // (2 if km == 128 else 1) + 8  # the lean kernel's piece of K
     lean = T64 + 2 * A64 + max(352 * PH * 2, T64 + TK, F64) + (8 * km + 4) * 4
-    return {"bwd": bwd, "fwd1": wide, "fwd2": lean}
+    ktiled = F64 + 2 * T64 + max(2 * T64 + 2 * TK, 224 * P * 2, F64) + 2 * A64 + (10 * km + 4) * 4
+    return {"bwd": bwd, "fwd1": wide, "fwd2": lean, "fwd3": lean, "bwd_vt": lean, "bwd_kt": ktiled}
 
 
 def smem_bwd(km: int) -> int:
@@ -134,8 +160,15 @@ def smem_bwd(km: int) -> int:
 
 def smem_fwd(km: int, out: int | None = None) -> int:
     """Dynamic shared memory of the forward output kernel ``out`` (:data:`FWD_KERNELS`; None: the default) at
-    ``km`` (bytes)."""
-    return _layout(km)[f"fwd{out or DEFAULT_OUT[km]}"]
+    ``km`` (bytes; the tiled kernel 3 at its own KM, :data:`TILE`)."""
+    o = out or DEFAULT_OUT[km]
+    return _layout(TILE if o == 3 else km)[f"fwd{o}"]
+
+
+def smem_bwd_tiled() -> tuple[int, int]:
+    """Dynamic shared memory of ``glatc_bwd_kt`` and ``glatc_bwd_vt`` (mirror of ``GtLayout<TILE>`` K_ and O_, bytes)."""
+    lay = _layout(TILE)
+    return lay["bwd_kt"], lay["bwd_vt"]
 
 
 def smem_walk2(vm: int) -> int:
@@ -157,11 +190,23 @@ def type_of(x: Any) -> str:
 
 def applies(t: str, K: int, V: int) -> bool:
     """The tensor-core kernels handle this type and head size."""
-    return t in ("bf16", "f16") and 16 <= K <= 128 and 16 <= V <= 128 and K % 16 == 0 and V % 16 == 0
+    return t in ("bf16", "f16") and 16 <= K <= K_MAX and 16 <= V <= V_MAX and K % 16 == 0 and V % 16 == 0
+
+
+def large(K: int, V: int) -> bool:
+    """Whether a head size needs the tiled kernels (K or V above :data:`SMALL_MAX`)."""
+    return max(K, V) > SMALL_MAX
 
 
 def km_of(K: int, V: int) -> int:
+    """The shared-memory layout (KM) of the one-CTA-per-chunk kernels at this head size (64 or 128; 128 for large
+    heads, whose tiled kernels have KM = :data:`TILE`)."""
     return 64 if max(K, V) <= 64 else 128
+
+
+def walk_vm(V: int) -> int:
+    """Columns of V per CTA of ``glatc_walk2`` (``VM``: 64 for V <= 64, else 128 and V tiled by 128)."""
+    return 64 if V <= 64 else 128
 
 
 def check_inputs(rt: Any, q: Any, k: Any, v: Any, g: Any, do: Any = None) -> tuple[int, int, int, int, int, str]:
@@ -185,7 +230,8 @@ def check_inputs(rt: Any, q: Any, k: Any, v: Any, g: Any, do: Any = None) -> tup
             raise TypeError(f"{name} has dtype {x.dtype}, expected {q.dtype} (the dtype of q)")
     t = type_of(q)
     if not applies(t, K, V):
-        raise ValueError(f"the tensor-core GLA kernels need K and V multiples of 16 up to 128, got K={K}, V={V}")
+        raise ValueError(f"the tensor-core GLA kernels need K and V multiples of 16, K up to {K_MAX} and V up to "
+                         f"{V_MAX}, got K={K}, V={V}")
     if T < 1 or B * H < 1:
         raise ValueError(f"need T >= 1 and B*H >= 1, got q of shape {list(q.shape)}")
     return B, T, H, K, V, t
@@ -210,8 +256,9 @@ def num_sms(rt: Any) -> int:
 
 
 def walk_tiles(K: int, V: int, walk: int) -> int:
-    """CTAs of a walk per (segment, bh): 64 x 64 state tiles (walk 1) or 64-row slices of K (walk 2)."""
-    return -(-K // 64) * (-(-V // 64) if walk == 1 else 1)
+    """CTAs of a walk per (segment, bh): 64 x 64 state tiles (walk 1) or 64 rows of K x :func:`walk_vm` columns of V
+    (walk 2)."""
+    return -(-K // 64) * -(-V // (64 if walk == 1 else walk_vm(V)))
 
 
 def chunks_per_segment(rt: Any, BH: int, NT: int, K: int, V: int, walk: int = DEFAULT_WALK) -> int:
@@ -235,6 +282,7 @@ class Geometry:
     f32_states: bool
     walk: int = DEFAULT_WALK
     out: int = 0  # the forward output kernel (a key of FWD_KERNELS); 0: the default at this KM
+    bwd: int = 1  # the backward kernels (BWD_KERNELS: 1 fused, 2 tiled)
 
     @property
     def BH(self) -> int:
@@ -257,22 +305,31 @@ class Geometry:
 
 
 def geometry(rt: Any, B: int, T: int, H: int, K: int, V: int, t: str, nc: int | None, f32_states: bool | None,
-             walk: int | None = None, out: int | None = None) -> Geometry:  # fmt: skip
+             walk: int | None = None, out: int | None = None, bwd: int | None = None) -> Geometry:  # fmt: skip
     """The :class:`Geometry` of a call: ``nc`` chunks per segment (None: :func:`chunks_per_segment`), 16-bit or fp32
     chunk states (None: 16 bits for bf16, fp32 for fp16), the state walk (None: :data:`DEFAULT_WALK`), the forward
-    output kernel (None: :data:`DEFAULT_OUT` at this KM)."""
+    output kernel (None: :data:`DEFAULT_OUT` at this KM; 3 for large heads), the backward kernels (None: 1, fused,
+    for K and V up to 128; 2, tiled, above)."""
     wk = DEFAULT_WALK if walk is None else int(walk)
     if wk not in WALK_THREADS:
         raise ValueError(f"walk must be one of {sorted(WALK_THREADS)}, got {walk}")
-    ok = DEFAULT_OUT[km_of(K, V)] if out is None else int(out)
+    big = large(K, V)
+    ok = (3 if big else DEFAULT_OUT[km_of(K, V)]) if out is None else int(out)
     if ok not in FWD_KERNELS:
         raise ValueError(f"out must be one of {sorted(FWD_KERNELS)}, got {out}")
+    if big and ok != 3:
+        raise ValueError(f"out={ok} takes K and V up to {SMALL_MAX}; K={K}, V={V} needs out=3 (glatc_fwd_vt)")
+    bk = (2 if big else 1) if bwd is None else int(bwd)
+    if bk not in BWD_KERNELS:
+        raise ValueError(f"bwd must be one of {list(BWD_KERNELS)}, got {bwd}")
+    if big and bk != 2:
+        raise ValueError(f"bwd=1 takes K and V up to {SMALL_MAX}; K={K}, V={V} needs bwd=2 (the tiled backward)")
     NT = -(-T // 64)
     NC = int(nc) if nc else chunks_per_segment(rt, B * H, NT, K, V, wk)
     if NC < 1:
         raise ValueError(f"nc (chunks per segment) must be >= 1, got {nc}")
     f32s = (t == "f16") if f32_states is None else bool(f32_states)  # fp16 states could overflow 16 bits
-    return Geometry(B, T, H, K, V, t, NC, f32s, wk, ok)
+    return Geometry(B, T, H, K, V, t, NC, f32s, wk, ok, bk)
 
 
 @dataclass
@@ -301,7 +358,7 @@ def state_pass(rt: Any, geo: Geometry, left: Any, right: Any, g: Any, reverse: b
     Sin = xp.empty((BH, NS, K, V), dtype=xp.float32)
     own = xp.empty((BH, NS, K), dtype=xp.float32) if gseg is None else None
     pc = xp.empty((BH, NT, K), dtype=xp.float32)
-    vm = km_of(16, V)  # glatc_walk2 holds all of V: 64 or 128 columns
+    vm = walk_vm(V)  # glatc_walk2: 64 columns of V, or tiles of 128
     rt.launch(
         walk_name(geo.t, reverse, geo.f32_states, geo.walk, vm), (walk_tiles(K, V, geo.walk), NS, BH),
         (WALK_THREADS[geo.walk],),
