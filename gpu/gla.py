@@ -14,11 +14,13 @@ a later position in the same chunk / sub-chunk), so gates down to -8 per token a
 
 Implementations (``impl``), same results to rounding:
 
-- ``"tc-chunk"`` (bf16/fp16, K and V multiples of 16 up to 128, chunk size 64, 16-byte aligned inputs): the
+- ``"tc-chunk"`` (bf16/fp16, K and V multiples of 16, K up to 256 and V up to 512, chunk size 64, 16-byte aligned
+  inputs): the
   chunk-parallel tensor-core kernels (``mma.sync`` bf16/fp16 -> fp32; :mod:`.gla_fwd_tc`, :mod:`.gla_bwd_tc`):
   state walks over segments of chunks, a segment scan, then one CTA per chunk for ``o`` (forward) or for
   dq, dk, dv, dg together (backward); see docs/benchmarks/gla_tc_design.md;
-- ``"tc"`` (forward only, same conditions): the former tensor-core forward over segments (``gla_tc.cu``);
+- ``"tc"`` (forward only, same conditions with K and V up to 128): the former tensor-core forward over segments
+  (``gla_tc.cu``);
 - ``"simt"``: general kernels (any K, V, chunk size 1..64, fp32 too) on CUDA cores, fp32 FMA -- the reference
   the tensor-core kernels are checked against.
 
@@ -91,11 +93,12 @@ BACKWARD_IMPLS = ("auto", "tc-chunk", "simt")
 _set_runtime = set_runtime  # testing hook (tests/helpers.py, the torch CUDA emulation tests)
 
 
-def _chunk_tc_built(rt: Any, t: str, backward: bool) -> bool:
-    """The chunk-parallel tensor-core modules this call needs compile (NVRTC; the emulation has them all)."""
+def _chunk_tc_built(rt: Any, t: str, backward: bool, large: bool = False) -> bool:
+    """The chunk-parallel tensor-core modules this call needs compile (NVRTC; the emulation has them all); ``large``:
+    K or V above 128 (the tiled kernels of gla_tc_large.cu)."""
     group = t + ("-f32s" if t == "f16" else "")  # fp16 keeps fp32 chunk states (gla_tc_states.geometry)
-    needs = (("gla_tc_states.cu", "common"), ("gla_tc_states.cu", group),
-             ("gla_bwd_tc.cu" if backward else "gla_fwd_tc.cu", group))  # fmt: skip
+    chunk_file = "gla_tc_large.cu" if large else ("gla_bwd_tc.cu" if backward else "gla_fwd_tc.cu")
+    needs = (("gla_tc_states.cu", "common"), ("gla_tc_states.cu", group), (chunk_file, group))
     for file, grp in needs:
         if not rt.available(file, grp):
             warn_once(f"chunk-parallel tensor-core GLA kernels unavailable ({file} [{grp}]: "
@@ -115,17 +118,20 @@ def _pick(rt: Any, impl: str, allowed: tuple[str, ...], t: str, K: int, V: int, 
     if impl != "auto":
         if not applies:
             raise ValueError(
-                f"impl={impl!r} needs bf16/fp16 inputs, K and V multiples of 16 up to 128 and chunk_size 64 "
+                f"impl={impl!r} needs bf16/fp16 inputs, K and V multiples of 16 (K up to 256, V up to 512; 128 for "
+                f"impl='tc') and chunk_size 64 "
                 f"(got {t}, K={K}, V={V}, chunk_size={C})"
             )
         if not aligned:
             raise ValueError(f"impl={impl!r} needs input arrays whose data pointers are 16-byte aligned")
+        if impl == "tc" and max(K, V) > 128:
+            raise ValueError(f"impl='tc' (the former segment forward) takes K and V up to 128, got K={K}, V={V}")
         return impl
     if not (applies and aligned):
         return "simt"
-    if _chunk_tc_built(rt, t, backward):
+    if _chunk_tc_built(rt, t, backward, max(K, V) > 128):
         return "tc-chunk"
-    if not backward and rt.available("gla_tc.cu", t):
+    if not backward and max(K, V) <= 128 and rt.available("gla_tc.cu", t):
         return "tc"
     return "simt"
 

@@ -29,12 +29,12 @@ class BwdTC:
     ``dht = D`` the gradient into the initial state is ``dh0_local + decay * D`` (ZeCO's reverse scan pair).
     Keeps references to the inputs until :meth:`finish`. ``fwd`` (optional): a :class:`FwdTC` of the same
     k, v, g (same arrays: ``ValueError`` otherwise) whose chunk states are reused instead of recomputed (its
-    ``nc``, ``f32_states``, ``walk`` and ``bwd`` then apply).
+    ``nc``, ``f32_states``, ``walk``, ``bwd`` and ``vpc`` then apply).
     """
 
     def __init__(self, rt: Any, q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None = None, *,
                  nc: int | None = None, f32_states: bool | None = None, walk: int | None = None,
-                 bwd: int | None = None, fwd: Any = None):  # fmt: skip
+                 bwd: int | None = None, vpc: int | None = None, fwd: Any = None):  # fmt: skip
         B, T, H, K, V, t = st.check_inputs(rt, q, k, v, g, do)
         self._rt, self._arrays = rt, (q, k, v, g, do)
         self.scale = float(K) ** -0.5 if scale is None else float(scale)
@@ -43,7 +43,7 @@ class BwdTC:
                 raise ValueError("fwd is the forward of other arrays than these k, v, g: its chunk states do not apply")
             self.geo, self.fstates = fwd.geo, fwd.states
         else:
-            self.geo = st.geometry(rt, B, T, H, K, V, t, nc, f32_states, walk, bwd=bwd)
+            self.geo = st.geometry(rt, B, T, H, K, V, t, nc, f32_states, walk, bwd=bwd, vpc=vpc)
             self.fstates = st.state_pass(rt, self.geo, k, v, g, reverse=False)
         self.rstates = st.state_pass(rt, self.geo, q, do, g, reverse=True, scale=self.scale, gseg=self.fstates.gseg)
         self.local_final_state = self.fstates.fin.reshape(B, H, K, V)
@@ -80,8 +80,9 @@ class BwdTC:
                 shared_mem=smem_kt,
             )  # fmt: skip
             rt.launch(
-                vt, (-(-geo.V // st.TILE) * geo.NT, geo.BH), (st.CHUNK_THREADS,),
-                (q, k, g, do, self.rstates.Hc, Df, self.rstates.pc, dv, st.f32(self.scale)) + tail,
+                vt, (geo.v_groups * geo.NT, geo.BH), (st.CHUNK_THREADS,),
+                (q, k, g, do, self.rstates.Hc, Df, self.rstates.pc, dv, st.f32(self.scale)) + tail
+                + (st.i32(geo.vpc),),
                 shared_mem=smem_vt,
             )  # fmt: skip
         dh0 = self.dh0_local.copy() if D is None else self.dh0_local + self.decay[..., None] * D
@@ -91,7 +92,7 @@ class BwdTC:
 def bwd_tc_prepare(rt: Any, q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None = None,
                    **opts: Any) -> BwdTC:  # fmt: skip
     """The state passes of the backward; see :class:`BwdTC` (``opts``: ``nc``, ``f32_states``, ``walk``, ``bwd``,
-    ``fwd``)."""
+    ``vpc``, ``fwd``)."""
     return BwdTC(rt, q, k, v, g, do, scale, **opts)
 
 

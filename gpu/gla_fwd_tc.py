@@ -35,11 +35,11 @@ class FwdTC:
 
     def __init__(self, rt: Any, q: Any, k: Any, v: Any, g: Any, scale: float | None = None, *,
                  nc: int | None = None, f32_states: bool | None = None, walk: int | None = None,
-                 out: int | None = None, bwd: int | None = None):  # fmt: skip
+                 out: int | None = None, bwd: int | None = None, vpc: int | None = None):  # fmt: skip
         B, T, H, K, V, t = st.check_inputs(rt, q, k, v, g)
         self._rt, self._q, self._k, self._v, self._g = rt, q, k, v, g
         self.scale = float(K) ** -0.5 if scale is None else float(scale)
-        self.geo = st.geometry(rt, B, T, H, K, V, t, nc, f32_states, walk, out, bwd)
+        self.geo = st.geometry(rt, B, T, H, K, V, t, nc, f32_states, walk, out, bwd, vpc)
         self.states = st.state_pass(rt, self.geo, k, v, g, reverse=False)
         self.local_final_state = self.states.fin.reshape(B, H, K, V)
         self.decay = st.decay_total(self.geo, self.states)
@@ -57,11 +57,13 @@ class FwdTC:
         S0 = st.state32(rt, initial_state, geo.B, geo.H, geo.K, geo.V, "initial_state")
         Sf = st.carried(rt, geo, self.states, S0, reverse=False)
         o = rt.xp.empty((geo.B, geo.T, geo.H, geo.V), dtype=self._q.dtype)
-        tiles = -(-geo.V // st.TILE) if geo.out == 3 else 1  # glatc_fwd_vt: blockIdx.x = V tile + tiles * chunk
+        tiled = geo.out == 3  # glatc_fwd_vt: blockIdx.x = V tile group + groups * chunk
         rt.launch(
-            st.fwd_name(geo.t, geo.km, geo.f32_states, geo.out), (tiles * geo.NT, geo.BH), (st.CHUNK_THREADS,),
+            st.fwd_name(geo.t, geo.km, geo.f32_states, geo.out), ((geo.v_groups if tiled else 1) * geo.NT, geo.BH),
+            (st.CHUNK_THREADS,),
             (self._q, self._k, self._v, self._g, self.states.Hc, Sf, self.states.pc, o, st.f32(self.scale))
-            + geo.dims() + (st.i32(geo.NC), st.i32(geo.NT), st.f32(st.SPAN_LIMIT[geo.t])),
+            + geo.dims() + (st.i32(geo.NC), st.i32(geo.NT), st.f32(st.SPAN_LIMIT[geo.t]))
+            + ((st.i32(geo.vpc),) if tiled else ()),
             shared_mem=st.smem_fwd(geo.km, geo.out),
         )  # fmt: skip
         if not output_final_state:
@@ -71,8 +73,9 @@ class FwdTC:
 
 
 def fwd_tc_prepare(rt: Any, q: Any, k: Any, v: Any, g: Any, scale: float | None = None, **opts: Any) -> FwdTC:
-    """The local pass of the forward; see :class:`FwdTC` (``opts``: ``nc``, ``f32_states``, ``walk``, ``out``, and
-    ``bwd``, the backward kernels of a :class:`~hpczeco.gpu.gla_bwd_tc.BwdTC` that reuses this forward)."""
+    """The local pass of the forward; see :class:`FwdTC` (``opts``: ``nc``, ``f32_states``, ``walk``, ``out``,
+    ``vpc`` (V tiles per CTA of the tiled kernels), and ``bwd``, the backward kernels of a
+    :class:`~hpczeco.gpu.gla_bwd_tc.BwdTC` that reuses this forward)."""
     return FwdTC(rt, q, k, v, g, scale, **opts)
 
 

@@ -22,6 +22,13 @@
 // decides for its dq, dk and dG together (as glatc_bwd over all K).
 #include "gla_tc_chunk.cuh"
 
+// x unknown to the compiler from here on (no code motion of what depends on it; nothing in the emulation)
+#ifndef CUDA_EMU
+#define GL_OPAQUE(x) asm volatile("" : "+r"(x))
+#else
+#define GL_OPAQUE(x) ((void)0)
+#endif
+
 // dst[kk][c] (16-bit, row stride ld) = Hc[kk][c] + exp(p[kk]) Sf[kk][c] for kk < rows, c < cols (multiple of 8) of
 // global tiles with row stride ldg (the pointers already at the tile's first element; Sf may be null); with dstD the
 // same for a second state (Dc, Df, pd) and rs[kk] += sum_c h[kk][c] dS[kk][c] (fp32 before rounding). 256 threads;
@@ -126,13 +133,15 @@ GLA_DEVICE void gl_exact_diag(float (&acc)[2][4], const float* bs, const T* qg, 
 }
 
 // ---- V-tiled chunk kernels: glatc_fwd_vt (BWD false: o) and glatc_bwd_vt (BWD true: dv) -------------------------
-// in: v (forward) or do (backward); lft: q (forward: Qe = q exp(b)) or k (backward: Kd = k exp(bL - b)); the state
-// tile: h = Hc + exp(pc) Sf (forward) or dS = Dc + exp(pc) Df (backward) at rows k0 .., columns v0 ..
+// One CTA per (group of vpc V tiles, chunk, bh): pass (1) the scores once, then per V tile passes (2) and (3).
+// in: v (forward) or do (backward); the left operand of pass 2: Qe = q exp(b) (forward) or Kd = k exp(bL - b)
+// (backward); the state tile: h = Hc + exp(pc) Sf (forward) or dS = Dc + exp(pc) Df (backward) at rows k0 ..,
+// columns v0 ..
 template <typename T, int KM, bool F32S, bool BWD>
 GLA_DEVICE void gl_vtile(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ in,
                          const T* __restrict__ g, const void* __restrict__ Hc, const float* __restrict__ Sf,
                          const float* __restrict__ pc, T* __restrict__ out, float scale, int Tlen, int H, int K, int V,
-                         int NC, int NT, float span_limit, unsigned char* smem) {
+                         int NC, int NT, float span_limit, int vpc, unsigned char* smem) {
   using L = GtLayout<KM>;
   constexpr int P = L::P, PH = L::PH, KH = L::KH, NPW = KM / 32;
   u16* Ws = reinterpret_cast<u16*>(smem + L::O_V);  // v / do tile [64][P] (pass 1: the piece's raw q)
@@ -146,15 +155,13 @@ GLA_DEVICE void gl_vtile(const T* __restrict__ q, const T* __restrict__ k, const
   u16* Khl = BWD ? nullptr : Kh + 2 * 64 * PH;
   u16* Ko = Qh + 4 * 64 * PH;
   float* bs = reinterpret_cast<float*>(smem + L::O_Z);  // pass 1, exact blocks only: the piece's cumulative gate
-  u16* Ls = reinterpret_cast<u16*>(smem + L::O_Z);      // pass 2: the piece's left operand [64][P]
-  u16* Ss = Ls + 64 * P;                                // pass 2: the piece's rows of the state tile [KM][P]
   float* R = reinterpret_cast<float*>(smem + L::O_SMALL);
   float* E = R + 4 * KM;
   float* sp = E + 4 * KM;
-  const int nvt = (V + KM - 1) / KM;
-  const int tv = blockIdx.x % nvt, c = blockIdx.x / nvt, bh = blockIdx.y, b = bh / H, h = bh % H;
-  const int v0 = KM * tv, Vt = min(KM, V - v0);
-  const int t0 = 64 * c, len = min(64, Tlen - t0), NS = (NT + NC - 1) / NC, seg = c / NC;
+  const int nvt = (V + KM - 1) / KM, ngrp = (nvt + vpc - 1) / vpc;  // V tiles; groups of vpc tiles, one per CTA
+  const int tg = blockIdx.x % ngrp, c = blockIdx.x / ngrp, bh = blockIdx.y, b = bh / H, h = bh % H;
+  const int tv0 = tg * vpc, tv1 = min(nvt, tv0 + vpc);
+  const int t0 = 64 * c, len = min(64, Tlen - t0);
   const int tid = threadIdx.x, w = tid / 32, lane = tid % 32, gid = lane >> 2, tig = lane & 3;
   const int cg = tid >> 4, qr = tid & 15, c0 = 8 * cg;
   const i64 row0 = ((i64)(b * Tlen + t0) * H + h) * K;  // the chunk's first row of q, k, g
@@ -241,114 +248,127 @@ GLA_DEVICE void gl_vtile(const T* __restrict__ q, const T* __restrict__ k, const
 #pragma unroll
   for (int n = 0; n < 2; ++n)
     if (on[n]) gt_score_store<T, KM>(As, Asl, acc[n], BWD ? scale : 1.f, bI[n], bJ[n], gid, tig);
-  {  // the tile of v / do (read at the end; its loads overlap pass 2)
-    V16 wr[4];
-    gt_load_rows<T>(wr, in, b, h, t0, len, Tlen, H, V, v0 + c0, c0 < Vt, qr);
-    if (c0 < Vt) {
-#pragma unroll
-      for (int I = 0; I < 4; ++I) gt_st16(Ws + (qr + 16 * I) * P + c0, wr[I]);
-    }
-  }
 
-  // (2) the state products over the pieces of K: out += L_p S_p (rows 16 RB, half of the tile's 16-column groups)
-  const int RB = w & 3, half = w >> 2, np = Vt / 16, pw = (np + 1) / 2, p0 = half * pw, p1 = min(np, p0 + pw);
-  const bool rows_on = p0 < np && 16 * RB < len;
-  float acco[2 * NPW][4];
+  // (2), (3) for each of the CTA's V tiles (A stays in shared memory)
+  const u16* Asl_ = As + 64 * L::AP;  // A lo (forward)
+  u16* Ls = reinterpret_cast<u16*>(smem + L::O_Z);  // pass 2: the piece's left operand [64][P]
+  u16* Ss = Ls + 64 * P;                            // pass 2: the piece's rows of the state tile [KM][P]
+  const int NS = (NT + NC - 1) / NC, seg = c / NC;
+  for (int tv = tv0; tv < tv1; ++tv) {
+    if (tv > tv0) __syncthreads();  // the previous tile's last reads of Ws are done
+    const int v0 = KM * tv, Vt = min(KM, V - v0);
+    int t0v = t0;  // the rows' addresses recomputed per tile: hoisted out of the loop they would spill
+    GL_OPAQUE(t0v);
+    {  // the tile of v / do (read at the end; its loads overlap pass 2)
+      V16 wr[4];
+      gt_load_rows<T>(wr, in, b, h, t0v, len, Tlen, H, V, v0 + c0, c0 < Vt, qr);
+      if (c0 < Vt) {
 #pragma unroll
-  for (int n = 0; n < 2 * NPW; ++n) acco[n][0] = acco[n][1] = acco[n][2] = acco[n][3] = 0.f;
-  const i64 cKV = ((i64)bh * NT + c) * K * V, sKV = ((i64)bh * NS + seg) * K * V;
-  for (int k0 = 0; k0 < K; k0 += KM) {
-    const int kp = min(KM, K - k0);
-    const bool actK = c0 < kp;
-    {
-      V16 lraw[4], gr[4];
-      gt_load_rows<T>(lraw, BWD ? k : q, b, h, t0, len, Tlen, H, K, k0 + c0, actK, qr);
-      gt_load_rows<T>(gr, g, b, h, t0, len, Tlen, H, K, k0 + c0, actK, qr);
-      float x[4][8];
-#pragma unroll
-      for (int I = 0; I < 4; ++I) gt_unpack<T>(x[I], gr[I]);
-      gl_chunk_cumsum_seq(x, qr);
-      float eL[8];
-      gt_shfl<0, 8>(eL, x[3], 15, 16);  // the chunk's total (row 63; rows past the end hold g = 0)
-      if (actK) {
-#pragma unroll
-        for (int I = 0; I < 4; ++I) {
-          float lv[8];
-          gt_unpack<T>(lv, lraw[I]);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) lv[j] *= BWD ? dexp(eL[j] - x[I][j]) : dexp(x[I][j]);
-          gt_st16(Ls + (qr + 16 * I) * P + c0, gt_pack<T>(lv));
-        }
+        for (int I = 0; I < 4; ++I) gt_st16(Ws + (qr + 16 * I) * P + c0, wr[I]);
       }
     }
-    gl_state_tile<T, F32S, KM, KM, 2>(
-        Ss, P, reinterpret_cast<const unsigned char*>(Hc) + (cKV + (i64)k0 * V + v0) * (F32S ? 4 : 2),
-        Sf != nullptr ? Sf + sKV + (i64)k0 * V + v0 : nullptr, pc + ((i64)bh * NT + c) * K + k0, nullptr, nullptr,
-        nullptr, nullptr, nullptr, kp, Vt, V);
-    __syncthreads();
+
+    // (2) the state products over the pieces of K: out += L_p S_p (rows 16 RB, half of the tile's 16-column groups)
+    const int RB = w & 3, half = w >> 2, np = Vt / 16, pw = (np + 1) / 2, p0 = half * pw, p1 = min(np, p0 + pw);
+    const bool rows_on = p0 < np && 16 * RB < len;
+    float acco[2 * NPW][4];
+#pragma unroll
+    for (int n = 0; n < 2 * NPW; ++n) acco[n][0] = acco[n][1] = acco[n][2] = acco[n][3] = 0.f;
+    const i64 cKV = ((i64)bh * NT + c) * K * V, sKV = ((i64)bh * NS + seg) * K * V;
+    for (int k0 = 0; k0 < K; k0 += KM) {
+      const int kp = min(KM, K - k0);
+      const bool actK = c0 < kp;
+      {
+        V16 lraw[4], gr[4];
+        gt_load_rows<T>(lraw, BWD ? k : q, b, h, t0v, len, Tlen, H, K, k0 + c0, actK, qr);
+        gt_load_rows<T>(gr, g, b, h, t0v, len, Tlen, H, K, k0 + c0, actK, qr);
+        float x[4][8];
+#pragma unroll
+        for (int I = 0; I < 4; ++I) gt_unpack<T>(x[I], gr[I]);
+        gl_chunk_cumsum_seq(x, qr);
+        float eL[8];
+        gt_shfl<0, 8>(eL, x[3], 15, 16);  // the chunk's total (row 63; rows past the end hold g = 0)
+        if (actK) {
+#pragma unroll
+          for (int I = 0; I < 4; ++I) {
+            float lv[8];
+            gt_unpack<T>(lv, lraw[I]);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) lv[j] *= BWD ? dexp(eL[j] - x[I][j]) : dexp(x[I][j]);
+            gt_st16(Ls + (qr + 16 * I) * P + c0, gt_pack<T>(lv));
+          }
+        }
+      }
+      gl_state_tile<T, F32S, KM, KM, 2>(
+          Ss, P, reinterpret_cast<const unsigned char*>(Hc) + (cKV + (i64)k0 * V + v0) * (F32S ? 4 : 2),
+          Sf != nullptr ? Sf + sKV + (i64)k0 * V + v0 : nullptr, pc + ((i64)bh * NT + c) * K + k0, nullptr, nullptr,
+          nullptr, nullptr, nullptr, kp, Vt, V);
+      __syncthreads();
+      if (rows_on) {
+        for (int ks = 0; ks < kp / 16; ++ks) {
+          u32 a[4];
+          frag_a(a, Ls, P, 16 * RB, 16 * ks, gid, tig);
+#pragma unroll
+          for (int pp = 0; pp < NPW; ++pp) {
+            if (p0 + pp < p1) {
+              u32 b0[2], b1[2];
+              frag_b2_rowmajor(b0, b1, Ss, P, 16 * ks, 16 * (p0 + pp), lane);
+              Mma<T>::mma(acco[2 * pp], a, b0);
+              Mma<T>::mma(acco[2 * pp + 1], a, b1);
+            }
+          }
+        }
+      }
+      __syncthreads();
+    }
+    // (3) forward: o = scale (Qe h + A V), A as hi + lo; backward: dv = Kd dS + A'^T do
     if (rows_on) {
-      for (int ks = 0; ks < kp / 16; ++ks) {
-        u32 a[4];
-        frag_a(a, Ls, P, 16 * RB, 16 * ks, gid, tig);
+      if constexpr (!BWD) {
+        for (int J = 0; J <= RB; ++J) {
+          u32 a[4], al[4];
+          frag_a(a, As, L::AP, 16 * RB, 16 * J, gid, tig);
+          frag_a(al, Asl_, L::AP, 16 * RB, 16 * J, gid, tig);
 #pragma unroll
-        for (int pp = 0; pp < NPW; ++pp) {
-          if (p0 + pp < p1) {
-            u32 b0[2], b1[2];
-            frag_b2_rowmajor(b0, b1, Ss, P, 16 * ks, 16 * (p0 + pp), lane);
-            Mma<T>::mma(acco[2 * pp], a, b0);
-            Mma<T>::mma(acco[2 * pp + 1], a, b1);
+          for (int pp = 0; pp < NPW; ++pp) {
+            if (p0 + pp < p1) {
+              u32 b0[2], b1[2];
+              frag_b2_rowmajor(b0, b1, Ws, P, 16 * J, 16 * (p0 + pp), lane);
+              Mma<T>::mma(acco[2 * pp], a, b0);
+              Mma<T>::mma(acco[2 * pp + 1], a, b1);
+              Mma<T>::mma(acco[2 * pp], al, b0);
+              Mma<T>::mma(acco[2 * pp + 1], al, b1);
+            }
+          }
+        }
+      } else {
+        for (int I = RB; I < 4; ++I) {
+          u32 a[4];
+          frag_a_trans(a, As, L::AP, 16 * I, 16 * RB, lane);
+#pragma unroll
+          for (int pp = 0; pp < NPW; ++pp) {
+            if (p0 + pp < p1) {
+              u32 b0[2], b1[2];
+              frag_b2_rowmajor(b0, b1, Ws, P, 16 * I, 16 * (p0 + pp), lane);
+              Mma<T>::mma(acco[2 * pp], a, b0);
+              Mma<T>::mma(acco[2 * pp + 1], a, b1);
+            }
           }
         }
       }
+      gt_store_tile<T, NPW>(out + v0, acco, b, h, t0v, len, Tlen, H, V, RB, p0, p1, gid, tig, BWD ? 1.f : scale);
     }
-    __syncthreads();
-  }
-  // (3) forward: o = scale (Qe h + A V), A as hi + lo; backward: dv = Kd dS + A'^T do
-  if (rows_on) {
-    if constexpr (!BWD) {
-      for (int J = 0; J <= RB; ++J) {
-        u32 a[4], al[4];
-        frag_a(a, As, L::AP, 16 * RB, 16 * J, gid, tig);
-        frag_a(al, Asl, L::AP, 16 * RB, 16 * J, gid, tig);
-#pragma unroll
-        for (int pp = 0; pp < NPW; ++pp) {
-          if (p0 + pp < p1) {
-            u32 b0[2], b1[2];
-            frag_b2_rowmajor(b0, b1, Ws, P, 16 * J, 16 * (p0 + pp), lane);
-            Mma<T>::mma(acco[2 * pp], a, b0);
-            Mma<T>::mma(acco[2 * pp + 1], a, b1);
-            Mma<T>::mma(acco[2 * pp], al, b0);
-            Mma<T>::mma(acco[2 * pp + 1], al, b1);
-          }
-        }
-      }
-    } else {
-      for (int I = RB; I < 4; ++I) {
-        u32 a[4];
-        frag_a_trans(a, As, L::AP, 16 * I, 16 * RB, lane);
-#pragma unroll
-        for (int pp = 0; pp < NPW; ++pp) {
-          if (p0 + pp < p1) {
-            u32 b0[2], b1[2];
-            frag_b2_rowmajor(b0, b1, Ws, P, 16 * I, 16 * (p0 + pp), lane);
-            Mma<T>::mma(acco[2 * pp], a, b0);
-            Mma<T>::mma(acco[2 * pp + 1], a, b1);
-          }
-        }
-      }
-    }
-    gt_store_tile<T, NPW>(out + v0, acco, b, h, t0, len, Tlen, H, V, RB, p0, p1, gid, tig, BWD ? 1.f : scale);
   }
 }
+
 
 template <typename T, int KM, bool F32S>
 __global__ void __launch_bounds__(256, 2)
     glatc_fwd_vt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ g,
                  const void* __restrict__ Hc, const float* __restrict__ Sf, const float* __restrict__ pc,
                  T* __restrict__ o, float scale, int B, int Tlen, int H, int K, int V, int NC, int NT,
-                 float span_limit) {
+                 float span_limit, int vpc) {
   GT_DYN_SMEM(smem, GtLayout<KM>::O_TOTAL);
-  gl_vtile<T, KM, F32S, false>(q, k, v, g, Hc, Sf, pc, o, scale, Tlen, H, K, V, NC, NT, span_limit, smem);
+  gl_vtile<T, KM, F32S, false>(q, k, v, g, Hc, Sf, pc, o, scale, Tlen, H, K, V, NC, NT, span_limit, vpc, smem);
 }
 
 template <typename T, int KM, bool F32S>
@@ -356,9 +376,9 @@ __global__ void __launch_bounds__(256, 2)
     glatc_bwd_vt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ g, const T* __restrict__ dout,
                  const void* __restrict__ Dc, const float* __restrict__ Df, const float* __restrict__ pcr,
                  T* __restrict__ dv, float scale, int B, int Tlen, int H, int K, int V, int NC, int NT,
-                 float span_limit) {
+                 float span_limit, int vpc) {
   GT_DYN_SMEM(smem, GtLayout<KM>::O_TOTAL);
-  gl_vtile<T, KM, F32S, true>(q, k, dout, g, Dc, Df, pcr, dv, scale, Tlen, H, K, V, NC, NT, span_limit, smem);
+  gl_vtile<T, KM, F32S, true>(q, k, dout, g, Dc, Df, pcr, dv, scale, Tlen, H, K, V, NC, NT, span_limit, vpc, smem);
 }
 
 // ---- K-tiled backward: dq, dk, dg of KM columns of K ----------------------------------------------------------------
@@ -737,9 +757,11 @@ __global__ void __launch_bounds__(256, 1)
 #ifdef GLA_INSTANTIATE
 #define GLATC_INST_LARGE(T, KM, F)                                                                                    \
   template __global__ void glatc_fwd_vt<T, KM, F>(const T*, const T*, const T*, const T*, const void*, const float*,  \
-                                                  const float*, T*, float, int, int, int, int, int, int, int, float); \
+                                                  const float*, T*, float, int, int, int, int, int, int, int, float,  \
+                                                  int);                                                               \
   template __global__ void glatc_bwd_vt<T, KM, F>(const T*, const T*, const T*, const T*, const void*, const float*,  \
-                                                  const float*, T*, float, int, int, int, int, int, int, int, float); \
+                                                  const float*, T*, float, int, int, int, int, int, int, int, float,  \
+                                                  int);                                                               \
   template __global__ void glatc_bwd_kt<T, KM, F>(const T*, const T*, const T*, const T*, const T*, const void*,      \
                                                   const float*, const float*, const void*, const float*,              \
                                                   const float*, T*, T*, T*, float, int, int, int, int, int, int, int, \

@@ -267,9 +267,10 @@ __global__ void __launch_bounds__(GW2_THREADS, VM == 64 ? 3 : 2)
   u16* Sb = reinterpret_cast<u16*>(smem + L::SB);
   float* tot = reinterpret_cast<float*>(smem + L::TOT);
   float* bLs = reinterpret_cast<float*>(smem + L::BL);
-  const int nkt = (K + 63) / 64;
-  const int tk = blockIdx.x % nkt, tv = blockIdx.x / nkt, seg = blockIdx.y, bh = blockIdx.z, b = bh / H, h = bh % H;
-  const int k0 = 64 * tk, Kt = min(64, K - k0), v0 = VM * tv, Vt = min(VM, V - v0);
+  const int nkt = (K + 63) / 64;  // VM 64 serves V <= 64 only: one V tile
+  const int tk = VM == 64 ? blockIdx.x : blockIdx.x % nkt, tv = VM == 64 ? 0 : blockIdx.x / nkt;
+  const int seg = blockIdx.y, bh = blockIdx.z, b = bh / H, h = bh % H;
+  const int k0 = 64 * tk, Kt = min(64, K - k0), v0 = VM * tv, Vt = VM == 64 ? V : min(VM, V - v0);
   const int tid = threadIdx.x, w = tid / 32, lane = tid % 32, gid = lane >> 2, tig = lane & 3;
   const int mr = 16 * (w & 3), nc0 = (VM / 2) * (w >> 2);  // the warp's state rows and first column (in the tile)
   const bool first_v = tv == 0;  // writes pc and gseg

@@ -166,7 +166,7 @@ def smem_fwd(km: int, out: int | None = None) -> int:
 
 
 def smem_bwd_tiled() -> tuple[int, int]:
-    """Dynamic shared memory of ``glatc_bwd_kt`` and ``glatc_bwd_vt`` (mirror of ``GtLayout<TILE>`` K_ and O_, bytes)."""
+    """Dynamic shared memory of ``glatc_bwd_kt`` and ``glatc_bwd_vt`` (bytes; mirror of ``GtLayout<TILE>`` K_, O_)."""
     lay = _layout(TILE)
     return lay["bwd_kt"], lay["bwd_vt"]
 
@@ -283,6 +283,17 @@ class Geometry:
     walk: int = DEFAULT_WALK
     out: int = 0  # the forward output kernel (a key of FWD_KERNELS); 0: the default at this KM
     bwd: int = 1  # the backward kernels (BWD_KERNELS: 1 fused, 2 tiled)
+    vpc: int = 1  # V tiles per CTA of glatc_fwd_vt / glatc_bwd_vt (their scores computed once for them)
+
+    @property
+    def v_tiles(self) -> int:
+        """V tiles of :data:`TILE` columns of the tiled kernels."""
+        return -(-self.V // TILE)
+
+    @property
+    def v_groups(self) -> int:
+        """CTAs per chunk of ``glatc_fwd_vt`` / ``glatc_bwd_vt`` (groups of ``vpc`` V tiles)."""
+        return -(-self.v_tiles // self.vpc)
 
     @property
     def BH(self) -> int:
@@ -304,12 +315,23 @@ class Geometry:
         return (i32(self.B), i32(self.T), i32(self.H), i32(self.K), i32(self.V))
 
 
+def v_tiles_per_cta(rt: Any, V: int, chunks: int) -> int:
+    """V tiles per CTA of ``glatc_fwd_vt`` / ``glatc_bwd_vt``: all of them (the scores of a chunk computed once) where
+    the chunks then still give 8 CTAs per SM (4 rounds of 2 resident), else halved until they do."""
+    nvt, vpc, target = -(-V // TILE), -(-V // TILE), 8 * num_sms(rt)
+    while vpc > 1 and -(-nvt // vpc) * chunks < target:
+        vpc = -(-vpc // 2)
+    return vpc
+
+
 def geometry(rt: Any, B: int, T: int, H: int, K: int, V: int, t: str, nc: int | None, f32_states: bool | None,
-             walk: int | None = None, out: int | None = None, bwd: int | None = None) -> Geometry:  # fmt: skip
+             walk: int | None = None, out: int | None = None, bwd: int | None = None,
+             vpc: int | None = None) -> Geometry:  # fmt: skip
     """The :class:`Geometry` of a call: ``nc`` chunks per segment (None: :func:`chunks_per_segment`), 16-bit or fp32
     chunk states (None: 16 bits for bf16, fp32 for fp16), the state walk (None: :data:`DEFAULT_WALK`), the forward
     output kernel (None: :data:`DEFAULT_OUT` at this KM; 3 for large heads), the backward kernels (None: 1, fused,
-    for K and V up to 128; 2, tiled, above)."""
+    for K and V up to 128; 2, tiled, above), the V tiles per CTA of the tiled kernels (None:
+    :func:`v_tiles_per_cta`)."""
     wk = DEFAULT_WALK if walk is None else int(walk)
     if wk not in WALK_THREADS:
         raise ValueError(f"walk must be one of {sorted(WALK_THREADS)}, got {walk}")
@@ -329,7 +351,10 @@ def geometry(rt: Any, B: int, T: int, H: int, K: int, V: int, t: str, nc: int | 
     if NC < 1:
         raise ValueError(f"nc (chunks per segment) must be >= 1, got {nc}")
     f32s = (t == "f16") if f32_states is None else bool(f32_states)  # fp16 states could overflow 16 bits
-    return Geometry(B, T, H, K, V, t, NC, f32s, wk, ok, bk)
+    vp = v_tiles_per_cta(rt, V, B * H * NT) if vpc is None else int(vpc)
+    if vp < 1:
+        raise ValueError(f"vpc (V tiles per CTA) must be >= 1, got {vpc}")
+    return Geometry(B, T, H, K, V, t, NC, f32s, wk, ok, bk, vp)
 
 
 @dataclass
@@ -394,27 +419,74 @@ def decay_total(geo: Geometry, sp: StatePass) -> Any:
 # ---------------------------------------------------------------------------------------------- bytes
 
 
-def traffic(geo: Geometry, itemsize: int = 2) -> dict[str, int]:
-    """Bytes each kernel of a forward and of a backward reads and writes in device memory (a model: every input
-    tile once, the state tiles a walk's sibling CTAs or a segment's chunk CTAs share counted once, as if L2 served
-    the repeats). Keys: the kernels (``walk``, ``scan``, ``fwd_out``, ``walk_rev``, ``scan_rev``, ``bwd``) and
-    ``forward`` = walk + scan + fwd_out, ``backward`` (states recomputed) = walk + scan + walk_rev + scan_rev + bwd,
-    ``backward_reusing`` (the forward's states reused) = walk_rev + scan_rev + bwd."""
-    E, BH, NT, NS, K, V = geo.B * geo.T * geo.H, geo.BH, geo.NT, geo.NS, geo.K, geo.V
+def traffic(geo: Geometry, itemsize: int = 2, through_l2: bool = False) -> dict[str, int]:
+    """Bytes each kernel of a forward and of a backward reads and writes (a model). Device memory (default): every
+    input tile once, the tiles that sibling CTAs of a walk, the V / K tiles of one chunk, or a segment's chunk CTAs
+    share counted once, as if L2 served the repeats; two kernels reading the same array each count it (they run
+    apart). ``through_l2``: what the CTAs read, every repeat counted (the L2 -> SM traffic; writes as in device
+    memory). Keys: the kernels (``walk``, ``scan``, ``fwd_out``, ``walk_rev``, ``scan_rev``, ``bwd``; with the tiled
+    backward also its parts ``bwd_kt``, ``bwd_vt``) and ``forward`` = walk + scan + fwd_out, ``backward`` (states
+    recomputed) = walk + scan + walk_rev + scan_rev + bwd, ``backward_reusing`` (the forward's states reused) =
+    walk_rev + scan_rev + bwd."""
+    E, BH, NT, NS, K, V, s = geo.B * geo.T * geo.H, geo.BH, geo.NT, geo.NS, geo.K, geo.V, itemsize
     hc = BH * NT * K * V * (4 if geo.f32_states else 2)  # per-chunk states
     seg = BH * NS * K * V * 4  # segment states (fp32)
-    small = BH * NT * K * 4 + BH * NS * K * 4  # chunk and segment log decays
+    seg_read = BH * NT * K * V * 4 if through_l2 else seg  # every chunk CTA reads its segment's state
+    pcs = BH * NT * K * 4  # chunk log decays
+    small = pcs + BH * NS * K * 4  # and segment log decays
+    vm = walk_vm(V)
+    nkt, nvt = -(-K // 64), -(-V // (64 if geo.walk == 1 else vm))  # walk CTAs per (segment, bh): K x V tiles
+    wk, wv = (nvt, nkt) if through_l2 else (1, 1)  # how often a walk reads each left / right tile
+    vt, kt = (-(-V // TILE), -(-K // TILE)) if through_l2 else (1, 1)  # V / K tiles of the tiled chunk kernels
     t: dict[str, int] = {}
-    t["walk"] = (2 * E * K + E * V) * itemsize + hc + seg + small
+    t["walk"] = (2 * E * K * wk + E * V * wv) * s + hc + seg + small
     t["scan"] = 2 * seg + BH * NS * K * 4 + BH * K * V * 4 + BH * K * 4
-    t["fwd_out"] = (3 * E * K + 2 * E * V) * itemsize + hc + seg + BH * NT * K * 4
-    t["walk_rev"] = (2 * E * K + E * V) * itemsize + hc + seg + BH * NT * K * 4
+    if geo.out == 3:  # glatc_fwd_vt per (V tile, chunk): q, k, g in pass 1, q, g in pass 2 per tile; v, o once
+        t["fwd_out"] = (5 * E * K * vt + 2 * E * V) * s + hc + seg_read + pcs * vt
+    else:
+        t["fwd_out"] = (3 * E * K + 2 * E * V) * s + hc + seg_read + pcs
+    t["walk_rev"] = (2 * E * K * wk + E * V * wv) * s + hc + seg + pcs
     t["scan_rev"] = 2 * seg + BH * NS * K * 4 + BH * K * V * 4
-    t["bwd"] = (6 * E * K + 3 * E * V) * itemsize + 2 * hc + 2 * seg + 2 * BH * NT * K * 4
+    if geo.bwd == 2:  # glatc_bwd_kt per (K tile, chunk): dq, dk, dg; glatc_bwd_vt per (V tile, chunk): dv
+        t["bwd_kt"] = (3 * E * K + 2 * E * V * kt + 3 * E * K) * s + 2 * hc + 2 * seg_read + 2 * pcs
+        t["bwd_vt"] = (5 * E * K * vt + 2 * E * V) * s + hc + seg_read + pcs * vt
+        t["bwd"] = t["bwd_kt"] + t["bwd_vt"]
+    else:
+        t["bwd"] = (6 * E * K + 3 * E * V) * s + 2 * hc + 2 * seg_read + 2 * pcs
     t["forward"] = t["walk"] + t["scan"] + t["fwd_out"]
     t["backward_reusing"] = t["walk_rev"] + t["scan_rev"] + t["bwd"]
     t["backward"] = t["walk"] + t["scan"] + t["backward_reusing"]
     return t
+
+
+def mma_flops(geo: Geometry) -> dict[str, int]:
+    """Tensor-core FLOP (2 per multiply-add, as issued: split products, recomputed scores of the tiled kernels, the
+    triangular blocks only) of each kernel of a forward and a backward; keys as :func:`traffic`."""
+    BH, NT, K, V = geo.BH, geo.NT, geo.K, geo.V
+    n = BH * NT  # chunks
+    blk = 2 * 16 * 16  # one 16 x 16 block, per multiply-add column
+    scores_split = (6 + 4 * 3) * blk * K  # 6 off-diagonal blocks, 4 diagonal ones as hi + lo (3 products)
+    scores_single = 10 * blk * K
+    av_split = 10 * blk * V * 2  # A (hi + lo) times V over the 10 blocks
+    av_single = 10 * blk * V
+    state = 2 * 64 * K * V  # one 64-row product with the K x V state (Qe h, Kd dS, K^T V, do h^T, v dS^T ...)
+    vt, kt = -(-V // TILE), -(-K // TILE)
+    f: dict[str, int] = {}
+    f["walk"] = f["walk_rev"] = n * state
+    f["scan"] = f["scan_rev"] = 0
+    f["fwd_out"] = n * ((scores_split * (vt if geo.out == 3 else 1)) + av_split + state)
+    da = 10 * blk * V  # dA' (single product; the backward keeps hi + lo of its result)
+    intra = 2 * (10 * blk * K * 2)  # dq and dk from dA' (hi + lo) and the pair operands
+    if geo.bwd == 2:
+        f["bwd_kt"] = n * (da * kt + 2 * state + intra)
+        f["bwd_vt"] = n * (scores_single * vt + state + av_single)
+        f["bwd"] = f["bwd_kt"] + f["bwd_vt"]
+    else:
+        f["bwd"] = n * (scores_single + da + 3 * state + av_single + intra)
+    f["forward"] = f["walk"] + f["fwd_out"]
+    f["backward_reusing"] = f["walk_rev"] + f["bwd"]
+    f["backward"] = f["walk"] + f["backward_reusing"]
+    return f
 
 
 # ---------------------------------------------------------------------------------------------- emulation

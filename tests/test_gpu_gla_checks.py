@@ -454,8 +454,8 @@ bg.variant_runtime = lambda defines: rt  # -D builds: the same emulated kernels
 bg.COPY_BYTES = 1 << 20
 bg.GRID_T, bg.GRID_KV, bg.GRID_GN = (1, 65), ((32, 16), (24, 16)), (0.1, 1.0)
 benchkit.cuda_event_time = lambda fn, repeats, warmup=3, sets=1, **kw: (fn(0), {"median_ms": 1.0})[1]
-rc = bg.main(["--out", sys.argv[2], "--shapes", "1x65x2x32x16,1x40x1x16x32", "--grid", "--variants",
-              "walk1,walk1-ctas2,nc2,f32", "--no-fla", "--repeats", "2"])
+rc = bg.main(["--out", sys.argv[2], "--shapes", "1x65x2x32x16,1x40x1x16x32,1x40x1x144x160", "--grid", "--variants",
+              "walk1,walk1-ctas2,nc2,f32,tiled", "--no-fla", "--repeats", "2"])
 sys.exit(rc)
 """
 
@@ -463,8 +463,8 @@ sys.exit(rc)
 @pytest.mark.timeout(1800)
 def test_bench_gpu_gla_dry_run(tmp_path):
     """`hpczeco bench gpu-gla` end to end without a GPU: numpy standing in for CuPy, every kernel emulated, tiny
-    shapes, the grid and the variants; each step ran, the checks against simt and the grid cases pass, the table
-    prints."""
+    shapes (one a large head: the tiled kernels), the grid and the variants; each step ran, the checks against simt
+    and the grid cases pass, the table prints."""
     import json
     import subprocess
     import sys
@@ -479,13 +479,15 @@ def test_bench_gpu_gla_dry_run(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads((out / "gpu_gla.json").read_text())
     assert not data.get("failures"), data.get("failures")
-    assert [r["shape"] for r in data["summary"]] == ["B=1 T=65 H=2 K=32 V=16", "B=1 T=40 H=1 K=16 V=32"]
+    assert [r["shape"] for r in data["summary"]] == ["B=1 T=65 H=2 K=32 V=16", "B=1 T=40 H=1 K=16 V=32",
+                                                     "B=1 T=40 H=1 K=144 V=160"]
     assert all(c["ok"] and c["impl"] == "tc-chunk" for c in data["checks"]), data["checks"]
     names = [r["name"] for r in data["timings"]]
     assert any(n.startswith("ours fwd+bwd, states reused") for n in names)
     assert any("reverse walk (glatc_walk2" in r["name"] for r in data["kernels"])
+    assert any("glatc_bwd_kt" in r["name"] and "K=144" in r["name"] for r in data["kernels"])
     assert len(data["grid"]) == 8 and all(r["targets ok"] and "error" not in r for r in data["grid"]), data["grid"]
     assert {r["impl"] for r in data["grid"]} == {"tc-chunk", "simt"}
-    assert [v["variant"] for v in data["variants"]] == ["default", "walk1", "walk1-ctas2", "nc2", "f32"]
+    assert [v["variant"] for v in data["variants"]] == ["default", "walk1", "walk1-ctas2", "nc2", "f32", "tiled"]
     assert all(v.get("ok", True) and "error" not in v for v in data["variants"]), data["variants"]
     assert "==== hpczeco bench gpu-gla" in res.stdout and "accuracy grid: 8/8" in res.stdout
