@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import gla_tc
+from . import gla_tc, gla_tc_states
 from .gla_bwd_tc import BwdTC
 from .gla_common import (
     NT_SIMT,
@@ -113,7 +113,8 @@ def _pick(rt: Any, impl: str, allowed: tuple[str, ...], t: str, K: int, V: int, 
         raise ValueError(f"impl must be one of {', '.join(repr(a) for a in allowed)}, got {impl!r}")
     if impl == "simt":
         return impl
-    applies = tc_applies(t, K, V, C)
+    # the chunk-parallel kernels: K up to 256, V up to 512 (gla_tc_states); the former segment forward: up to 128
+    applies = tc_applies(t, K, V, C) if impl == "tc" else C == 64 and gla_tc_states.applies(t, K, V)
     aligned = all(rt.ptr(x) % 16 == 0 for x in arrays)  # the tensor-core kernels load 16 bytes at a time
     if impl != "auto":
         if not applies:
@@ -124,8 +125,6 @@ def _pick(rt: Any, impl: str, allowed: tuple[str, ...], t: str, K: int, V: int, 
             )
         if not aligned:
             raise ValueError(f"impl={impl!r} needs input arrays whose data pointers are 16-byte aligned")
-        if impl == "tc" and max(K, V) > 128:
-            raise ValueError(f"impl='tc' (the former segment forward) takes K and V up to 128, got K={K}, V={V}")
         return impl
     if not (applies and aligned):
         return "simt"

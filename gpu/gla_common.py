@@ -186,9 +186,8 @@ def default_scale(scale, K: int) -> float:
 
 
 def tc_applies(t: str, K: int, V: int, C: int) -> bool:
-    """The chunk-parallel tensor-core kernels apply: 16-bit inputs, K and V multiples of 16 (K up to 256, V up to 512:
-    ``gla_tc_states.K_MAX`` / ``V_MAX``), chunk 64."""
-    return t in ("bf16", "f16") and gla_tc_states.applies(t, K, V) and C == 64
+    """The tensor-core kernels apply: 16-bit inputs, K and V multiples of 16 up to 128, chunk 64."""
+    return t in ("bf16", "f16") and K % 16 == 0 and V % 16 == 0 and K <= 128 and V <= 128 and C == 64
 
 
 # ---------------------------------------------------------------------------------------------- simt passes

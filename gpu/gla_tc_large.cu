@@ -299,7 +299,7 @@ GLA_DEVICE void gl_vtile(const T* __restrict__ q, const T* __restrict__ k, const
           }
         }
       }
-      gl_state_tile<T, F32S, KM, KM, 2>(
+      gl_state_tile<T, F32S, KM, KM, F32S ? 1 : 2>(
           Ss, P, reinterpret_cast<const unsigned char*>(Hc) + (cKV + (i64)k0 * V + v0) * (F32S ? 4 : 2),
           Sf != nullptr ? Sf + sKV + (i64)k0 * V + v0 : nullptr, pc + ((i64)bh * NT + c) * K + k0, nullptr, nullptr,
           nullptr, nullptr, nullptr, kp, Vt, V);

@@ -437,19 +437,20 @@ def traffic(geo: Geometry, itemsize: int = 2, through_l2: bool = False) -> dict[
     vm = walk_vm(V)
     nkt, nvt = -(-K // 64), -(-V // (64 if geo.walk == 1 else vm))  # walk CTAs per (segment, bh): K x V tiles
     wk, wv = (nvt, nkt) if through_l2 else (1, 1)  # how often a walk reads each left / right tile
-    vt, kt = (-(-V // TILE), -(-K // TILE)) if through_l2 else (1, 1)  # V / K tiles of the tiled chunk kernels
+    # V tiles, their CTA groups (one pass over the scores each) and K tiles of the tiled chunk kernels
+    vt, vg, kt = (geo.v_tiles, geo.v_groups, -(-K // TILE)) if through_l2 else (1, 1, 1)
     t: dict[str, int] = {}
     t["walk"] = (2 * E * K * wk + E * V * wv) * s + hc + seg + small
     t["scan"] = 2 * seg + BH * NS * K * 4 + BH * K * V * 4 + BH * K * 4
-    if geo.out == 3:  # glatc_fwd_vt per (V tile, chunk): q, k, g in pass 1, q, g in pass 2 per tile; v, o once
-        t["fwd_out"] = (5 * E * K * vt + 2 * E * V) * s + hc + seg_read + pcs * vt
+    if geo.out == 3:  # glatc_fwd_vt per (V tile group, chunk): q, k, g in pass 1, q, g in pass 2 per tile; v, o once
+        t["fwd_out"] = (3 * E * K * vg + 2 * E * K * vt + 2 * E * V) * s + hc + seg_read + pcs * vt
     else:
         t["fwd_out"] = (3 * E * K + 2 * E * V) * s + hc + seg_read + pcs
     t["walk_rev"] = (2 * E * K * wk + E * V * wv) * s + hc + seg + pcs
     t["scan_rev"] = 2 * seg + BH * NS * K * 4 + BH * K * V * 4
     if geo.bwd == 2:  # glatc_bwd_kt per (K tile, chunk): dq, dk, dg; glatc_bwd_vt per (V tile, chunk): dv
         t["bwd_kt"] = (3 * E * K + 2 * E * V * kt + 3 * E * K) * s + 2 * hc + 2 * seg_read + 2 * pcs
-        t["bwd_vt"] = (5 * E * K * vt + 2 * E * V) * s + hc + seg_read + pcs * vt
+        t["bwd_vt"] = (3 * E * K * vg + 2 * E * K * vt + 2 * E * V) * s + hc + seg_read + pcs * vt
         t["bwd"] = t["bwd_kt"] + t["bwd_vt"]
     else:
         t["bwd"] = (6 * E * K + 3 * E * V) * s + 2 * hc + 2 * seg_read + 2 * pcs
@@ -470,16 +471,16 @@ def mma_flops(geo: Geometry) -> dict[str, int]:
     av_split = 10 * blk * V * 2  # A (hi + lo) times V over the 10 blocks
     av_single = 10 * blk * V
     state = 2 * 64 * K * V  # one 64-row product with the K x V state (Qe h, Kd dS, K^T V, do h^T, v dS^T ...)
-    vt, kt = -(-V // TILE), -(-K // TILE)
+    vg, kt = geo.v_groups, -(-K // TILE)
     f: dict[str, int] = {}
     f["walk"] = f["walk_rev"] = n * state
     f["scan"] = f["scan_rev"] = 0
-    f["fwd_out"] = n * ((scores_split * (vt if geo.out == 3 else 1)) + av_split + state)
+    f["fwd_out"] = n * ((scores_split * (vg if geo.out == 3 else 1)) + av_split + state)
     da = 10 * blk * V  # dA' (single product; the backward keeps hi + lo of its result)
     intra = 2 * (10 * blk * K * 2)  # dq and dk from dA' (hi + lo) and the pair operands
     if geo.bwd == 2:
         f["bwd_kt"] = n * (da * kt + 2 * state + intra)
-        f["bwd_vt"] = n * (scores_single * vt + state + av_single)
+        f["bwd_vt"] = n * (scores_single * vg + state + av_single)
         f["bwd"] = f["bwd_kt"] + f["bwd_vt"]
     else:
         f["bwd"] = n * (scores_single + da + 3 * state + av_single + intra)

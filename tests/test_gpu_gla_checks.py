@@ -102,6 +102,10 @@ FWD_CASES = [
     ("bf16", 1, 1, 2, 128, 64, False, "tc-chunk", True, 1e-2),
     ("fp16", 1, 400, 2, 128, 128, False, "tc-chunk", True, 1e-2),
     ("fp16", 1, 400, 2, 64, 64, True, "tc-chunk", True, 1e-2),
+    ("bf16", 1, 700, 2, 256, 512, False, "tc-chunk", True, 1e-2),  # large heads: the tiled kernels
+    ("bf16", 1, 515, 2, 128, 256, True, "tc-chunk", True, 1e-2),
+    ("bf16", 2, 200, 1, 192, 80, False, "tc-chunk", False, 1e-2),
+    ("fp16", 1, 400, 2, 256, 512, False, "tc-chunk", True, 1e-2),
 ]
 TC_VARIANTS = ("ldsm-pf", "ldsm", "plain")  # hpczeco.gpu.gla_tc.VARIANTS; the first is the default
 FWD_GPU = [(c, "ldsm-pf") for c in FWD_CASES] + [(c, var) for var in TC_VARIANTS[1:] for c in FWD_CASES
@@ -165,6 +169,9 @@ BWD_CASES = [
     ("bf16", 1, 1, 2, 128, 64, False, True, 1e-2, "auto"),
     ("bf16", 1, 300, 2, 128, 128, False, True, 1e-2, "simt"),
     ("fp16", 1, 200, 2, 128, 128, False, True, 1e-2, "auto"),
+    ("bf16", 1, 300, 2, 256, 512, False, True, 1e-2, "auto"),  # large heads: the tiled kernels
+    ("bf16", 1, 130, 2, 128, 256, True, True, 1e-2, "auto"),
+    ("fp16", 1, 200, 1, 256, 512, False, True, 1e-2, "auto"),
 ]
 BWD_EMU = [
     ("fp32", 2, 70, 2, 24, 16, False, True, 1e-4, "auto"),
