@@ -403,13 +403,14 @@ def test_public_backward_reuses_the_forward_chunk_states(gla_emu, rng):
         gla_bwd_tc.bwd_tc_prepare(gla_emu, *other, fwd=plan._tc)
 
 
-@pytest.mark.timeout(900)
-def test_zeco_device_split_adapters_compose_over_two_slices(gla_emu, rng):
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("H,K,V", [(2, 32, 48), (1, 256, 144)], ids=["K32-V48", "large-K256-V144"])
+def test_zeco_device_split_adapters_compose_over_two_slices(gla_emu, rng, H, K, V):
     """hpczeco.gla's device split adapters (what ZeCOGLA runs on CuPy arrays) on two slices as two ranks: the
     forward's chunk states go to the backward, and the pieces equal the float64 recurrence of the whole."""
     from hpczeco.gla.device_split import DeviceBackwardSplit, DeviceForwardSplit  # noqa: PLC0415
 
-    B, T, H, K, V, cut = 1, 150, 2, 32, 48, 77  # partial chunks on both sides
+    B, T, cut = 1, 150, 77  # partial chunks on both sides
     bits, h0, dht, ref = _public(rng, B, T, H, K, V, strong=True)
     part = [[np.ascontiguousarray(x[:, s_]) for x in bits] for s_ in (slice(0, cut), slice(cut, T))]
     fw = [DeviceForwardSplit(*p[:4]) for p in part]
@@ -526,13 +527,14 @@ def test_hpczeco_gla_takes_raw_bits_on_device_arrays(fake_cupy, gla_emu, rng, mo
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(1200)
-@pytest.mark.parametrize("L,K,V", [(70, 32, 16), (40, 80, 96)], ids=["KM64-wide", "KM128-lean"])
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("L,K,V", [(70, 32, 16), (40, 80, 96), (20, 144, 160)],
+                         ids=["KM64-wide", "KM128-lean", "large-tiled"])
 def test_zeco_layer_on_raw_bits_device_arrays(fake_cupy, gla_emu, comm, rng, monkeypatch, L, K, V):
     """ZeCOGLA (ring scan) on (fake) CuPy uint16 slices over the ranks: the collective checks accept the raw bits,
-    the device split runs the chunk-parallel kernels (both forward output kernels: KM 64 and KM 128; the backward
-    reusing the forward's chunk states), and output and gradients equal the float64 recurrence of the whole
-    sequence."""
+    the device split runs the chunk-parallel kernels (both forward output kernels: KM 64 and KM 128, and the tiled
+    kernels of large heads; the backward reusing the forward's chunk states), and output and gradients equal the
+    float64 recurrence of the whole sequence."""
     import hpczeco  # noqa: PLC0415
 
     monkeypatch.setattr(gla_emu, "xp", fake_cupy)  # the kernels' results are (fake) device arrays too
@@ -545,7 +547,7 @@ def test_zeco_layer_on_raw_bits_device_arrays(fake_cupy, gla_emu, comm, rng, mon
     layer = hpczeco.ZeCOGLA(comm, scan="ring", check_values=False)
     gla_emu.launched.clear()
     o = layer.forward(*mine[:4], initial_state=h0.view(fake_cupy.ndarray) if r == 0 else None)
-    assert st.fwd_name("bf16", st.km_of(K, V), False) in gla_emu.launched
+    assert _chunk_kernels(K, V)[0] in gla_emu.launched
     gla_emu.launched.clear()
     grads = layer.backward(mine[4], dht=dht.view(fake_cupy.ndarray) if r == P - 1 else None)
     assert _walk(False, V, 2) not in gla_emu.launched  # the forward's chunk states were reused
