@@ -23,7 +23,8 @@ x 64 state walk), ``walk1-ctas2`` (it with ``-DGW_MIN_CTAS=2``), ``nc2`` / ``nc0
 ``f32`` (fp32 chunk states), ``out1`` / ``out2`` (the output kernel ``glatc_fwd_wide`` / ``glatc_fwd_out``,
 whichever is not the default at that KM), ``tiled`` (the large-head kernels ``glatc_fwd_vt``, ``glatc_bwd_kt`` +
 ``glatc_bwd_vt`` on a head up to 128), ``vpc1`` (one V tile per CTA of the tiled kernels, each recomputing its
-chunk's scores); each is checked against the default build. ``--grid`` adds the accuracy
+chunk's scores), ``kt64`` (the tiled backward with K tiles of 64: two CTAs per SM); each is checked against the default
+build. ``--grid`` adds the accuracy
 table on flash-linear-attention's test grid (tests/ops/test_gla.py there: q, k, v, h0 ~ U[0, 1), g = logsigmoid(U[0,
 1)) / normaliser, do, dht ~ N(0, 1); T = 1, 63, 777, 1000, 1024, 2048; K = 60 (simt path), 64, 128 with V = 64, 128,
 and K = 256 with V = 512, K = 128 with V = 256; normaliser 0.1, 1, 10; B = H = 2): ours and fla's RMS error ratios
@@ -57,7 +58,7 @@ GRID_GN = (0.1, 1.0, 10.0)
 TARGET = {"o": 4e-3, "ht": 5e-3, "dq": 5e-3, "dk": 5e-3, "dv": 5e-3, "dg": 5e-3, "dh0": 5e-3}
 VS_FLA, VS_FLA_SLACK = 1.5, 1e-4  # ours <= 1.5 x fla + 1e-4 (RMS error ratios)
 NAMES = ("o", "ht", "dq", "dk", "dv", "dg", "dh0")
-VARIANTS = ("walk1", "walk1-ctas2", "nc2", "nc05", "f32", "out1", "out2", "tiled", "vpc1")
+VARIANTS = ("walk1", "walk1-ctas2", "nc2", "nc05", "f32", "out1", "out2", "tiled", "vpc1", "kt64")
 COPY_BYTES = 1 << 30  # the device copy that measures the bandwidth the floors are divided by
 
 
@@ -531,7 +532,7 @@ class Bench:
         table = {"default": ((), {}), "walk1": ((), {"walk": 1}), "walk1-ctas2": (("GW_MIN_CTAS=2",), {"walk": 1}),
                  "nc2": ((), {"nc": 2 * NC}), "nc05": ((), {"nc": max(1, NC // 2)}), "f32": ((), {"f32_states": True}),
                  "out1": ((), {"out": 1}), "out2": ((), {"out": 2}), "tiled": ((), {"out": 3, "bwd": 2}),
-                 "vpc1": ((), {"vpc": 1})}
+                 "vpc1": ((), {"vpc": 1}), "kt64": ((), {"bwd": 2, "ktile": 64})}
         qkvg = [sets[0][n] for n in ("q", "k", "v", "g")]
         base = None
         for vname in ["default"] + [v for v in names if v in table]:

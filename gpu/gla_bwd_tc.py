@@ -29,12 +29,13 @@ class BwdTC:
     ``dht = D`` the gradient into the initial state is ``dh0_local + decay * D`` (ZeCO's reverse scan pair).
     Keeps references to the inputs until :meth:`finish`. ``fwd`` (optional): a :class:`FwdTC` of the same
     k, v, g (same arrays: ``ValueError`` otherwise) whose chunk states are reused instead of recomputed (its
-    ``nc``, ``f32_states``, ``walk``, ``bwd`` and ``vpc`` then apply).
+    ``nc``, ``f32_states``, ``walk``, ``bwd``, ``vpc`` and ``ktile`` then apply).
     """
 
     def __init__(self, rt: Any, q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None = None, *,
                  nc: int | None = None, f32_states: bool | None = None, walk: int | None = None,
-                 bwd: int | None = None, vpc: int | None = None, fwd: Any = None):  # fmt: skip
+                 bwd: int | None = None, vpc: int | None = None, ktile: int | None = None,
+                 fwd: Any = None):  # fmt: skip
         B, T, H, K, V, t = st.check_inputs(rt, q, k, v, g, do)
         self._rt, self._arrays = rt, (q, k, v, g, do)
         self.scale = float(K) ** -0.5 if scale is None else float(scale)
@@ -43,7 +44,7 @@ class BwdTC:
                 raise ValueError("fwd is the forward of other arrays than these k, v, g: its chunk states do not apply")
             self.geo, self.fstates = fwd.geo, fwd.states
         else:
-            self.geo = st.geometry(rt, B, T, H, K, V, t, nc, f32_states, walk, bwd=bwd, vpc=vpc)
+            self.geo = st.geometry(rt, B, T, H, K, V, t, nc, f32_states, walk, bwd=bwd, vpc=vpc, ktile=ktile)
             self.fstates = st.state_pass(rt, self.geo, k, v, g, reverse=False)
         self.rstates = st.state_pass(rt, self.geo, q, do, g, reverse=True, scale=self.scale, gseg=self.fstates.gseg)
         self.local_final_state = self.fstates.fin.reshape(B, H, K, V)
@@ -71,10 +72,10 @@ class BwdTC:
                 shared_mem=st.smem_bwd(geo.km),
             )  # fmt: skip
         else:  # tiled: dq, dk, dg per (K tile, chunk); dv per (V tile, chunk); blockIdx.x = tile + tiles * chunk
-            kt, vt = st.bwd_tiled_names(geo.t, geo.f32_states)
-            smem_kt, smem_vt = st.smem_bwd_tiled()
+            kt, vt = st.bwd_tiled_names(geo.t, geo.f32_states, geo.ktile)
+            smem_kt, smem_vt = st.smem_bwd_tiled(geo.ktile)
             rt.launch(
-                kt, (-(-geo.K // st.TILE) * geo.NT, geo.BH), (st.CHUNK_THREADS,),
+                kt, (-(-geo.K // geo.ktile) * geo.NT, geo.BH), (st.CHUNK_THREADS,),
                 (q, k, v, g, do, self.fstates.Hc, Sf, self.fstates.pc, self.rstates.Hc, Df, self.rstates.pc,
                  dq, dk, dg, st.f32(self.scale)) + tail,
                 shared_mem=smem_kt,
@@ -92,7 +93,7 @@ class BwdTC:
 def bwd_tc_prepare(rt: Any, q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None = None,
                    **opts: Any) -> BwdTC:  # fmt: skip
     """The state passes of the backward; see :class:`BwdTC` (``opts``: ``nc``, ``f32_states``, ``walk``, ``bwd``,
-    ``vpc``, ``fwd``)."""
+    ``vpc``, ``ktile``, ``fwd``)."""
     return BwdTC(rt, q, k, v, g, do, scale, **opts)
 
 

@@ -35,11 +35,12 @@ class FwdTC:
 
     def __init__(self, rt: Any, q: Any, k: Any, v: Any, g: Any, scale: float | None = None, *,
                  nc: int | None = None, f32_states: bool | None = None, walk: int | None = None,
-                 out: int | None = None, bwd: int | None = None, vpc: int | None = None):  # fmt: skip
+                 out: int | None = None, bwd: int | None = None, vpc: int | None = None,
+                 ktile: int | None = None):  # fmt: skip
         B, T, H, K, V, t = st.check_inputs(rt, q, k, v, g)
         self._rt, self._q, self._k, self._v, self._g = rt, q, k, v, g
         self.scale = float(K) ** -0.5 if scale is None else float(scale)
-        self.geo = st.geometry(rt, B, T, H, K, V, t, nc, f32_states, walk, out, bwd, vpc)
+        self.geo = st.geometry(rt, B, T, H, K, V, t, nc, f32_states, walk, out, bwd, vpc, ktile)
         self.states = st.state_pass(rt, self.geo, k, v, g, reverse=False)
         self.local_final_state = self.states.fin.reshape(B, H, K, V)
         self.decay = st.decay_total(self.geo, self.states)
@@ -74,7 +75,7 @@ class FwdTC:
 
 def fwd_tc_prepare(rt: Any, q: Any, k: Any, v: Any, g: Any, scale: float | None = None, **opts: Any) -> FwdTC:
     """The local pass of the forward; see :class:`FwdTC` (``opts``: ``nc``, ``f32_states``, ``walk``, ``out``,
-    ``vpc`` (V tiles per CTA of the tiled kernels), and ``bwd``, the backward kernels of a
+    ``vpc`` (V tiles per CTA of the tiled kernels), and ``bwd``, ``ktile``: the backward kernels of a
     :class:`~hpczeco.gpu.gla_bwd_tc.BwdTC` that reuses this forward)."""
     return FwdTC(rt, q, k, v, g, scale, **opts)
 

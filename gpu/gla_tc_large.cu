@@ -13,7 +13,8 @@
 //                              into the chunk's end state).
 //   glatc_bwd_kt<T, KM, F32S>  one CTA per (K tile of KM columns, chunk, bh): dq, dk, dg of the tile (glatc_bwd's
 //                              stages with V in pieces of KM: dA' = scale do v^T, do h^T and v dS^T summed over the
-//                              pieces; then the intra-chunk products and dg as there).
+//                              pieces; then the intra-chunk products and dg as there). KM 128: one CTA per SM;
+//                              KM 64: two (more tiles, each recomputing dA' and reading v, do again).
 // A CTA of glatc_fwd_vt / glatc_bwd_vt recomputes the scores of its chunk (ceil(V / KM) CTAs per chunk do); one of
 // glatc_bwd_kt recomputes dA' (ceil(K / KM) per chunk). The sibling CTAs of a chunk are adjacent in the grid
 // (blockIdx.x = tile + tiles * chunk), so their repeated reads of q, k, g (v, do) meet in L2.
@@ -386,7 +387,7 @@ __global__ void __launch_bounds__(256, 2)
 // (V) per piece of V: v, do, the tile's rows of h and dS (rowsum(h dS) accumulated), dA' += do v^T, do h^T and
 // v dS^T summed; then the inter-chunk dq, dk, dG terms, the score operands Qh, Kh, Ko, dq (C), dk (D), dg (E).
 template <typename T, int KM, bool F32S>
-__global__ void __launch_bounds__(256, 1)
+__global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
     glatc_bwd_kt(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v, const T* __restrict__ g,
                  const T* __restrict__ dout, const void* __restrict__ Hc, const float* __restrict__ Sf,
                  const float* __restrict__ pcf, const void* __restrict__ Dc, const float* __restrict__ Df,
@@ -476,7 +477,7 @@ __global__ void __launch_bounds__(256, 1)
       }
     }
     const i64 off = (i64)k0 * V + vp0;
-    gl_state_tile<T, F32S, KM, KM, 2>(
+    gl_state_tile<T, F32S, KM, KM, KM == 64 ? 1 : 2>(
         Hs, P, reinterpret_cast<const unsigned char*>(Hc) + (cKV + off) * es, Sf != nullptr ? Sf + sKV + off : nullptr,
         pcf + ((i64)bh * NT + c) * K + k0, Ds, reinterpret_cast<const unsigned char*>(Dc) + (cKV + off) * es,
         Df != nullptr ? Df + sKV + off : nullptr, pcr + ((i64)bh * NT + c) * K + k0, rs, Kt, vp, V);
@@ -767,6 +768,10 @@ __global__ void __launch_bounds__(256, 1)
                                                   const float*, T*, T*, T*, float, int, int, int, int, int, int, int, \
                                                   float);
 GLATC_INST_LARGE(bf16, 128, false)
+template __global__ void glatc_bwd_kt<bf16, 64, false>(const bf16*, const bf16*, const bf16*, const bf16*, const bf16*,
+                                                       const void*, const float*, const float*, const void*,
+                                                       const float*, const float*, bf16*, bf16*, bf16*, float, int, int,
+                                                       int, int, int, int, int, float);
 #ifndef GLA_INSTANTIATE_FAST
 GLATC_INST_LARGE(bf16, 128, true)
 GLATC_INST_LARGE(f16, 128, true)

@@ -55,6 +55,8 @@ DEFAULT_OUT = {64: 1, 128: 2}
 BWD_KERNELS = (1, 2)
 #: the tile width of the tiled kernels (``KM`` of their template: 128 columns of V or K per CTA, pieces of 128)
 TILE = 128
+#: K tile widths of ``glatc_bwd_kt`` (``ktile``: 128, one CTA per SM, the default; 64, two CTAs per SM)
+K_TILES = (128, 64)
 #: walk CTAs per SM each walk aims at (chunks per segment are chosen so the walk fills the device ~6-8 times)
 _WALK_CTAS_PER_SM = {1: 24, 2: 12}
 i32, f32 = np.int32, np.float32
@@ -106,9 +108,10 @@ def bwd_name(t: str, km: int, f32_states: bool) -> str:
     return f"glatc_bwd<{t}, {km}, {_b(f32_states)}>"
 
 
-def bwd_tiled_names(t: str, f32_states: bool) -> tuple[str, str]:
-    """Name expressions of the tiled backward (``bwd=2``): ``glatc_bwd_kt`` (dq, dk, dg), ``glatc_bwd_vt`` (dv)."""
-    return (f"glatc_bwd_kt<{t}, {TILE}, {_b(f32_states)}>", f"glatc_bwd_vt<{t}, {TILE}, {_b(f32_states)}>")
+def bwd_tiled_names(t: str, f32_states: bool, ktile: int = TILE) -> tuple[str, str]:
+    """Name expressions of the tiled backward (``bwd=2``): ``glatc_bwd_kt`` (dq, dk, dg; K tiles of ``ktile``
+    columns, :data:`K_TILES`), ``glatc_bwd_vt`` (dv)."""
+    return (f"glatc_bwd_kt<{t}, {ktile}, {_b(f32_states)}>", f"glatc_bwd_vt<{t}, {TILE}, {_b(f32_states)}>")
 
 
 def kernel_names(types: tuple[str, ...] = ("bf16", "f16"), kms: tuple[int, ...] = (64, 128),
@@ -132,6 +135,7 @@ def file_kernel_names(file: str, types: tuple[str, ...] = ("bf16", "f16"), kms: 
                     names.append(bwd_name(t, km, f))
             if file == "gla_tc_large.cu":
                 names += [fwd_name(t, TILE, f, 3), *bwd_tiled_names(t, f)]
+                names += [bwd_tiled_names(t, f, kt)[0] for kt in K_TILES if kt != TILE]
             if file == "gla_tc_states.cu":
                 names += [walk_name(t, False, f), walk_name(t, True, f)]
     return names
@@ -165,10 +169,10 @@ def smem_fwd(km: int, out: int | None = None) -> int:
     return _layout(TILE if o == 3 else km)[f"fwd{o}"]
 
 
-def smem_bwd_tiled() -> tuple[int, int]:
-    """Dynamic shared memory of ``glatc_bwd_kt`` and ``glatc_bwd_vt`` (bytes; mirror of ``GtLayout<TILE>`` K_, O_)."""
-    lay = _layout(TILE)
-    return lay["bwd_kt"], lay["bwd_vt"]
+def smem_bwd_tiled(ktile: int = TILE) -> tuple[int, int]:
+    """Dynamic shared memory of ``glatc_bwd_kt`` (K tiles of ``ktile``) and ``glatc_bwd_vt`` (bytes; mirror of
+    ``GtLayout<ktile>::K_TOTAL`` and ``GtLayout<TILE>::O_TOTAL``)."""
+    return _layout(ktile)["bwd_kt"], _layout(TILE)["bwd_vt"]
 
 
 def smem_walk2(vm: int) -> int:
@@ -284,6 +288,7 @@ class Geometry:
     out: int = 0  # the forward output kernel (a key of FWD_KERNELS); 0: the default at this KM
     bwd: int = 1  # the backward kernels (BWD_KERNELS: 1 fused, 2 tiled)
     vpc: int = 1  # V tiles per CTA of glatc_fwd_vt / glatc_bwd_vt (their scores computed once for them)
+    ktile: int = TILE  # K tile of glatc_bwd_kt (K_TILES)
 
     @property
     def v_tiles(self) -> int:
@@ -326,12 +331,12 @@ def v_tiles_per_cta(rt: Any, V: int, chunks: int) -> int:
 
 def geometry(rt: Any, B: int, T: int, H: int, K: int, V: int, t: str, nc: int | None, f32_states: bool | None,
              walk: int | None = None, out: int | None = None, bwd: int | None = None,
-             vpc: int | None = None) -> Geometry:  # fmt: skip
+             vpc: int | None = None, ktile: int | None = None) -> Geometry:  # fmt: skip
     """The :class:`Geometry` of a call: ``nc`` chunks per segment (None: :func:`chunks_per_segment`), 16-bit or fp32
     chunk states (None: 16 bits for bf16, fp32 for fp16), the state walk (None: :data:`DEFAULT_WALK`), the forward
     output kernel (None: :data:`DEFAULT_OUT` at this KM; 3 for large heads), the backward kernels (None: 1, fused,
     for K and V up to 128; 2, tiled, above), the V tiles per CTA of the tiled kernels (None:
-    :func:`v_tiles_per_cta`)."""
+    :func:`v_tiles_per_cta`), the K tile of ``glatc_bwd_kt`` (None: :data:`TILE`)."""
     wk = DEFAULT_WALK if walk is None else int(walk)
     if wk not in WALK_THREADS:
         raise ValueError(f"walk must be one of {sorted(WALK_THREADS)}, got {walk}")
@@ -354,7 +359,10 @@ def geometry(rt: Any, B: int, T: int, H: int, K: int, V: int, t: str, nc: int | 
     vp = v_tiles_per_cta(rt, V, B * H * NT) if vpc is None else int(vpc)
     if vp < 1:
         raise ValueError(f"vpc (V tiles per CTA) must be >= 1, got {vpc}")
-    return Geometry(B, T, H, K, V, t, NC, f32s, wk, ok, bk, vp)
+    kt = TILE if ktile is None else int(ktile)
+    if kt not in K_TILES:
+        raise ValueError(f"ktile must be one of {list(K_TILES)}, got {ktile}")
+    return Geometry(B, T, H, K, V, t, NC, f32s, wk, ok, bk, vp, kt)
 
 
 @dataclass
@@ -438,7 +446,7 @@ def traffic(geo: Geometry, itemsize: int = 2, through_l2: bool = False) -> dict[
     nkt, nvt = -(-K // 64), -(-V // (64 if geo.walk == 1 else vm))  # walk CTAs per (segment, bh): K x V tiles
     wk, wv = (nvt, nkt) if through_l2 else (1, 1)  # how often a walk reads each left / right tile
     # V tiles, their CTA groups (one pass over the scores each) and K tiles of the tiled chunk kernels
-    vt, vg, kt = (geo.v_tiles, geo.v_groups, -(-K // TILE)) if through_l2 else (1, 1, 1)
+    vt, vg, kt = (geo.v_tiles, geo.v_groups, -(-K // geo.ktile)) if through_l2 else (1, 1, 1)
     t: dict[str, int] = {}
     t["walk"] = (2 * E * K * wk + E * V * wv) * s + hc + seg + small
     t["scan"] = 2 * seg + BH * NS * K * 4 + BH * K * V * 4 + BH * K * 4
@@ -471,7 +479,7 @@ def mma_flops(geo: Geometry) -> dict[str, int]:
     av_split = 10 * blk * V * 2  # A (hi + lo) times V over the 10 blocks
     av_single = 10 * blk * V
     state = 2 * 64 * K * V  # one 64-row product with the K x V state (Qe h, Kd dS, K^T V, do h^T, v dS^T ...)
-    vg, kt = geo.v_groups, -(-K // TILE)
+    vg, kt = geo.v_groups, -(-K // geo.ktile)
     f: dict[str, int] = {}
     f["walk"] = f["walk_rev"] = n * state
     f["scan"] = f["scan_rev"] = 0

@@ -183,6 +183,26 @@ def test_no_initial_state_no_dht_and_fwd_state_reuse(rt, rng):
 
 
 @pytest.mark.timeout(1200)
+def test_tiled_backward_with_k_tiles_of_64(rt, rng):
+    """glatc_bwd_kt with K tiles of 64 (two CTAs per SM; partial tiles and V pieces at K = 144, V = 160) against the
+    float64 recurrence and against the tiles of 128."""
+    B, T, H, K, V = 1, 100, 1, 144, 160
+    bits, xs, h0, dht = _inputs(rng, B, T, H, K, V, strong=True)
+    ref = recurrent_gla_bwd(*xs, initial_state=h0.astype(np.float64), dht=dht.astype(np.float64))
+    got = {}
+    for kt in (64, 128):
+        rt.launched.clear()
+        got[kt] = gla_bwd_tc.bwd_tc(rt, *bits, initial_state=h0, dht=dht, nc=1, ktile=kt)
+        assert st.bwd_tiled_names("bf16", False, kt)[0] in rt.launched
+        errs = {n: rel(_f(a), b) for n, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), got[kt], ref)}
+        assert _within_targets(errs), (kt, errs)
+    for name, a, b in zip(("dq", "dk", "dv", "dg"), got[64], got[128]):
+        assert rel(_f(a), _f(b)) < 2e-3, name
+    with pytest.raises(ValueError, match="ktile"):
+        gla_bwd_tc.bwd_tc_prepare(rt, *bits, ktile=32)
+
+
+@pytest.mark.timeout(1200)
 def test_v_tiles_per_cta_give_the_same_bits(rt, rng):
     """glatc_fwd_vt / glatc_bwd_vt with 1, 2 or 3 V tiles per CTA (the scores computed once for a CTA's tiles; a
     partial last group at V = 272 = 2 x 128 + 16): the same o and dv bit for bit, within the targets."""
@@ -278,21 +298,22 @@ def test_shared_memory_layouts_match_python(tmp_path):
     src = tmp_path / "layout.cpp"
     src.write_text(
         f'#include "{gemu._HERE / "cuda_emu.h"}"\n#include "{st.HERE / "gla_tc_chunk.cuh"}"\n#include <cstdio>\n'
-        'int main() { std::printf("%d %d %d %d %d %d %d\\n", GtLayout<64>::B_TOTAL, GtLayout<128>::B_TOTAL, '
+        'int main() { std::printf("%d %d %d %d %d %d %d %d\\n", GtLayout<64>::B_TOTAL, GtLayout<128>::B_TOTAL, '
         "GtLayout<64>::F_TOTAL, GtLayout<128>::F_TOTAL, GtLayout<64>::O_TOTAL, GtLayout<128>::O_TOTAL, "
-        "GtLayout<128>::K_TOTAL); }\n"
+        "GtLayout<128>::K_TOTAL, GtLayout<64>::K_TOTAL); }\n"
     )
     exe = tmp_path / "layout"
     res = subprocess.run([CXX, "-std=c++20", "-pthread", "-w", "-o", str(exe), str(src)], capture_output=True,
                          text=True, timeout=120)  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     got = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True).stdout.split()]
-    b64, b128, f64, f128, o64, o128, kt128 = got
+    b64, b128, f64, f128, o64, o128, kt128, kt64 = got
     assert got == [st.smem_bwd(64), st.smem_bwd(128), st.smem_fwd(64, 1), st.smem_fwd(128, 1), st.smem_fwd(64, 2),
-                   st.smem_fwd(128, 2), st.smem_bwd_tiled()[0]]  # fmt: skip
+                   st.smem_fwd(128, 2), st.smem_bwd_tiled()[0], st.smem_bwd_tiled(64)[0]]  # fmt: skip
     assert st.smem_fwd(128, 3) == st.smem_fwd(64, 3) == st.smem_bwd_tiled()[1] == o128  # the tiled V kernels: lean
     assert max(b128, f128, kt128) <= 227 * 1024  # a block's opt-in shared memory on an H100/H200
-    assert max(b64, f64, o64, o128) + 1024 <= 228 * 1024 // 2  # two CTAs per SM (the lean forward also at KM 128)
+    assert max(b64, f64, o64, o128, kt64) + 1024 <= 228 * 1024 // 2  # two CTAs per SM (the lean forward at KM 128,
+    # the tiled glatc_fwd_vt / glatc_bwd_vt, glatc_bwd_kt with K tiles of 64)
 
 
 # ------------------------------------------------------------------ the public API's default path (hpczeco.gpu.gla)
