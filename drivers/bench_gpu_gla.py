@@ -1,31 +1,39 @@
 """`hpczeco bench gpu-gla`: the GLA GPU kernels (:mod:`hpczeco.gpu.gla`) against flash-linear-attention on one GPU.
 
-Issue 14's table in one run, bf16 (raw bits), at three shapes (``--shapes``; default all):
-B=1 T=32768 H=16 K=V=128, B=8 T=4096 H=16 K=V=128, B=1 T=32768 H=32 K=V=64. Per shape, in one process, two
-input sets alternating, CUDA events, warm-up excluded, median of ``--repeats``:
+Issues 14's and 29's table in one run, bf16 (raw bits), at five shapes (``--shapes``; default all):
+B=1 T=32768 H=16 K=V=128, B=8 T=4096 H=16 K=V=128, B=1 T=32768 H=32 K=V=64, and flash-linear-attention's GLA layer
+heads B=1 T=32768 H=4 K=256 V=512 and B=1 T=32768 H=8 K=128 V=256 (the tiled tensor-core kernels). Per shape, in one
+process, two input sets alternating, CUDA events, warm-up excluded, median of ``--repeats``:
 
 - ours: forward (``hpczeco.gpu.gla.chunk_gla``, the default chunk-parallel tensor-core kernels), forward+backward
   with the forward's chunk states reused (``chunk_gla_prepare`` / ``chunk_gla_bwd_prepare(fwd=)``) and with them
   recomputed (``chunk_gla`` then ``chunk_gla_bwd``); each kernel alone (walks, segment scans, output kernel, fused
   backward); a check against the simt kernels on the same inputs;
 - flash-linear-attention 0.6 ``chunk_gla`` forward and forward+backward (autograd), unless ``--no-fla`` or it does
-  not import; its first forward+backward per (K, V) autotunes (~150 s; keep Triton's cache between runs);
+  not import; its first forward+backward per (K, V) autotunes (~150 s; keep Triton's cache between runs); beside it,
+  interleaved with it on the same torch tensors, ours through ``hpczeco.torch.chunk_gla`` (autograd), and the peak
+  memory of each forward+backward above the inputs (``torch.cuda.max_memory_allocated``: ours allocates from torch's
+  caching allocator under ``hpczeco.torch``, so the counter has all of it; CuPy's pool growth is recorded too);
 - bytes: the memory floor (inputs read once, outputs written once) and the bytes our kernels move
-  (:func:`hpczeco.gpu.gla_tc_states.traffic`), each over the measured copy bandwidth.
+  (:func:`hpczeco.gpu.gla_tc_states.traffic`: device memory, and through L2 with every repeated read), each over the
+  measured copy bandwidth; the tensor-core FLOP of each kernel (:func:`~hpczeco.gpu.gla_tc_states.mma_flops`).
 
 ``--variants`` (comma list or ``all``) times builds of the same kernels at the first shape: ``walk1`` (the former 64
 x 64 state walk), ``walk1-ctas2`` / ``walk1-ctas4`` (it with ``-DGW_MIN_CTAS=2`` / ``4``), ``nc2`` / ``nc05`` (chunks
 per segment x2 / x0.5), ``f32`` (fp32 chunk states), ``out1`` / ``out2`` (the output kernel ``glatc_fwd_wide`` /
-``glatc_fwd_out``, whichever is not the default at that KM); each is checked against the default build.
-``--grid`` adds the accuracy table on flash-linear-attention's test grid (tests/ops/test_gla.py there: q, k, v, h0 ~
-U[0, 1), g = logsigmoid(U[0, 1)) / normaliser, do, dht ~ N(0, 1); T = 1, 63, 777, 1000, 1024, 2048; K = 60 (simt
-path), 64, 128 with V = 64, 128; normaliser 0.1, 1, 10; B = H = 2): ours and fla's RMS error ratios against a float64
-recurrence on the GPU, the targets (o <= 4e-3, final state and gradients <= 5e-3) and ``ours <= 1.5 x fla + 1e-4``.
+``glatc_fwd_out``, whichever is not the default at that KM), ``tiled`` (the large-head kernels ``glatc_fwd_vt``,
+``glatc_bwd_kt`` + ``glatc_bwd_vt`` on a head up to 128), ``vpc1`` (one V tile per CTA of the tiled kernels, each
+recomputing its chunk's scores), ``kt64`` (the tiled backward with K tiles of 64: two CTAs per SM); each is checked
+against the default build. ``--grid`` adds the accuracy table on flash-linear-attention's test grid
+(tests/ops/test_gla.py there: q, k, v, h0 ~ U[0, 1), g = logsigmoid(U[0, 1)) / normaliser, do, dht ~ N(0, 1); T = 1,
+63, 777, 1000, 1024, 2048; K = 60 (simt path), 64, 128 with V = 64, 128, and K = 256 with V = 512, K = 128 with
+V = 256; normaliser 0.1, 1, 10; B = H = 2): ours and fla's RMS error ratios against a float64 recurrence on the GPU,
+the targets (o <= 4e-3, final state and gradients <= 5e-3) and ``ours <= 1.5 x fla + 1e-4``.
 
 ``--check`` runs the device checks first (:mod:`hpczeco.drivers.gpu_gla_checks`: small shapes in bf16 and fp16, the
 two-slice ZeCO composition, the device's float64 recurrence, each against float64 on the host; with ``--variants``,
 each variant build on a small shape as well), table ``device_checks``, exit status 1 if one fails. ``--impls`` adds
-the timings of other ``impl=`` values of :mod:`hpczeco.gpu.gla` (e.g. ``tc,simt``) beside the default path.
+the timings of other ``impl=`` values of :mod:`hpczeco.gpu.gla` (e.g. ``simt``) beside the default path.
 
 Every step is guarded: a failure is recorded with its reason and the run goes on. The table prints last. Results:
 ``--out``/gpu_gla.json and one CSV per table (timings, summary, variants, grid, device_checks), rewritten after every
@@ -35,6 +43,7 @@ row. Correctness is tested by ``pytest -m gpu tests/test_gpu_gla*.py``; this is 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import sys
 import time
@@ -47,12 +56,13 @@ from . import benchkit
 from .gpu_gla_checks import NAMES, TARGET, recurrence64, rel
 
 STEM = "gpu_gla"
-SHAPES = {"0": (1, 32768, 16, 128, 128), "1": (8, 4096, 16, 128, 128), "2": (1, 32768, 32, 64, 64)}
+SHAPES = {"0": (1, 32768, 16, 128, 128), "1": (8, 4096, 16, 128, 128), "2": (1, 32768, 32, 64, 64),
+          "3": (1, 32768, 4, 256, 512), "4": (1, 32768, 8, 128, 256)}
 GRID_T = (1, 63, 777, 1000, 1024, 2048)
-GRID_KV = ((60, 64), (60, 128), (64, 64), (64, 128), (128, 64), (128, 128))
+GRID_KV = ((60, 64), (60, 128), (64, 64), (64, 128), (128, 64), (128, 128), (256, 512), (128, 256))
 GRID_GN = (0.1, 1.0, 10.0)
 VS_FLA, VS_FLA_SLACK = 1.5, 1e-4  # ours <= 1.5 x fla + 1e-4 (RMS error ratios)
-VARIANTS = ("walk1", "walk1-ctas2", "walk1-ctas4", "nc2", "nc05", "f32", "out1", "out2")
+VARIANTS = ("walk1", "walk1-ctas2", "walk1-ctas4", "nc2", "nc05", "f32", "out1", "out2", "tiled", "vpc1", "kt64")
 COPY_BYTES = 1 << 30  # the device copy that measures the bandwidth the floors are divided by
 
 
@@ -63,9 +73,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/gpu_gla", help="folder for the JSON/CSV results")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock, printed)")
     p.add_argument("--repeats", type=int, default=20, help="timed repetitions (median)")
-    p.add_argument("--shapes", default="0,1,2",
+    p.add_argument("--shapes", default="0,1,2,3,4",
                    help="comma list of shapes: 0 = B1 T32768 H16 K=V=128, 1 = B8 T4096 H16 K=V=128, "
-                        "2 = B1 T32768 H32 K=V=64, or BxTxHxKxV")  # fmt: skip
+                        "2 = B1 T32768 H32 K=V=64, 3 = B1 T32768 H4 K256 V512, 4 = B1 T32768 H8 K128 V256, "
+                        "or BxTxHxKxV")  # fmt: skip
     p.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention")
     p.add_argument("--grid", action="store_true", help="accuracy on fla's test grid (ours and fla vs float64)")
     p.add_argument("--grid-kv", default="", help="restrict the grid's (K, V) pairs, e.g. '64x64,128x128'")
@@ -242,7 +253,7 @@ class Bench:
         from hpczeco.gpu.gla_common import RUNTIME, kernel_group, kernel_names  # noqa: PLC0415
 
         rt = RUNTIME.get()
-        for file in ("gla_tc_states.cu", "gla_fwd_tc.cu", "gla_bwd_tc.cu", "gla_kernels.cu"):  # what the run uses
+        for file in ("gla_tc_states.cu", "gla_fwd_tc.cu", "gla_bwd_tc.cu", "gla_tc_large.cu", "gla_kernels.cu"):
             for group in ("common", "bf16"):
                 names = [n for n in kernel_names(file) if kernel_group(n) == group]
                 if not names:
@@ -392,8 +403,13 @@ class Bench:
         S0 = cp.asarray(np.random.default_rng(self.seed).standard_normal((B, H, K, V)).astype(np.float32))
         walks = Only(rt, lambda n: n.startswith("glatc_walk"))
         scans = Only(rt, lambda n: n == "glatc_scan")
-        vm = tcs.km_of(16, V)
-        moved = tcs.traffic(geo)
+        vm = tcs.walk_vm(V)
+        moved, l2, flops = tcs.traffic(geo), tcs.traffic(geo, through_l2=True), tcs.mma_flops(geo)
+
+        def part(prefix):  # the backward plan launching only the kernels named prefix...
+            plan = copy.copy(bplan)
+            plan._rt = Only(rt, lambda n: n.startswith(prefix))
+            return plan
         pieces = {
             "walk": (f"walk ({tcs.walk_name('bf16', False, False, geo.walk, vm)})",
                      lambda: tcs.state_pass(walks, geo, k, v, g, False)),
@@ -403,15 +419,21 @@ class Bench:
                          lambda: tcs.state_pass(walks, geo, q, do, g, True, scale, fplan.states.gseg)),
             "scan_rev": ("reverse segment scan", lambda: tcs.state_pass(scans, geo, q, do, g, True, scale,
                                                                        fplan.states.gseg)),
-            "bwd": ("fused backward (glatc_bwd)", lambda: bplan.finish()),
-            "bwd_h0_dht": ("fused backward with h0 and dht (+2 glatc_combine)", lambda: bplan.finish(S0, S0)),
+            "bwd": ("fused backward (glatc_bwd)" if geo.bwd == 1 else "tiled backward (glatc_bwd_kt + glatc_bwd_vt)",
+                    lambda: bplan.finish()),
+            "bwd_h0_dht": ("backward with h0 and dht (+2 glatc_combine)", lambda: bplan.finish(S0, S0)),
             "fwd_prepare": ("forward prepare (walk + scan)", lambda: gla_fwd_tc.fwd_tc_prepare(rt, q, k, v, g, scale)),
         }  # fmt: skip
+        if geo.bwd == 2:
+            kt, vt = (part(p) for p in ("glatc_bwd_kt", "glatc_bwd_vt"))
+            pieces["bwd_kt"] = ("  dq, dk, dg (glatc_bwd_kt)", lambda: kt.finish())
+            pieces["bwd_vt"] = ("  dv (glatc_bwd_vt)", lambda: vt.finish())
         bw = self.copy_Bps or 4.1e12
         for key, (name, fn) in pieces.items():
             extra = {}
             if key in moved:
-                extra = {"GB": round(moved[key] / 1e9, 3), "floor_ms": round(moved[key] / bw * 1e3, 3)}
+                extra = {"GB": round(moved[key] / 1e9, 3), "floor_ms": round(moved[key] / bw * 1e3, 3),
+                         "L2_GB": round(l2[key] / 1e9, 3), "GFLOP": round(flops[key] / 1e9, 2)}
             row[f"kernel {key}"] = self.guarded(f"  {name} [{tag}]", lambda fn=fn: self.ev(lambda i: fn(), sets=1),
                                                 table="kernels", **extra)  # fmt: skip
 
@@ -443,6 +465,7 @@ class Bench:
         row["fla first fwd+bwd s"] = round(time.time() - t1, 1)
         row["fla fwd+bwd"] = self.guarded(f"fla chunk_gla fwd+bwd [{tag}]", lambda: self.ev(fla_fb),
                                           first_call_s=row["fla first fwd+bwd s"])  # fmt: skip
+        self.step(f"ours through hpczeco.torch vs fla {tag}", lambda: self.torch_vs_fla(shape, tsets, gsets, row))
 
         def vs_fla():
             from hpczeco.gpu import gla as G  # noqa: PLC0415
@@ -453,6 +476,54 @@ class Bench:
             row["o vs fla"] = rel(cp, o, cp.from_dlpack(of.detach().float().contiguous()))
 
         self.step(f"ours vs fla o {tag}", vs_fla)
+
+    def torch_vs_fla(self, shape, tsets, gsets, row) -> None:
+        """Ours through ``hpczeco.torch.chunk_gla`` and fla's ``chunk_gla``, both autograd on the same torch tensors,
+        timed interleaved (CUDA events on torch's stream, median), and the peak memory of each forward+backward above
+        what is allocated before it (torch's counter; CuPy's pool growth beside it)."""
+        import hpczeco.torch as ht  # noqa: PLC0415
+
+        from .bench_torch import time_cuda  # noqa: PLC0415
+
+        torch, fla, cp = self.torch, self.fla, self.cp
+        tag = tag_of(shape)
+        scale = shape[3] ** -0.5
+
+        def fwd(fn, i):
+            t = tsets[i % 2]
+            return fn(t["q"], t["k"], t["v"], t["g"], scale=scale, output_final_state=False)
+
+        def fwd_bwd(fn, i):
+            d = gsets[i % 2]
+            o, _ = fn(d["q"], d["k"], d["v"], d["g"], scale=scale, output_final_state=False)
+            torch.autograd.backward(o, d["do"])
+            for n in ("q", "k", "v", "g"):
+                d[n].grad = None
+
+        calls = {"ours torch fwd": lambda: fwd(ht.chunk_gla, 0), "fla fwd (interleaved)": lambda: fwd(fla, 0),
+                 "ours torch fwd+bwd": lambda: fwd_bwd(ht.chunk_gla, 0),
+                 "fla fwd+bwd (interleaved)": lambda: fwd_bwd(fla, 0)}  # fmt: skip
+        times = time_cuda(calls, repeats=self.reps, warmup=3)
+        for name, sec in times.items():
+            row[name] = sec * 1e3
+            self.rec.timing(f"{name} [{tag}]", sec * 1e3)
+        pool = cp.get_default_memory_pool()
+        for name, fn in (("ours", ht.chunk_gla), ("fla", fla)):
+            torch.cuda.synchronize()
+            pool.free_all_blocks()
+            cupy_before = pool.total_bytes()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            fwd_bwd(fn, 0)
+            torch.cuda.synchronize()
+            row[f"{name} peak MB fwd+bwd"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+            row[f"{name} CuPy pool MB"] = (pool.total_bytes() - cupy_before) / 2**20
+        for key in ("fwd", "fwd+bwd"):
+            ours, theirs = row.get(f"ours torch {key}"), row.get(f"fla {key} (interleaved)")
+            if ours and theirs:
+                row[f"ours torch/fla {key}"] = ours / theirs
+        self.rec.record({"shape": tag, **{k: v for k, v in row.items() if "torch" in k or "peak" in k
+                                          or "interleaved" in k or "pool" in k}}, table="torch")  # fmt: skip
 
     # -------------------------------------------------------------------- variants
     def run_variants(self, shape) -> None:
@@ -472,7 +543,8 @@ class Bench:
         table = {"default": ((), {}), "walk1": ((), {"walk": 1}), "walk1-ctas2": (("GW_MIN_CTAS=2",), {"walk": 1}),
                  "walk1-ctas4": (("GW_MIN_CTAS=4",), {"walk": 1}),
                  "nc2": ((), {"nc": 2 * NC}), "nc05": ((), {"nc": max(1, NC // 2)}), "f32": ((), {"f32_states": True}),
-                 "out1": ((), {"out": 1}), "out2": ((), {"out": 2})}
+                 "out1": ((), {"out": 1}), "out2": ((), {"out": 2}), "tiled": ((), {"out": 3, "bwd": 2}),
+                 "vpc1": ((), {"vpc": 1}), "kt64": ((), {"bwd": 2, "ktile": 64})}
         qkvg = [sets[0][n] for n in ("q", "k", "v", "g")]
         base = None
         for vname in ["default"] + [v for v in names if v in table]:
@@ -583,6 +655,21 @@ class Bench:
                          f"{fmt(r.get('ours/fla fwd'), 6, 2)} {fmt(r.get('ours fwd+bwd'))} {fmt(r.get('fla fwd+bwd'))} "
                          f"{fmt(r.get('ours/fla fwd+bwd'), 6, 2)} {fmt(r.get('ours fwd+bwd (recomputed)'), 10)}")
         lines.append("targets (issue 14): fwd ratio <= 0.8, fwd+bwd ratio <= 1.0")
+        if any("ours torch fwd" in r for r in self.summary.values()):
+            lines += ["", "through autograd on the same torch tensors, interleaved (hpczeco.torch.chunk_gla vs fla "
+                      "chunk_gla; peak: torch.cuda.max_memory_allocated above the inputs, MB):",
+                      f"{'shape':32s} {'ours fwd':>9s} {'fla fwd':>9s} {'ratio':>6s} {'ours f+b':>9s} {'fla f+b':>9s} "
+                      f"{'ratio':>6s} {'ours peak':>10s} {'fla peak':>10s} {'CuPy pool':>10s}"]
+            for tag, r in self.summary.items():
+                if "ours torch fwd" not in r:
+                    continue
+                lines.append(f"{tag:32s} {fmt(r.get('ours torch fwd'))} {fmt(r.get('fla fwd (interleaved)'))} "
+                             f"{fmt(r.get('ours torch/fla fwd'), 6, 2)} {fmt(r.get('ours torch fwd+bwd'))} "
+                             f"{fmt(r.get('fla fwd+bwd (interleaved)'))} {fmt(r.get('ours torch/fla fwd+bwd'), 6, 2)} "
+                             f"{fmt(r.get('ours peak MB fwd+bwd'), 10, 0)} {fmt(r.get('fla peak MB fwd+bwd'), 10, 0)} "
+                             f"{fmt(r.get('ours CuPy pool MB'), 10, 0)}")
+            lines.append("targets (issue 29): fwd <= 0.5 (K=V=128), 0.45 (K=V=64), 0.8 (K=256 V=512, K=128 V=256); "
+                         "fwd+bwd <= 0.6, 0.45, 0.8; peak <= fla's")
         lines.append("")
         lines.append(f"{'shape':32s} {'floor fwd':>10s} {'moved fwd':>10s} {'floor f+b':>10s} {'moved f+b':>10s}"
                      "   (GB; ms at the measured copy bandwidth)")
@@ -603,6 +690,7 @@ class Bench:
             for k in kernels:
                 ms = "n/a" if k.get("median_ms") is None else f"{k['median_ms']:8.3f}"
                 extra = f"  {k['GB']:6.3f} GB  floor {k['floor_ms']:6.3f}" if "GB" in k else ""
+                extra += f"  L2 {k['L2_GB']:6.3f} GB  {k['GFLOP']:6.1f} GFLOP" if "L2_GB" in k else ""
                 lines.append(f"  {k['name']:75s} {ms}{extra}")
         var = self.rec.tables.get("variants", [])
         if var:

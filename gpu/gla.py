@@ -16,7 +16,8 @@ to -8 per token and beyond are safe.
 
 Implementations (``impl``), same results to rounding:
 
-- ``"tc-chunk"`` (bf16/fp16, K and V multiples of 16 up to 128, chunk size 64, 16-byte aligned inputs): the
+- ``"tc-chunk"`` (bf16/fp16, K and V multiples of 16, K up to 256 and V up to 512, chunk size 64, 16-byte aligned
+  inputs): the
   chunk-parallel tensor-core kernels (``mma.sync`` bf16/fp16 -> fp32; :mod:`.gla_fwd_tc`, :mod:`.gla_bwd_tc`):
   state walks over segments of chunks, a segment scan, then one CTA per chunk for ``o`` (forward) or for
   dq, dk, dv, dg together (backward); see docs/benchmarks/gla_tc_design.md;
@@ -35,6 +36,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..base.checks import check_chunk_size, check_scale
+from . import gla_tc_states
 from .gla_bwd_tc import BwdTC
 from .gla_common import (
     KERNELS,  # noqa: F401 - re-exported
@@ -52,7 +54,6 @@ from .gla_common import (
     state32,
     state64,
     state_scan,
-    tc_applies,
     warn_once,
 )
 from .gla_fwd_tc import FwdTC
@@ -100,11 +101,12 @@ def _numba() -> Any:
     return gla_numba
 
 
-def _chunk_tc_built(rt: Any, t: str, backward: bool) -> bool:
-    """The chunk-parallel tensor-core modules this call needs compile (NVRTC; the emulation has them all)."""
+def _chunk_tc_built(rt: Any, t: str, backward: bool, large: bool = False) -> bool:
+    """The chunk-parallel tensor-core modules this call needs compile (NVRTC; the emulation has them all); ``large``:
+    K or V above 128 (the tiled kernels of gla_tc_large.cu)."""
     group = t + ("-f32s" if t == "f16" else "")  # fp16 keeps fp32 chunk states (gla_tc_states.geometry)
-    needs = (("gla_tc_states.cu", "common"), ("gla_tc_states.cu", group),
-             ("gla_bwd_tc.cu" if backward else "gla_fwd_tc.cu", group))  # fmt: skip
+    chunk_file = "gla_tc_large.cu" if large else ("gla_bwd_tc.cu" if backward else "gla_fwd_tc.cu")
+    needs = (("gla_tc_states.cu", "common"), ("gla_tc_states.cu", group), (chunk_file, group))
     for file, grp in needs:
         if not rt.available(file, grp):
             warn_once(f"chunk-parallel tensor-core GLA kernels unavailable ({file} [{grp}]: "
@@ -124,20 +126,21 @@ def _pick(rt: Any, impl: str, allowed: tuple[str, ...], t: str, K: int, V: int, 
         return "numba"
     if impl == "simt":
         return impl
-    applies = tc_applies(t, K, V, C)
+    # the chunk-parallel kernels: K up to 256, V up to 512 (gla_tc_states)
+    applies = C == 64 and gla_tc_states.applies(t, K, V)
     aligned = all(rt.ptr(x) % 16 == 0 for x in arrays)  # the tensor-core kernels load 16 bytes at a time
     if impl != "auto":
         if not applies:
             raise ValueError(
-                f"impl={impl!r} needs bf16/fp16 inputs, K and V multiples of 16 up to 128 and chunk_size 64 "
-                f"(got {t}, K={K}, V={V}, chunk_size={C})"
+                f"impl={impl!r} needs bf16/fp16 inputs, K and V multiples of 16 (K up to 256, V up to 512) and "
+                f"chunk_size 64 (got {t}, K={K}, V={V}, chunk_size={C})"
             )
         if not aligned:
             raise ValueError(f"impl={impl!r} needs input arrays whose data pointers are 16-byte aligned")
         return impl
     if not (applies and aligned):
         return "simt"
-    if _chunk_tc_built(rt, t, backward):
+    if _chunk_tc_built(rt, t, backward, max(K, V) > 128):
         return "tc-chunk"
     return "simt"
 

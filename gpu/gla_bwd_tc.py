@@ -2,12 +2,14 @@
 
 Same semantics as :func:`hpczeco.gpu.gla.chunk_gla_bwd`: gradients of ``sum(o * do) + sum(S_T * dht)``;
 ``dq, dk, dg [B, T, H, K]`` and ``dv [B, T, H, V]`` in the input dtype, ``dh0 [B, H, K, V]`` fp32 (always).
-bf16 / fp16 inputs with K, V multiples of 16 up to 128 (see :mod:`.gla_tc_states`).
+bf16 / fp16 inputs with K, V multiples of 16, K up to 256 and V up to 512 (see :mod:`.gla_tc_states`).
 
 :func:`bwd_tc_prepare` runs what needs neither the initial state nor dht: the forward state walk (chunk states
 inside segments), the reverse walk (gradients into chunk ends inside segments, from ``scale (q exp(b))^T do``),
 and both segment scans. :meth:`BwdTC.finish` carries ``initial_state`` and ``dht`` into the segment states and
-runs one fused kernel per chunk (scores, dq, dk, dv and dg, the last without any pass over the whole sequence).
+runs one fused kernel per chunk (scores, dq, dk, dv and dg, the last without any pass over the whole sequence;
+``bwd=1``, K and V up to 128), or two tiled ones (``bwd=2``, the default above 128: ``glatc_bwd_kt`` writes dq, dk,
+dg per chunk and 128 columns of K, ``glatc_bwd_vt`` dv per chunk and 128 columns of V).
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ class BwdTC:
     ``dht = D`` the gradient into the initial state is ``dh0_local + decay * D`` (ZeCO's reverse scan pair).
     Keeps references to the inputs until :meth:`finish`. ``fwd`` (optional): a :class:`FwdTC` of the same
     k, v, g (same arrays: ``ValueError`` otherwise) whose chunk states are reused instead of recomputed (its
-    ``nc``, ``f32_states`` and ``walk`` then apply).
+    ``nc``, ``f32_states``, ``walk``, ``bwd``, ``vpc`` and ``ktile`` then apply).
     """
 
     def __init__(self, rt: Any, q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None = None, *,
                  nc: int | None = None, f32_states: bool | None = None, walk: int | None = None,
+                 bwd: int | None = None, vpc: int | None = None, ktile: int | None = None,
                  fwd: Any = None):  # fmt: skip
         B, T, H, K, V, t = st.check_inputs(rt, q, k, v, g, do)
         self._rt, self._arrays = rt, (q, k, v, g, do)
@@ -42,7 +45,7 @@ class BwdTC:
                 raise ValueError("fwd is the forward of other arrays than these k, v, g: its chunk states do not apply")
             self.geo, self.fstates = fwd.geo, fwd.states
         else:
-            self.geo = st.geometry(rt, B, T, H, K, V, t, nc, f32_states, walk)
+            self.geo = st.geometry(rt, B, T, H, K, V, t, nc, f32_states, walk, bwd=bwd, vpc=vpc, ktile=ktile)
             self.fstates = st.state_pass(rt, self.geo, k, v, g, reverse=False)
         self.rstates = st.state_pass(rt, self.geo, q, do, g, reverse=True, scale=self.scale, gseg=self.fstates.gseg)
         self.local_final_state = self.fstates.fin.reshape(B, H, K, V)
@@ -61,20 +64,37 @@ class BwdTC:
         dk = xp.empty(q.shape, dtype=q.dtype)
         dg = xp.empty(q.shape, dtype=q.dtype)
         dv = xp.empty(v.shape, dtype=q.dtype)
-        rt.launch(
-            st.bwd_name(geo.t, geo.km, geo.f32_states), (geo.NT, geo.BH), (st.CHUNK_THREADS,),
-            (q, k, v, g, do, self.fstates.Hc, Sf, self.fstates.pc, self.rstates.Hc, Df, self.rstates.pc,
-             dq, dk, dv, dg, st.f32(self.scale)) + geo.dims()
-            + (st.i32(geo.NC), st.i32(geo.NT), st.f32(st.SPAN_LIMIT[geo.t])),
-            shared_mem=st.smem_bwd(geo.km),
-        )  # fmt: skip
+        tail = geo.dims() + (st.i32(geo.NC), st.i32(geo.NT), st.f32(st.SPAN_LIMIT[geo.t]))
+        if geo.bwd == 1:
+            rt.launch(
+                st.bwd_name(geo.t, geo.km, geo.f32_states), (geo.NT, geo.BH), (st.CHUNK_THREADS,),
+                (q, k, v, g, do, self.fstates.Hc, Sf, self.fstates.pc, self.rstates.Hc, Df, self.rstates.pc,
+                 dq, dk, dv, dg, st.f32(self.scale)) + tail,
+                shared_mem=st.smem_bwd(geo.km),
+            )  # fmt: skip
+        else:  # tiled: dq, dk, dg per (K tile, chunk); dv per (V tile, chunk); blockIdx.x = tile + tiles * chunk
+            kt, vt = st.bwd_tiled_names(geo.t, geo.f32_states, geo.ktile)
+            smem_kt, smem_vt = st.smem_bwd_tiled(geo.ktile)
+            rt.launch(
+                kt, (-(-geo.K // geo.ktile) * geo.NT, geo.BH), (st.CHUNK_THREADS,),
+                (q, k, v, g, do, self.fstates.Hc, Sf, self.fstates.pc, self.rstates.Hc, Df, self.rstates.pc,
+                 dq, dk, dg, st.f32(self.scale)) + tail,
+                shared_mem=smem_kt,
+            )  # fmt: skip
+            rt.launch(
+                vt, (geo.v_groups * geo.NT, geo.BH), (st.CHUNK_THREADS,),
+                (q, k, g, do, self.rstates.Hc, Df, self.rstates.pc, dv, st.f32(self.scale)) + tail
+                + (st.i32(geo.vpc),),
+                shared_mem=smem_vt,
+            )  # fmt: skip
         dh0 = self.dh0_local.copy() if D is None else self.dh0_local + self.decay[..., None] * D
         return dq, dk, dv, dg, dh0
 
 
 def bwd_tc_prepare(rt: Any, q: Any, k: Any, v: Any, g: Any, do: Any, scale: float | None = None,
                    **opts: Any) -> BwdTC:  # fmt: skip
-    """The state passes of the backward; see :class:`BwdTC` (``opts``: ``nc``, ``f32_states``, ``walk``, ``fwd``)."""
+    """The state passes of the backward; see :class:`BwdTC` (``opts``: ``nc``, ``f32_states``, ``walk``, ``bwd``,
+    ``vpc``, ``ktile``, ``fwd``)."""
     return BwdTC(rt, q, k, v, g, do, scale, **opts)
 
 

@@ -159,11 +159,6 @@ def state64(x, rt):
     return None if x is None else rt.xp.ascontiguousarray(x, dtype=rt.xp.float64)
 
 
-def tc_applies(t: str, K: int, V: int, C: int) -> bool:
-    """The tensor-core kernels apply: 16-bit inputs, K and V multiples of 16 up to 128, chunk 64."""
-    return t in ("bf16", "f16") and K % 16 == 0 and V % 16 == 0 and K <= 128 and V <= 128 and C == 64
-
-
 # ---------------------------------------------------------------------------------------------- simt passes
 
 

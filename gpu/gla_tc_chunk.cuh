@@ -255,6 +255,19 @@ struct GtLayout {
   static constexpr int O_Z = O_AS + 2 * A64;  // Qh, Kh, Qh lo, Kh lo (64 rows each), Ko (96) [Qe, h] [bs]
   static constexpr int O_SMALL = O_Z + O_ZSIZE;
   static constexpr int O_TOTAL = O_SMALL + (8 * KM + 4) * 4;  // R[4][KM], E[4][KM], sp[4]
+  // the V-tiled kernels of large heads (gla_tc_large.cu: glatc_fwd_vt, glatc_bwd_vt) use the lean layout O_*: the
+  // tile of v (or do) at O_V, A at O_AS, the zone for one half-piece's score operands, then for a piece's left
+  // operand [64][P] and state tile [KM][P]. The K-tiled backward glatc_bwd_kt (dq, dk, dg of KM columns of K, V in
+  // pieces of KM columns):
+  static constexpr int K_BS = 0;
+  static constexpr int K_QR = K_BS + F64;  // raw q
+  static constexpr int K_KR = K_QR + T64;  // raw k
+  static constexpr int K_Z1 = 2 * T64 + 2 * TK, K_Z2 = 224 * P * 2;
+  static constexpr int K_ZSIZE = K_Z1 > K_Z2 ? (K_Z1 > F64 ? K_Z1 : F64) : (K_Z2 > F64 ? K_Z2 : F64);
+  static constexpr int K_Z = K_KR + T64;  // v, do, h, dS of a V piece  [Qh, Kh, Ko]  [dG fp32]
+  static constexpr int K_DAS = K_Z + K_ZSIZE;  // dA' hi, lo
+  static constexpr int K_SMALL = K_DAS + 2 * A64;
+  static constexpr int K_TOTAL = K_SMALL + SMALL;
 };
 
 // the chunk's rows of q, k, g (raw, to registers: rows qr + 16 I, columns c0 ..) and of v (to Vs, row stride P),

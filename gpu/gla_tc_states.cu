@@ -9,7 +9,7 @@
 //                             (b: inclusive cumulative gate inside the chunk, bL its last row) and at the end
 //                             Sseg[s] = S (fp32); gseg[s] = the segment's log decay; pc[c] = log decay between the
 //                             segment boundary and chunk c (forward: before c; reverse: after c).
-//   glatc_walk2<T, REV, F32S, VM>  the same outputs, one CTA per (64 rows of K, segment, bh) over all of V <= VM,
+//   glatc_walk2<T, REV, F32S, VM>  the same outputs, one CTA per (64 rows of K, VM columns of V, segment, bh),
 //                             inputs by cp.async in two stages, no shuffles (the default; glatc_walk: walk=1)
 //   glatc_scan                in place over segments: Sseg[s] <- state entering segment s (reverse: gradient into
 //                             its end) from a zero start; fin = the state after the last one; dec = exp of the
@@ -217,11 +217,12 @@ __global__ void __launch_bounds__(GW_THREADS, GW_MIN_CTAS) glatc_walk(const T* _
   }
 }
 
-// ---- glatc_walk2: the same walk, one CTA per (64 rows of K, segment, bh) over all of V (<= VM), 256 threads ------
+// ---- glatc_walk2: the same walk, one CTA per (64 rows of K, tile of VM columns of V, segment, bh), 256 threads ----
 // Inputs land in shared memory by cp.async, two stages (the next chunk's tiles load during this chunk's work), so
 // no thread holds prefetched data in registers. The cumulative gate is sequential per thread (rows 8 w .. 8 w + 7 of
 // columns 2 lane, 2 lane + 1; warp totals exchanged through shared memory), no shuffles; the decayed left operand
-// is computed once for all of V (glatc_walk: once per 64-column tile of V). Outputs as glatc_walk.
+// is computed once per tile of VM columns (all of V up to VM; glatc_walk: once per 64-column tile of V). blockIdx.x
+// = K tile + (K tiles) * V tile; the CTAs of the first V tile write pc and gseg. Outputs as glatc_walk.
 #define GW2_THREADS 256
 
 template <int VM>
@@ -266,10 +267,13 @@ __global__ void __launch_bounds__(GW2_THREADS, VM == 64 ? 3 : 2)
   u16* Sb = reinterpret_cast<u16*>(smem + L::SB);
   float* tot = reinterpret_cast<float*>(smem + L::TOT);
   float* bLs = reinterpret_cast<float*>(smem + L::BL);
-  const int tk = blockIdx.x, seg = blockIdx.y, bh = blockIdx.z, b = bh / H, h = bh % H;
-  const int k0 = 64 * tk, Kt = min(64, K - k0);
+  const int nkt = (K + 63) / 64;  // VM 64 serves V <= 64 only: one V tile
+  const int tk = VM == 64 ? blockIdx.x : blockIdx.x % nkt, tv = VM == 64 ? 0 : blockIdx.x / nkt;
+  const int seg = blockIdx.y, bh = blockIdx.z, b = bh / H, h = bh % H;
+  const int k0 = 64 * tk, Kt = min(64, K - k0), v0 = VM * tv, Vt = VM == 64 ? V : min(VM, V - v0);
   const int tid = threadIdx.x, w = tid / 32, lane = tid % 32, gid = lane >> 2, tig = lane & 3;
-  const int mr = 16 * (w & 3), nc0 = (VM / 2) * (w >> 2);  // the warp's state rows and first column
+  const int mr = 16 * (w & 3), nc0 = (VM / 2) * (w >> 2);  // the warp's state rows and first column (in the tile)
+  const bool first_v = tv == 0;  // writes pc and gseg
   const bool mma_rows = mr < Kt;
   const int kc = 2 * lane;  // elementwise: rows 8 w .. 8 w + 7, columns kc, kc + 1 of the tile
   const int cb = seg * NC, ce = min(NT, cb + NC), nch = ce - cb;
@@ -284,7 +288,7 @@ __global__ void __launch_bounds__(GW2_THREADS, VM == 64 ? 3 : 2)
     const int t0 = 64 * c, len = min(64, Tlen - t0);
     gw2_load_tile<T, 64>(base, L::LP, left, b, h, t0, len, Tlen, H, K, k0, Kt);
     gw2_load_tile<T, 64>(base + 64 * L::LP, L::LP, g, b, h, t0, len, Tlen, H, K, k0, Kt);
-    gw2_load_tile<T, VM>(base + 2 * 64 * L::LP, L::RP, right, b, h, t0, len, Tlen, H, V, 0, V);
+    gw2_load_tile<T, VM>(base + 2 * 64 * L::LP, L::RP, right, b, h, t0, len, Tlen, H, V, v0, Vt);
     gt_cp_commit();
   };
   if (nch > 0) issue(REV ? ce - 1 : cb, 0);
@@ -303,9 +307,9 @@ __global__ void __launch_bounds__(GW2_THREADS, VM == 64 ? 3 : 2)
 #pragma unroll
       for (int nt = 0; nt < NTL; ++nt) {
         const int col = nc0 + 8 * nt + 2 * tig, r = mr + gid;
-        if (col < V) {
+        if (col < Vt) {
           if constexpr (F32S) {
-            float* Ho = reinterpret_cast<float*>(Hout) + hbase + (i64)(k0 + r) * V + col;
+            float* Ho = reinterpret_cast<float*>(Hout) + hbase + (i64)(k0 + r) * V + v0 + col;
             if (r < Kt) *reinterpret_cast<F2*>(Ho) = F2{sacc[nt][0], sacc[nt][1]};
             if (r + 8 < Kt) *reinterpret_cast<F2*>(Ho + 8 * V) = F2{sacc[nt][2], sacc[nt][3]};
           } else {
@@ -360,7 +364,7 @@ __global__ void __launch_bounds__(GW2_THREADS, VM == 64 ? 3 : 2)
       float* pcc = pc + ((i64)bh * NT + c) * K + k0 + kc;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        if (kc + j < Kt) pcc[j] = run[j];
+        if (first_v && kc + j < Kt) pcc[j] = run[j];
         run[j] += bL[j];
       }
     }
@@ -370,8 +374,8 @@ __global__ void __launch_bounds__(GW2_THREADS, VM == 64 ? 3 : 2)
 #pragma unroll
       for (int i = 0; i < 64 * CPR / GW2_THREADS; ++i) {
         const int e = tid + GW2_THREADS * i, r = e / CPR, cc = 8 * (e % CPR);
-        if (r < Kt && cc < V)
-          gt_st16(reinterpret_cast<u16*>(Hout) + hbase + (i64)(k0 + r) * V + cc, ld16(Sb + r * L::RP + cc));
+        if (r < Kt && cc < Vt)
+          gt_st16(reinterpret_cast<u16*>(Hout) + hbase + (i64)(k0 + r) * V + v0 + cc, ld16(Sb + r * L::RP + cc));
       }
     }
     __syncthreads();  // Ls, bLs complete
@@ -391,7 +395,7 @@ __global__ void __launch_bounds__(GW2_THREADS, VM == 64 ? 3 : 2)
         frag_a_trans(a, Ls, L::LP, 16 * ks, mr, lane);
 #pragma unroll
         for (int p = 0; p < NTL / 2; ++p) {
-          if (nc0 + 16 * p < V) {
+          if (nc0 + 16 * p < Vt) {
             u32 b0[2], b1[2];
             frag_b2_rowmajor(b0, b1, Rin, L::RP, 16 * ks, nc0 + 16 * p, lane);
             Mma<T>::mma(sacc[2 * p], a, b0);
@@ -406,13 +410,14 @@ __global__ void __launch_bounds__(GW2_THREADS, VM == 64 ? 3 : 2)
 #pragma unroll
     for (int nt = 0; nt < NTL; ++nt) {
       const int col = nc0 + 8 * nt + 2 * tig, r = mr + gid;
-      if (col < V) {
-        if (r < Kt) *reinterpret_cast<F2*>(out + (i64)(k0 + r) * V + col) = F2{sacc[nt][0], sacc[nt][1]};
-        if (r + 8 < Kt) *reinterpret_cast<F2*>(out + (i64)(k0 + r + 8) * V + col) = F2{sacc[nt][2], sacc[nt][3]};
+      if (col < Vt) {
+        if (r < Kt) *reinterpret_cast<F2*>(out + (i64)(k0 + r) * V + v0 + col) = F2{sacc[nt][0], sacc[nt][1]};
+        if (r + 8 < Kt)
+          *reinterpret_cast<F2*>(out + (i64)(k0 + r + 8) * V + v0 + col) = F2{sacc[nt][2], sacc[nt][3]};
       }
     }
   }
-  if (w == 0 && gseg != nullptr) {
+  if (w == 0 && first_v && gseg != nullptr) {
 #pragma unroll
     for (int j = 0; j < 2; ++j)
       if (kc + j < Kt) gseg[((i64)bh * NS + seg) * K + k0 + kc + j] = run[j];

@@ -1,10 +1,12 @@
-"""The chunk-parallel tensor-core GLA kernels (gpu/gla_tc_states.cu, gla_fwd_tc.cu, gla_bwd_tc.cu) in the CPU
-emulation of the CUDA model, through their host modules (hpczeco.gpu.gla_fwd_tc / gla_bwd_tc), on fresh random
-bf16 inputs: against the float64 recurrences (RMS error ratios, the targets of issue 14: o <= 4e-3, final state
-and every gradient <= 5e-3), against the existing simt kernels in the same emulation, and over two slices
-composed as two ZeCO ranks would (prepare, pass the scan pair, finish). Shapes are tiny (every CUDA thread is an
-OS thread): T off the chunk size, T = 1, K != V, both shared-memory layouts (KM 64 and 128), several segments,
-strong gates (the exact diagonal blocks), initial state and dht, 16-bit and fp32 chunk states.
+"""The chunk-parallel tensor-core GLA kernels (gpu/gla_tc_states.cu, gla_fwd_tc.cu, gla_bwd_tc.cu, gla_tc_large.cu)
+in the CPU emulation of the CUDA model, through their host modules (hpczeco.gpu.gla_fwd_tc / gla_bwd_tc), on fresh
+random bf16 inputs: against the float64 recurrences (RMS error ratios, the targets of issues 14 and 29: o <= 4e-3,
+final state and every gradient <= 5e-3), against the existing simt kernels in the same emulation, and over two
+slices composed as two ZeCO ranks would (prepare, pass the scan pair, finish). Shapes are tiny in T (every CUDA
+thread is an OS thread): T off the chunk size, T = 1, K != V, both shared-memory layouts (KM 64 and 128), the tiled
+kernels of large heads (K up to 256, V up to 512: several pieces of K, several tiles of V, partial ones), several
+segments, strong gates (the exact diagonal blocks), initial state and dht, 16-bit and fp32 chunk states, packed
+documents (cu_seqlens).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def _f(x):
     return bf16.from_bits(x) if x.dtype == np.uint16 else x
 
 
-CASES = [  # B, T, H, K, V, strong, nc, f32 states, state walk
+CASES = [  # B, T, H, K, V, strong, nc, f32 states, state walk (K or V above 128: the tiled kernels)
     pytest.param(1, 1, 1, 16, 32, False, None, False, 2, id="T1-K16-V32"),
     pytest.param(1, 70, 2, 32, 48, True, 1, False, 2, id="T70-K32-V48-strong-2seg"),
     pytest.param(2, 130, 1, 64, 16, False, 2, True, 2, id="T130-K64-V16-f32states-2seg"),
@@ -63,28 +65,41 @@ CASES = [  # B, T, H, K, V, strong, nc, f32 states, state walk
     pytest.param(1, 140, 1, 80, 96, False, 2, False, 2, id="T140-K80-V96-2ktiles-2seg"),
     pytest.param(1, 70, 2, 32, 48, True, 1, False, 1, id="walk1-T70-K32-V48-strong-2seg"),
     pytest.param(1, 66, 1, 48, 128, False, None, True, 1, id="walk1-T66-K48-V128-f32states"),
+    pytest.param(1, 70, 1, 256, 512, False, 1, False, 2, id="large-T70-K256-V512-2seg"),
+    pytest.param(1, 131, 2, 128, 256, True, 2, False, 2, id="large-T131-K128-V256-strong-2seg"),
+    pytest.param(1, 66, 1, 256, 64, True, None, True, 2, id="large-T66-K256-V64-strong-f32states"),
+    pytest.param(2, 40, 1, 208, 144, False, None, False, 2, id="large-T40-K208-V144-partial-tiles"),
+    pytest.param(1, 100, 1, 48, 272, True, 1, False, 1, id="large-walk1-T100-K48-V272-strong-2seg"),
 ]
 
 
 def _walk(f32s: bool, V: int, walk: int, reverse: bool = False) -> str:
-    return st.walk_name("bf16", reverse, f32s, walk, st.km_of(16, V))
+    return st.walk_name("bf16", reverse, f32s, walk, st.walk_vm(V))
 
 
-@pytest.mark.timeout(900)
+def _chunk_kernels(K: int, V: int, f32s: bool = False) -> tuple[str, list[str]]:
+    """The default forward output kernel and backward kernels at this head size (the tiled ones above 128)."""
+    if st.large(K, V):
+        return st.fwd_name("bf16", 128, f32s, 3), list(st.bwd_tiled_names("bf16", f32s))
+    km = st.km_of(K, V)
+    return st.fwd_name("bf16", km, f32s), [st.bwd_name("bf16", km, f32s)]
+
+
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("B,T,H,K,V,strong,nc,f32s,walk", CASES)
 def test_forward_backward_match_float64_recurrence(rt, rng, B, T, H, K, V, strong, nc, f32s, walk):
     bits, xs, h0, dht = _inputs(rng, B, T, H, K, V, strong)
     rt.launched.clear()
     o, ht = gla_fwd_tc.fwd_tc(rt, *bits[:4], initial_state=h0, output_final_state=True, nc=nc, f32_states=f32s,
                               walk=walk)
-    km = st.km_of(K, V)
-    assert st.fwd_name("bf16", km, f32s) in rt.launched and _walk(f32s, V, walk) in rt.launched
+    fwd_kernel, bwd_kernels = _chunk_kernels(K, V, f32s)
+    assert fwd_kernel in rt.launched and _walk(f32s, V, walk) in rt.launched
     assert o.dtype == np.uint16 and o.shape == (B, T, H, V) and ht.dtype == np.float32
     ro, rht = recurrent_gla(*xs[:4], initial_state=h0.astype(np.float64), output_final_state=True)
     assert rel(_f(o), ro) < TOL_O, f"o: {rel(_f(o), ro):.2e}"
     assert rel(ht, rht) < TOL_GRAD, f"final state: {rel(ht, rht):.2e}"
     grads = gla_bwd_tc.bwd_tc(rt, *bits, initial_state=h0, dht=dht, nc=nc, f32_states=f32s, walk=walk)
-    assert st.bwd_name("bf16", km, f32s) in rt.launched and _walk(f32s, V, walk, True) in rt.launched
+    assert all(n in rt.launched for n in bwd_kernels) and _walk(f32s, V, walk, True) in rt.launched
     ref = recurrent_gla_bwd(*xs, initial_state=h0.astype(np.float64), dht=dht.astype(np.float64))
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), grads, ref):
         assert a.shape == b.shape, name
@@ -113,7 +128,42 @@ def test_lean_and_wide_output_kernels_agree(rt, rng, B, T, H, K, V, strong, nc):
         assert rel(_f(outs[out]), ro) < TOL_O, f"out={out}: {rel(_f(outs[out]), ro):.2e}"
     assert rel(_f(outs[2]), _f(outs[1])) < 2e-3
     with pytest.raises(ValueError, match="out must be one of"):
-        gla_fwd_tc.fwd_tc(rt, *bits[:4], out=3)
+        gla_fwd_tc.fwd_tc(rt, *bits[:4], out=4)
+
+
+TILED_CASES = [  # B, T, H, K, V, strong, nc: small heads on the tiled kernels (KM 64 and 128 layouts otherwise)
+    pytest.param(2, 130, 1, 64, 32, True, 1, id="T130-K64-V32-strong-3seg"),
+    pytest.param(1, 100, 1, 80, 96, True, 1, id="T100-K80-V96-strong-2seg"),
+]
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("B,T,H,K,V,strong,nc", TILED_CASES)
+def test_tiled_kernels_agree_with_the_one_cta_kernels(rt, rng, B, T, H, K, V, strong, nc):
+    """The kernels of large heads (glatc_fwd_vt: out=3; glatc_bwd_kt + glatc_bwd_vt: bwd=2) on small heads, where the
+    one-CTA-per-chunk kernels (the defaults) run too: both within the targets against the float64 recurrence, and
+    close to each other (they round the same operands; the tiled output sums the scores per piece of K)."""
+    bits, xs, h0, dht = _inputs(rng, B, T, H, K, V, strong)
+    ro, rht = recurrent_gla(*xs[:4], initial_state=h0.astype(np.float64), output_final_state=True)
+    ref = recurrent_gla_bwd(*xs, initial_state=h0.astype(np.float64), dht=dht.astype(np.float64))
+    got = {}
+    for tiled in (False, True):
+        rt.launched.clear()
+        plan = gla_fwd_tc.fwd_tc_prepare(rt, *bits[:4], nc=nc, **({"out": 3, "bwd": 2} if tiled else {}))
+        o, ht = plan.finish(h0, output_final_state=True)
+        grads = gla_bwd_tc.bwd_tc(rt, *bits, initial_state=h0, dht=dht, fwd=plan)
+        kernels = ([st.fwd_name("bf16", 128, False, 3)] + list(st.bwd_tiled_names("bf16", False)) if tiled
+                   else [st.fwd_name("bf16", st.km_of(K, V), False), st.bwd_name("bf16", st.km_of(K, V), False)])
+        assert all(n in rt.launched for n in kernels), (kernels, rt.launched)
+        got[tiled] = (o, ht) + tuple(grads)
+        errs = _errors(got[tiled], (ro, rht) + tuple(ref))
+        assert _within_targets(errs), (tiled, errs)
+    for name, a, b in zip(("o", "ht", "dq", "dk", "dv", "dg", "dh0"), got[True], got[False]):
+        assert rel(_f(a), _f(b)) < 2e-3, name
+    with pytest.raises(ValueError, match="needs out=3"):
+        gla_fwd_tc.fwd_tc_prepare(rt, *_inputs(rng, 1, 8, 1, 16, 144)[0][:4], out=2)
+    with pytest.raises(ValueError, match="needs bwd=2"):
+        gla_bwd_tc.bwd_tc_prepare(rt, *_inputs(rng, 1, 8, 1, 144, 16)[0], bwd=1)
 
 
 @pytest.mark.timeout(900)
@@ -133,10 +183,53 @@ def test_no_initial_state_no_dht_and_fwd_state_reuse(rt, rng):
         assert rel(_f(a), b) < TOL_GRAD, f"{name}: {rel(_f(a), b):.2e}"
 
 
-@pytest.mark.timeout(900)
-def test_prepare_finish_compose_over_two_slices_like_zeco(rt, rng):
+@pytest.mark.timeout(1200)
+def test_tiled_backward_with_k_tiles_of_64(rt, rng):
+    """glatc_bwd_kt with K tiles of 64 (two CTAs per SM; partial tiles and V pieces at K = 144, V = 160) against the
+    float64 recurrence and against the tiles of 128."""
+    B, T, H, K, V = 1, 100, 1, 144, 160
+    bits, xs, h0, dht = _inputs(rng, B, T, H, K, V, strong=True)
+    ref = recurrent_gla_bwd(*xs, initial_state=h0.astype(np.float64), dht=dht.astype(np.float64))
+    got = {}
+    for kt in (64, 128):
+        rt.launched.clear()
+        got[kt] = gla_bwd_tc.bwd_tc(rt, *bits, initial_state=h0, dht=dht, nc=1, ktile=kt)
+        assert st.bwd_tiled_names("bf16", False, kt)[0] in rt.launched
+        errs = {n: rel(_f(a), b) for n, a, b in zip(("dq", "dk", "dv", "dg", "dh0"), got[kt], ref)}
+        assert _within_targets(errs), (kt, errs)
+    for name, a, b in zip(("dq", "dk", "dv", "dg"), got[64], got[128]):
+        assert rel(_f(a), _f(b)) < 2e-3, name
+    with pytest.raises(ValueError, match="ktile"):
+        gla_bwd_tc.bwd_tc_prepare(rt, *bits, ktile=32)
+
+
+@pytest.mark.timeout(1200)
+def test_v_tiles_per_cta_give_the_same_bits(rt, rng):
+    """glatc_fwd_vt / glatc_bwd_vt with 1, 2 or 3 V tiles per CTA (the scores computed once for a CTA's tiles; a
+    partial last group at V = 272 = 2 x 128 + 16): the same o and dv bit for bit, within the targets."""
+    B, T, H, K, V = 1, 70, 1, 48, 272
+    bits, xs, h0, dht = _inputs(rng, B, T, H, K, V, strong=True)
+    ro, _ = recurrent_gla(*xs[:4], initial_state=h0.astype(np.float64))
+    rdv = recurrent_gla_bwd(*xs, initial_state=h0.astype(np.float64), dht=dht.astype(np.float64))[2]
+    got = []
+    for vpc in (1, 2, 3):
+        plan = gla_fwd_tc.fwd_tc_prepare(rt, *bits[:4], nc=1, vpc=vpc)
+        assert plan.geo.vpc == vpc and plan.geo.v_groups == -(-3 // vpc)
+        o, _ = plan.finish(h0)
+        dv = gla_bwd_tc.bwd_tc(rt, *bits, initial_state=h0, dht=dht, fwd=plan)[2]
+        got.append((o, dv))
+    assert rel(_f(got[0][0]), ro) < TOL_O and rel(_f(got[0][1]), rdv) < TOL_GRAD
+    for o, dv in got[1:]:
+        assert np.array_equal(o, got[0][0]) and np.array_equal(dv, got[0][1])
+    with pytest.raises(ValueError, match="vpc"):
+        gla_fwd_tc.fwd_tc_prepare(rt, *bits[:4], vpc=0)
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("T,H,K,V", [(100, 2, 32, 16), (100, 1, 144, 160)], ids=["K32-V16", "large-K144-V160"])
+def test_prepare_finish_compose_over_two_slices_like_zeco(rt, rng, T, H, K, V):
     """Two slices run as two ZeCO ranks (prepare, pass the scan pair by hand, finish) equal the whole sequence."""
-    B, T, H, K, V = 1, 100, 2, 32, 16
+    B = 1
     bits, xs, h0, dht = _inputs(rng, B, T, H, K, V, strong=True)
     ro, rht = recurrent_gla(*xs[:4], initial_state=h0.astype(np.float64), output_final_state=True)
     ref = recurrent_gla_bwd(*xs, initial_state=h0.astype(np.float64), dht=dht.astype(np.float64))
@@ -186,6 +279,10 @@ def test_inputs_are_checked(rt, rng):
     bits, _, _, _ = _inputs(rng, 1, 8, 1, 24, 16)
     with pytest.raises(ValueError, match="multiples of 16"):
         gla_fwd_tc.fwd_tc_prepare(rt, *bits[:4])
+    for K, V in ((272, 16), (16, 528)):  # above K_MAX = 256, V_MAX = 512
+        bits, _, _, _ = _inputs(rng, 1, 8, 1, K, V)
+        with pytest.raises(ValueError, match="K up to 256 and V up to 512"):
+            gla_fwd_tc.fwd_tc_prepare(rt, *bits[:4])
     bits, _, _, _ = _inputs(rng, 1, 8, 1, 16, 16)
     with pytest.raises(TypeError, match="bf16"):
         gla_fwd_tc.fwd_tc_prepare(rt, *(x.astype(np.float32) for x in bits[:4]))
@@ -202,19 +299,22 @@ def test_shared_memory_layouts_match_python(tmp_path):
     src = tmp_path / "layout.cpp"
     src.write_text(
         f'#include "{gemu._HERE / "cuda_emu.h"}"\n#include "{HERE / "gla_tc_chunk.cuh"}"\n#include <cstdio>\n'
-        'int main() { std::printf("%d %d %d %d %d %d\\n", GtLayout<64>::B_TOTAL, GtLayout<128>::B_TOTAL, '
-        "GtLayout<64>::F_TOTAL, GtLayout<128>::F_TOTAL, GtLayout<64>::O_TOTAL, GtLayout<128>::O_TOTAL); }\n"
+        'int main() { std::printf("%d %d %d %d %d %d %d %d\\n", GtLayout<64>::B_TOTAL, GtLayout<128>::B_TOTAL, '
+        "GtLayout<64>::F_TOTAL, GtLayout<128>::F_TOTAL, GtLayout<64>::O_TOTAL, GtLayout<128>::O_TOTAL, "
+        "GtLayout<128>::K_TOTAL, GtLayout<64>::K_TOTAL); }\n"
     )
     exe = tmp_path / "layout"
     res = subprocess.run([CXX, "-std=c++20", "-pthread", "-w", "-o", str(exe), str(src)], capture_output=True,
                          text=True, timeout=120)  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     got = [int(x) for x in subprocess.run([str(exe)], capture_output=True, text=True).stdout.split()]
-    b64, b128, f64, f128, o64, o128 = got
+    b64, b128, f64, f128, o64, o128, kt128, kt64 = got
     assert got == [st.smem_bwd(64), st.smem_bwd(128), st.smem_fwd(64, 1), st.smem_fwd(128, 1), st.smem_fwd(64, 2),
-                   st.smem_fwd(128, 2)]  # fmt: skip
-    assert max(b128, f128) <= 227 * 1024  # a block's opt-in shared memory on an H100/H200
-    assert max(b64, f64, o64, o128) + 1024 <= 228 * 1024 // 2  # two CTAs per SM (the lean forward also at KM 128)
+                   st.smem_fwd(128, 2), st.smem_bwd_tiled()[0], st.smem_bwd_tiled(64)[0]]  # fmt: skip
+    assert st.smem_fwd(128, 3) == st.smem_fwd(64, 3) == st.smem_bwd_tiled()[1] == o128  # the tiled V kernels: lean
+    assert max(b128, f128, kt128) <= 227 * 1024  # a block's opt-in shared memory on an H100/H200
+    assert max(b64, f64, o64, o128, kt64) + 1024 <= 228 * 1024 // 2  # two CTAs per SM (the lean forward at KM 128,
+    # the tiled glatc_fwd_vt / glatc_bwd_vt, glatc_bwd_kt with K tiles of 64)
 
 
 # ------------------------------------------------------------------ the public API's default path (hpczeco.gpu.gla)
@@ -248,6 +348,8 @@ PUBLIC = [  # B, T, H, K, V, strong gates
     pytest.param(1, 1, 1, 16, 32, False, id="T1-K16-V32"),
     pytest.param(1, 100, 2, 32, 48, True, id="T100-K32-V48-strong"),
     pytest.param(2, 65, 1, 64, 16, False, id="T65-K64-V16"),
+    pytest.param(1, 1, 1, 160, 144, False, id="large-T1-K160-V144"),
+    pytest.param(1, 90, 1, 144, 272, True, id="large-T90-K144-V272-strong"),
 ]
 
 
@@ -262,9 +364,8 @@ def test_public_default_path_is_chunk_parallel_and_matches_float64(gla_emu, rng,
     gla_emu.launched.clear()
     o, ht = G.chunk_gla(*bits[:4], initial_state=h0, output_final_state=True)
     grads = G.chunk_gla_bwd(*bits, initial_state=h0, dht=dht)
-    km = st.km_of(K, V)
-    for name in (st.fwd_name("bf16", km, False), st.bwd_name("bf16", km, False), _walk(False, V, 2),
-                 _walk(False, V, 2, True)):  # fmt: skip
+    fwd_kernel, bwd_kernels = _chunk_kernels(K, V)
+    for name in (fwd_kernel, *bwd_kernels, _walk(False, V, 2), _walk(False, V, 2, True)):
         assert name in gla_emu.launched, name
     assert o.dtype == np.uint16 and grads[0].dtype == np.uint16 and ht.dtype == np.float32
     assert grads[4].dtype == np.float32
@@ -327,13 +428,14 @@ def test_public_backward_reuses_the_forward_chunk_states(gla_emu, rng):
         gla_bwd_tc.bwd_tc_prepare(gla_emu, *other, fwd=plan._tc)
 
 
-@pytest.mark.timeout(900)
-def test_zeco_device_split_adapters_compose_over_two_slices(gla_emu, rng):
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("H,K,V", [(2, 32, 48), (1, 256, 144)], ids=["K32-V48", "large-K256-V144"])
+def test_zeco_device_split_adapters_compose_over_two_slices(gla_emu, rng, H, K, V):
     """hpczeco.gla's device split adapters (what ZeCOGLA runs on CuPy arrays) on two slices as two ranks: the
     forward's chunk states go to the backward, and the pieces equal the float64 recurrence of the whole."""
     from hpczeco.gla.split import DeviceBackwardSplit, DeviceForwardSplit  # noqa: PLC0415
 
-    B, T, H, K, V, cut = 1, 150, 2, 32, 48, 77  # partial chunks on both sides
+    B, T, cut = 1, 150, 77  # partial chunks on both sides
     bits, h0, dht, ref = _public(rng, B, T, H, K, V, strong=True)
     part = [[np.ascontiguousarray(x[:, s_]) for x in bits] for s_ in (slice(0, cut), slice(cut, T))]
     fw = [DeviceForwardSplit(*p[:4]) for p in part]
@@ -348,6 +450,31 @@ def test_zeco_device_split_adapters_compose_over_two_slices(gla_emu, rng):
     g0, g1 = bw[0].finish(D0), bw[1].finish(dht)
     got = [np.concatenate([bf16.from_bits(a), bf16.from_bits(b)], axis=1) for a, b in zip(g0[:4], g1[:4])]
     errs = _errors_skip_none([bf16.from_bits(np.concatenate([o0, o1], axis=1)), fin] + got + [g0[4]], ref)
+    assert _within_targets(errs), errs
+
+
+@pytest.mark.timeout(1200)
+def test_packed_documents_on_large_heads(gla_emu, rng):
+    """cu_seqlens (hpczeco.gpu.gla_varlen: documents grouped by length, each group one call of the tensor-core
+    kernels) at a large head: output, final states and every gradient equal the float64 recurrence of each document
+    alone (an empty document, partial chunks)."""
+    from hpczeco.gpu import gla_varlen  # noqa: PLC0415
+
+    T, H, K, V = 150, 1, 144, 160
+    cu = np.array([0, 37, 37, 101, 150])
+    N = len(cu) - 1
+    bits, xs, _, _ = _inputs(rng, 1, T, H, K, V, strong=True)
+    h0 = rng.standard_normal((N, H, K, V)).astype(np.float32)
+    dht = rng.standard_normal((N, H, K, V)).astype(np.float32)
+    gla_emu.launched.clear()
+    o, fin = gla_varlen.chunk_gla(*bits[:4], initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    grads = gla_varlen.chunk_gla_bwd(*bits, initial_state=h0, dht=dht, cu_seqlens=cu)
+    fwd_kernel, bwd_kernels = _chunk_kernels(K, V)
+    assert fwd_kernel in gla_emu.launched and all(n in gla_emu.launched for n in bwd_kernels)
+    h64, d64 = h0.astype(np.float64), dht.astype(np.float64)
+    ro, rfin = recurrent_gla(*xs[:4], initial_state=h64, output_final_state=True, cu_seqlens=cu)
+    ref = recurrent_gla_bwd(*xs, initial_state=h64, dht=d64, cu_seqlens=cu)
+    errs = _errors((o, fin) + tuple(grads), (ro, rfin) + tuple(ref))
     assert _within_targets(errs), errs
 
 
@@ -424,13 +551,14 @@ def test_hpczeco_gla_takes_raw_bits_on_device_arrays(fake_cupy, gla_emu, rng, mo
 
 
 @pytest.mark.mpi
-@pytest.mark.timeout(1200)
-@pytest.mark.parametrize("L,K,V", [(70, 32, 16), (40, 80, 96)], ids=["KM64-wide", "KM128-lean"])
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("L,K,V", [(70, 32, 16), (40, 80, 96), (20, 144, 160)],
+                         ids=["KM64-wide", "KM128-lean", "large-tiled"])
 def test_zeco_layer_on_raw_bits_device_arrays(fake_cupy, gla_emu, comm, rng, monkeypatch, L, K, V):
     """ZeCOGLA (ring scan) on (fake) CuPy uint16 slices over the ranks: the collective checks accept the raw bits,
-    the device split runs the chunk-parallel kernels (both forward output kernels: KM 64 and KM 128; the backward
-    reusing the forward's chunk states), and output and gradients equal the float64 recurrence of the whole
-    sequence."""
+    the device split runs the chunk-parallel kernels (both forward output kernels: KM 64 and KM 128, and the tiled
+    kernels of large heads; the backward reusing the forward's chunk states), and output and gradients equal the
+    float64 recurrence of the whole sequence."""
     import hpczeco  # noqa: PLC0415
 
     monkeypatch.setattr(gla_emu, "xp", fake_cupy)  # the kernels' results are (fake) device arrays too
@@ -443,7 +571,7 @@ def test_zeco_layer_on_raw_bits_device_arrays(fake_cupy, gla_emu, comm, rng, mon
     layer = hpczeco.ZeCOGLA(comm, topology="ring", check_values=False)
     gla_emu.launched.clear()
     o = layer.forward(*mine[:4], initial_state=h0.view(fake_cupy.ndarray) if r == 0 else None)
-    assert st.fwd_name("bf16", st.km_of(K, V), False) in gla_emu.launched
+    assert _chunk_kernels(K, V)[0] in gla_emu.launched
     gla_emu.launched.clear()
     grads = layer.backward(mine[4], dht=dht.view(fake_cupy.ndarray) if r == P - 1 else None)
     assert _walk(False, V, 2) not in gla_emu.launched  # the forward's chunk states were reused

@@ -103,6 +103,10 @@ FWD_CASES = [
     ("fp16", 1, 400, 2, 64, 64, True, "tc-chunk", True, 1e-2),
     ("fp64", 1, 300, 2, 128, 96, True, "numba", True, 1e-12),
     ("fp64", 2, 77, 2, 40, 72, False, "auto", False, 1e-12),
+    ("bf16", 1, 700, 2, 256, 512, False, "tc-chunk", True, 1e-2),  # large heads: the tiled kernels
+    ("bf16", 1, 515, 2, 128, 256, True, "tc-chunk", True, 1e-2),
+    ("bf16", 2, 200, 1, 192, 80, False, "tc-chunk", False, 1e-2),
+    ("fp16", 1, 400, 2, 256, 512, False, "tc-chunk", True, 1e-2),
 ]
 FWD_EMU = [  # the same kinds of case at shapes the emulation runs in seconds
     ("fp32", 2, 70, 2, 24, 16, False, "simt", True, 1e-4),
@@ -161,6 +165,9 @@ BWD_CASES = [
     ("fp16", 1, 200, 2, 128, 128, False, True, 1e-2, "auto"),
     ("fp64", 1, 300, 2, 128, 96, True, True, 1e-12, "auto"),
     ("fp64", 2, 77, 1, 40, 72, False, False, 1e-12, "numba"),
+    ("bf16", 1, 300, 2, 256, 512, False, True, 1e-2, "auto"),  # large heads: the tiled kernels
+    ("bf16", 1, 130, 2, 128, 256, True, True, 1e-2, "auto"),
+    ("fp16", 1, 200, 1, 256, 512, False, True, 1e-2, "auto"),
 ]
 BWD_EMU = [
     ("fp32", 2, 70, 2, 24, 16, False, True, 1e-4, "auto"),
@@ -427,8 +434,8 @@ chk.SMALL_FP16 = [(1, 70, 1, 32, 32, True, 1, False)]
 chk.TWO_SLICES = (1, 100, 1, 32, 16, 37)
 chk.VARIANT_SMALL = (1, 70, 1, 32, 32, True)
 benchkit.cuda_event_time = lambda fn, repeats, warmup=3, sets=1, **kw: (fn(0), {"median_ms": 1.0})[1]
-rc = bg.main(["--out", sys.argv[2], "--shapes", "1x65x2x32x16,1x40x1x16x32", "--grid", "--variants",
-              "walk1,walk1-ctas2,nc2,f32", "--no-fla", "--repeats", "2", "--check", "--impls", "simt"])
+rc = bg.main(["--out", sys.argv[2], "--shapes", "1x65x2x32x16,1x40x1x16x32,1x40x1x144x160", "--grid", "--variants",
+              "walk1,walk1-ctas2,nc2,f32,tiled", "--no-fla", "--repeats", "2", "--check", "--impls", "simt"])
 sys.exit(rc)
 """
 
@@ -436,9 +443,9 @@ sys.exit(rc)
 @pytest.mark.timeout(1800)
 def test_bench_gpu_gla_dry_run(tmp_path):
     """`hpczeco bench gpu-gla --check` end to end without a GPU: numpy standing in for CuPy, every kernel emulated,
-    tiny shapes, the grid, the variants, the device checks and another impl's timings; each step ran, the checks
-    against simt, the device checks against float64 (small bf16/fp16 shapes, two slices, the device recurrence,
-    each variant) and the grid cases pass, the table prints."""
+    tiny shapes (one a large head: the tiled kernels), the grid, the variants, the device checks and another impl's
+    timings; each step ran, the checks against simt, the device checks against float64 (small bf16/fp16 shapes, two
+    slices, the device recurrence, each variant) and the grid cases pass, the table prints."""
     import json
     import subprocess
     import sys
@@ -453,14 +460,16 @@ def test_bench_gpu_gla_dry_run(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads((out / "gpu_gla.json").read_text())
     assert not data.get("failures"), data.get("failures")
-    assert [r["shape"] for r in data["summary"]] == ["B=1 T=65 H=2 K=32 V=16", "B=1 T=40 H=1 K=16 V=32"]
+    assert [r["shape"] for r in data["summary"]] == ["B=1 T=65 H=2 K=32 V=16", "B=1 T=40 H=1 K=16 V=32",
+                                                     "B=1 T=40 H=1 K=144 V=160"]
     assert all(c["ok"] and c["impl"] == "tc-chunk" for c in data["checks"]), data["checks"]
     names = [r["name"] for r in data["timings"]]
     assert any(n.startswith("ours fwd+bwd, states reused") for n in names)
     assert any("reverse walk (glatc_walk2" in r["name"] for r in data["kernels"])
+    assert any("glatc_bwd_kt" in r["name"] and "K=144" in r["name"] for r in data["kernels"])
     assert len(data["grid"]) == 8 and all(r["targets ok"] and "error" not in r for r in data["grid"]), data["grid"]
     assert {r["impl"] for r in data["grid"]} == {"tc-chunk", "simt"}
-    assert [v["variant"] for v in data["variants"]] == ["default", "walk1", "walk1-ctas2", "nc2", "f32"]
+    assert [v["variant"] for v in data["variants"]] == ["default", "walk1", "walk1-ctas2", "nc2", "f32", "tiled"]
     assert all(v.get("ok", True) and "error" not in v for v in data["variants"]), data["variants"]
     assert "==== hpczeco bench gpu-gla" in res.stdout and "accuracy grid: 8/8" in res.stdout
     device = data["device_checks"]

@@ -32,11 +32,45 @@ class _Stream:
         return False
 
 
+class _Allocators:
+    """CuPy's thread-local allocator as the fake keeps it: ``using_allocator`` stacks, ``current`` is the top."""
+
+    def __init__(self):
+        self.stack: list = []
+
+    @property
+    def current(self):
+        return self.stack[-1] if self.stack else None
+
+    @contextlib.contextmanager
+    def using_allocator(self, allocator=None):
+        self.stack.append(allocator)
+        try:
+            yield
+        finally:
+            self.stack.pop()
+
+
+class _PythonFunctionAllocator:
+    """cupy.cuda.memory.PythonFunctionAllocator: ``malloc(size)`` calls ``malloc_func(size, device)``; the fake's
+    'memory pointer' is ``(ptr, release)``, ``release()`` standing for the CuPy array being freed."""
+
+    def __init__(self, malloc_func, free_func):
+        self.malloc_func, self.free_func = malloc_func, free_func
+
+    def malloc(self, size):
+        ptr = self.malloc_func(size, 0)
+        return ptr, lambda: self.free_func(ptr, 0)
+
+
+ALLOCATORS = _Allocators()
 FAKE_CUPY = types.SimpleNamespace(
     from_dlpack=np.from_dlpack, uint16=np.uint16, int16=np.int16, zeros=np.zeros,
     cuda=types.SimpleNamespace(Device=lambda index: contextlib.nullcontext(), ExternalStream=_Stream,
                                runtime=types.SimpleNamespace(getDevice=lambda: 0),
-                               get_current_stream=lambda: types.SimpleNamespace(ptr=-1)),  # never torch's: switch
+                               get_current_stream=lambda: types.SimpleNamespace(ptr=-1),  # never torch's: switch
+                               using_allocator=ALLOCATORS.using_allocator,
+                               memory=types.SimpleNamespace(PythonFunctionAllocator=_PythonFunctionAllocator)),
 )
 
 
@@ -46,9 +80,11 @@ def fake_cupy(monkeypatch):
     monkeypatch.setattr(_arrays, "cupy_module", lambda: FAKE_CUPY)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(cuda_stream=0))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_arrays, "_ALLOCATOR", None)  # made again over the fake
     _arrays._STREAMS.clear()
     yield
     _arrays._STREAMS.clear()
+    assert ALLOCATORS.stack == [], "an allocator was left installed"
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +146,33 @@ def test_cuda_stream_switches_only_where_cupy_is_elsewhere(fake_cupy, monkeypatc
     with _arrays.cuda_stream(0):  # another current device: switched
         pass
     assert entered == [0, 0]
+
+
+def test_cupy_allocates_from_torchs_caching_allocator_inside_cuda_stream_only(fake_cupy, monkeypatch):
+    """One memory pool: inside cuda_stream CuPy's thread-local allocator is torch's caching allocator (alloc on CuPy's
+    current stream = torch's, delete on free), nested blocks and errors restore the previous one, and outside the
+    block (plain CuPy use) nothing is installed."""
+    calls = []
+    monkeypatch.setattr(_arrays, "_RAW_ALLOC", None)  # the public API (a CPU torch has no CUDA allocator)
+    monkeypatch.setattr(torch.cuda, "caching_allocator_alloc",
+                        lambda size, device=None, stream=None: calls.append(("alloc", size, device, stream)) or 4096)
+    monkeypatch.setattr(torch.cuda, "caching_allocator_delete", lambda ptr: calls.append(("delete", ptr)))
+    assert ALLOCATORS.current is None
+    with _arrays.cuda_stream(0):
+        alloc = ALLOCATORS.current
+        assert alloc is not None and alloc == _arrays.torch_allocator()
+        ptr, release = alloc(1 << 20)
+        assert ptr == 4096 and calls == [("alloc", 1 << 20, 0, -1)]  # -1: the fake CuPy's current stream
+        with _arrays.cuda_stream(0):  # nested (e.g. the ZeCO layer inside a torch call): the same pool
+            assert ALLOCATORS.current == alloc
+        assert ALLOCATORS.current == alloc
+        release()  # the CuPy array dies (here or after the block): its memory goes back to torch
+    assert calls[-1] == ("delete", 4096)
+    assert ALLOCATORS.current is None
+    with pytest.raises(RuntimeError, match="inside"):
+        with _arrays.cuda_stream(0):
+            raise RuntimeError("inside")
+    assert ALLOCATORS.current is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

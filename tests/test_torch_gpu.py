@@ -30,7 +30,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available()
 ROOT = Path(__file__).resolve().parents[1]
 # (B, T, H, K, V, gate normaliser): fla's grid in spirit (T = 1, not a multiple of 64, K != V, weak/strong gates)
 CASES = [(1, 1, 1, 64, 64, 1.0), (1, 63, 2, 64, 64, 1.0), (2, 777, 4, 60, 64, 1.0), (2, 1000, 4, 64, 128, 0.1),
-         (2, 1024, 4, 128, 128, 10.0)]
+         (2, 1024, 4, 128, 128, 10.0), (1, 777, 2, 256, 512, 1.0), (2, 1000, 2, 128, 256, 0.1),
+         (1, 63, 2, 256, 512, 10.0)]  # the last three: fla's GLA layer heads (the tiled tensor-core kernels)
 # with HPCZECO_TEST_FLA=1 the bf16 cases also run through fla: its first call at each new shape autotunes for 1-3 min
 # (a whole step of the device runs went by in it), so the cross-check is asked for; the float64 check always runs
 FLA_CASES = {(torch.bfloat16, c) for c in CASES} if os.environ.get("HPCZECO_TEST_FLA") == "1" else set()
@@ -172,6 +173,37 @@ def test_backward_uses_the_saved_tensors_where_hooks_move_them(rng):
     moved = grads(torch.autograd.graph.save_on_cpu())
     for name, a, b in zip("qkvg", moved, plain):
         assert err_ratio(a, b) < 1e-3, (name, err_ratio(a, b))
+
+
+@pytest.mark.parametrize("K,V", [(128, 128), (256, 512)])
+def test_one_memory_pool_torch_counts_every_buffer(rng, K, V):
+    """Under hpczeco.torch every buffer of the kernels (outputs, chunk states, workspaces) comes from torch's caching
+    allocator: CuPy's own pool does not grow, torch's counters see the outputs while they live and, at the peak of
+    forward + backward, the chunk states; CuPy used outside hpczeco.torch keeps its own pool, unseen by torch."""
+    import cupy  # noqa: PLC0415
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    B, T, H = 1, 4096, 2
+    q, k, v, g, do, _, _ = make(rng, B, T, H, K, V, 1.0, torch.bfloat16, dev)
+    ins = [x.detach().clone().requires_grad_() for x in (q, k, v, g)]
+    pool = cupy.get_default_memory_pool()
+    torch.cuda.synchronize()
+    pool.free_all_blocks()
+    cupy_total = pool.total_bytes()
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)
+    o, _ = ht.chunk_gla(*ins)
+    assert torch.cuda.memory_allocated(dev) - base >= o.numel() * o.element_size()
+    o.backward(do)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    chunk_states = B * H * (-(-T // 64)) * K * V * 2  # the forward walk's bf16 chunk states [B H, NT, K, V]
+    assert peak >= chunk_states + o.numel() * o.element_size(), (peak, chunk_states)
+    assert pool.total_bytes() == cupy_total, "hpczeco.torch allocated from CuPy's pool"
+    held = torch.cuda.memory_allocated(dev)
+    x = cupy.empty(1 << 24, dtype=cupy.uint8)  # plain CuPy: its own pool
+    assert pool.total_bytes() >= cupy_total + (1 << 24) and torch.cuda.memory_allocated(dev) == held
+    del x
 
 
 def test_cuda_float64_is_a_clear_error(rng):

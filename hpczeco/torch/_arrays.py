@@ -8,6 +8,11 @@
 - :func:`cuda_stream`: torch's current CUDA stream of a device as the current CuPy stream, so the kernels
   run in order with the surrounding torch work. The DLPack exchanges then name the same stream on both
   sides, so neither library records an event or waits.
+- One memory pool: inside :func:`cuda_stream` CuPy allocates from PyTorch's caching allocator
+  (:func:`torch_allocator`, CuPy's thread-local allocator for the block), so every buffer the kernels and the ZeCO
+  layer allocate under ``hpczeco.torch`` -- outputs, workspaces, chunk states -- is torch's: counted by
+  ``torch.cuda.memory_allocated`` / ``max_memory_allocated``, reused by torch after it is freed, and no second pool
+  holds memory beside torch's. CuPy used outside ``hpczeco.torch`` keeps its own allocator.
 
 Layouts are whatever the caller passes (``[B, T, H, K]`` for q, k, g ...): nothing here reshapes.
 """
@@ -29,6 +34,7 @@ __all__ = [
     "device_index",
     "current_stream_ptr",
     "cuda_stream",
+    "torch_allocator",
     "to_device",
     "from_device",
 ]
@@ -109,11 +115,40 @@ def current_stream_ptr(device: int) -> int:
     return int(torch.cuda.current_stream(device).cuda_stream)
 
 
-class cuda_stream:  # noqa: N801 - used as a function: ``with cuda_stream(device):``
-    """Run the enclosed CuPy work on ``device`` and on torch's current stream there (a context manager).
+_ALLOCATOR: Any = None  # CuPy's allocator over torch's caching allocator (made once)
+_RAW_ALLOC = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_alloc", None)  # CUDA builds: (size, stream) -> ptr
 
-    Nothing is switched when CuPy's current device and stream are those already (torch's default stream is
-    CuPy's null stream): entering costs a device and a stream query then.
+
+def _torch_malloc(size: int, device: int) -> int:
+    """``size`` bytes from torch's caching allocator on ``device``, for CuPy's current stream (torch's, inside
+    :func:`cuda_stream`): torch orders the block's reuse on that stream, as for its own tensors."""
+    stream = cupy_module().cuda.get_current_stream().ptr
+    if _RAW_ALLOC is not None and torch.cuda.current_device() == device:
+        return int(_RAW_ALLOC(size, stream))  # what caching_allocator_alloc calls, without its device switch
+    return int(torch.cuda.caching_allocator_alloc(size, device, stream))
+
+
+def _torch_free(ptr: int, device: int) -> None:
+    torch.cuda.caching_allocator_delete(ptr)
+
+
+def torch_allocator() -> Any:
+    """A CuPy allocator (``malloc(size) -> MemoryPointer``) whose memory comes from PyTorch's caching allocator (on
+    CuPy's current stream) and goes back to it when the CuPy array is freed; :func:`cuda_stream` installs it as
+    CuPy's thread-local allocator for its block."""
+    global _ALLOCATOR  # noqa: PLW0603 - one allocator object for the process
+    if _ALLOCATOR is None:
+        _ALLOCATOR = cupy_module().cuda.memory.PythonFunctionAllocator(_torch_malloc, _torch_free).malloc
+    return _ALLOCATOR
+
+
+class cuda_stream:  # noqa: N801 - used as a function: ``with cuda_stream(device):``
+    """Run the enclosed CuPy work on ``device``, on torch's current stream there, with CuPy's memory from torch's
+    caching allocator (a context manager; :func:`torch_allocator`, thread-local: other threads' CuPy work and CuPy
+    outside the block keep their own allocator).
+
+    No device or stream is switched when CuPy's current device and stream are those already (torch's default stream
+    is CuPy's null stream): entering costs a device and a stream query and the allocator's switch then.
     """
 
     __slots__ = ("device", "_entered")
@@ -124,28 +159,33 @@ class cuda_stream:  # noqa: N801 - used as a function: ``with cuda_stream(device
 
     def __enter__(self) -> None:
         cuda = cupy_module().cuda
-        ptr = current_stream_ptr(self.device)
-        if cuda.runtime.getDevice() == self.device and cuda.get_current_stream().ptr == ptr:
-            return
-        stream = _STREAMS.get((self.device, ptr))
-        if stream is None:
-            with cuda.Device(self.device):
-                stream = _STREAMS[(self.device, ptr)] = cuda.ExternalStream(ptr)
-        device = cuda.Device(self.device)
-        device.__enter__()
+        pool = cuda.using_allocator(torch_allocator())
+        pool.__enter__()
         try:
-            stream.__enter__()
+            ptr = current_stream_ptr(self.device)
+            if cuda.runtime.getDevice() == self.device and cuda.get_current_stream().ptr == ptr:
+                self._entered = (pool,)
+                return
+            stream = _STREAMS.get((self.device, ptr))
+            if stream is None:
+                with cuda.Device(self.device):
+                    stream = _STREAMS[(self.device, ptr)] = cuda.ExternalStream(ptr)
+            device = cuda.Device(self.device)
+            device.__enter__()
+            try:
+                stream.__enter__()
+            except BaseException:
+                device.__exit__(None, None, None)
+                raise
         except BaseException:
-            device.__exit__(None, None, None)
+            pool.__exit__(None, None, None)
             raise
-        self._entered = (device, stream)
+        self._entered = (pool, device, stream)
 
     def __exit__(self, *exc: Any) -> bool:
-        if self._entered:
-            device, stream = self._entered
-            self._entered = ()
-            stream.__exit__(*exc)
-            device.__exit__(*exc)
+        entered, self._entered = self._entered, ()
+        for cm in reversed(entered):  # stream, device, then the allocator
+            cm.__exit__(*exc)
         return False
 
 
