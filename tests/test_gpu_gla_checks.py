@@ -476,9 +476,10 @@ def test_bench_gpu_gla_dry_run(tmp_path):
     assert [c["check"].split(":")[0] for c in device] == [
         "float64 recurrence on the device == hpczeco.gla's CPU recurrence", "bf16 vs float64", "bf16 vs float64",
         "bf16 vs float64", "f16 vs float64", "prepare/finish over two slices (ZeCO composition), bf16, strong gates",
-        "variant default", "variant walk1", "variant walk1-ctas2", "variant nc2", "variant f32"], device
+        "variant default", "variant walk1", "variant walk1-ctas2", "variant nc2", "variant f32", "variant tiled",
+    ], device
     assert all(c["ok"] and "error" not in c for c in device), device
     assert all(c["o"] <= 4e-3 and c["dh0"] <= 5e-3 for c in device[1:]), device
     assert f"device checks (--check, vs float64): {len(device)}/{len(device)} passed" in res.stdout
     assert any(n.startswith("ours bwd, states recomputed") for n in names)
-    assert sum(n.startswith(("impl=simt fwd [", "impl=simt fwd + impl=simt bwd [")) for n in names) == 4, names
+    assert sum(n.startswith(("impl=simt fwd [", "impl=simt fwd + impl=simt bwd [")) for n in names) == 6, names  # 3 shapes
