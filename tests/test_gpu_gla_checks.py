@@ -482,4 +482,5 @@ def test_bench_gpu_gla_dry_run(tmp_path):
     assert all(c["o"] <= 4e-3 and c["dh0"] <= 5e-3 for c in device[1:]), device
     assert f"device checks (--check, vs float64): {len(device)}/{len(device)} passed" in res.stdout
     assert any(n.startswith("ours bwd, states recomputed") for n in names)
-    assert sum(n.startswith(("impl=simt fwd [", "impl=simt fwd + impl=simt bwd [")) for n in names) == 6, names  # 3 shapes
+    # two rows per shape (3 shapes)
+    assert sum(n.startswith(("impl=simt fwd [", "impl=simt fwd + impl=simt bwd [")) for n in names) == 6, names
