@@ -14,7 +14,7 @@ from hpczeco.collectives.scan import TOPOLOGIES, combine, fold_reference
 
 pytestmark = pytest.mark.mpi
 
-CONCRETE = ("ring", "tree", "allgather", "serial", "exscan", "auto")
+CONCRETE = ("ring", "tree", "allgather", "serial", "exscan", "ptree", "auto")
 
 
 def make_inputs(rng, P, lead, K, V):
@@ -55,7 +55,7 @@ def test_every_topology_matches_fold(comm, rng):
         A, S, init = make_inputs(rng, P, lead, K, V)
         for dtype, reverse, use_init in combos:
             ref, first = expected(A, S, init if use_init else None, rank, reverse)
-            cases = [("ring", 1), ("ring", 4), ("ring", K), ("ring", None)]
+            cases = [("ring", 1), ("ring", 4), ("ring", K), ("ring", None), ("ptree", 1), ("ptree", 4), ("ptree", K)]
             cases += [(t, None) for t in CONCRETE if t != "ring"]
             for topo, blocks in cases:
                 out = scan(
