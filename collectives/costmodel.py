@@ -573,10 +573,12 @@ def _ptree_shape(P: int) -> tuple[Any, tuple[tuple[tuple[int, ...], tuple[int, .
     return schedule.inorder_tree(P), tuple(shape)
 
 
-def _ptree_first_piece(P: int, hop, c: float) -> float:
+def _ptree_first_piece(P: int, hop, c: float, launch=None) -> float:
     """Seconds until the last position has its first piece of ``S_in``: the critical path of one piece through the
-    up-sweep and the down-sweep, ``hop(u, v)`` seconds per message from ``u`` to ``v``, ``c`` per combine (the
-    dependencies of :func:`.schedule.ptree_programs`)."""
+    up-sweep and the down-sweep, ``hop(u, v)`` seconds per message from ``u`` to ``v`` (``launch(u, v)`` of it
+    the sender's own time, default ``hop``), ``c`` per combine (the dependencies and the order of the ops of
+    :func:`.schedule.ptree_programs`)."""
+    launch = launch or hop
     t, _ = _ptree_shape(P)
     arr = [0.0] * P  # arrival of v's up message at its parent
     ready_u = [0.0] * P  # U = A_L o x_v ready (x_v itself: 0)
@@ -595,13 +597,13 @@ def _ptree_first_piece(P: int, hop, c: float) -> float:
     for v in reversed(order):
         l, r, lo = t.left[v], t.right[v], t.lo[v]
         if lo > 0:
+            fwd = 0.0
             if l >= 0:
                 x[l] = x[v] + hop(v, l)
-                done = max(x[v], got_l[v]) + c
-            else:
-                done = x[v]
+                fwd = launch(v, l)  # X goes to the left child before X o U is formed for the right one
             if r >= 0:
-                x[r] = max(x[v], ready_u[v]) + c + hop(v, r)
+                x[r] = max(x[v], ready_u[v]) + fwd + c + hop(v, r)
+            done = max(x[v] + fwd + (c if r >= 0 else 0.0), got_l[v]) + c if l >= 0 else x[v]
         else:
             done = got_l[v]
             if r >= 0:
@@ -638,7 +640,7 @@ def ptree_time(P: int, nbytes: float, k: int, params: LinkParams) -> float:
     pi = piece_cost(piece, p)
     t = p.alpha + pi + piece * bt
     c = p.delta + piece * g
-    first = _ptree_first_piece(P, lambda u, v: t, c)
+    first = _ptree_first_piece(P, lambda u, v: t, c, lambda u, v: p.alpha + pi)
     _, shape = _ptree_shape(P)
     if p.ptree_beta > 0 and k > 1:
         stage = max(max(len(s), len(d)) * (p.alpha + pi) + n * p.delta for s, d, n in shape) + piece * p.ptree_beta
@@ -824,7 +826,7 @@ def ptree_time_hier(P: int, nbytes: float, k: int, intra: LinkParams, inter: Lin
         return L.alpha + piece_cost(piece, L) + piece * beta_at(m, L)
 
     c = intra.delta + piece * gamma_at(m, intra)
-    first = _ptree_first_piece(P, hop, c)
+    first = _ptree_first_piece(P, hop, c, lambda u, v: link(u, v).alpha)
     _, shape = _ptree_shape(P)
     stage = 0.0
     for v, (src, dst, n) in enumerate(shape):

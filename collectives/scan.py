@@ -235,7 +235,8 @@ def scan_start(
     longer than that -- for the other ranks to arrive at the validation, or in ``wait()`` for the
     scan's messages -- prints to stderr the operation and the rank(s) it waits for (ring/serial: the
     previous rank in scan order; tree: the partners of the pending round; ptree: the tree neighbour whose
-    piece has not arrived; allgather/exscan: "some rank did not arrive") and calls ``MPI_Abort`` on ``MPI_COMM_WORLD``. With a
+    piece has not arrived; allgather/exscan: "some rank did not arrive") and calls ``MPI_Abort`` on
+    ``MPI_COMM_WORLD``. With a
     timeout the validation exchanges ``P - 1`` small messages each way instead of one Allreduce,
     and ``wait()`` polls (2 ms back to back, then sleeping at most 1 ms between polls: :func:`.watchdog.poll_until`)
     instead of blocking.

@@ -203,12 +203,14 @@ def ptree_programs(P: int, k: int) -> tuple[Program, ...]:
                     up.append(("send", Ubuf, j, par))
         down: list[tuple] = []
         for j in J:
-            if lo > 0:
+            if lo > 0:  # what the subtrees wait for first, this position's own result last
                 if l >= 0:
-                    down += [("send", "X", j, l), ("axpy", "out", "X", "aL", "L", j)]  # result X o A_L
+                    down.append(("send", "X", j, l))
                 if r >= 0:
                     down += [("axpy", "D", Xbuf, aU, Ubuf, j), ("send", "D", j, r)]  # X o U
                     states.add("D")
+                if l >= 0:
+                    down.append(("axpy", "out", "X", "aL", "L", j))  # result X o A_L
             elif r >= 0:
                 down.append(("send", Ubuf, j, r))  # X = identity: X o U = U
         streams = tuple(s for s in (tuple(up), tuple(down)) if s)
@@ -251,7 +253,7 @@ def tree_programs(P: int) -> tuple[Program, ...]:
     for p in range(P):
         recvs: list[tuple] = []
         ops: list[tuple] = []
-        pairs = ["W0"]
+        pairs = ["W0", "out"]  # the result keeps its decays too (its own, never sent)
         win, got = "W0", False
         for d in range(rounds):
             s = 1 << d

@@ -144,7 +144,8 @@ def test_two_scans_in_flight(comm, rng):
     P, rank = comm.Get_size(), comm.Get_rank()
     A, S, init = make_inputs(rng, P, (2,), 6, 3)
     B, T, _ = make_inputs(rng, P, (2,), 6, 3)
-    for topo_f, topo_b in (("ring", "ring"), ("tree", "ring"), ("ring", "exscan"), ("allgather", "tree")):
+    for topo_f, topo_b in (("ring", "ring"), ("tree", "ring"), ("ring", "exscan"), ("allgather", "tree"),
+                           ("ptree", "ring"), ("ring", "ptree")):
         ref_f, first_f = expected(A, S, init, rank, False)
         ref_b, _ = expected(B, T, None, rank, True)
         ref_2, _ = expected(B, T, None, rank, False)
@@ -217,7 +218,7 @@ def test_mismatches_raise_everywhere(comm, rng):
         ("NaN initial", False, lambda: dict(initial=bad(rank == 0, init * np.nan, None)), "initial contains NaN"),
     ]
     ref, _ = expected(A, S, None, rank, False)
-    for topo in ("ring", "tree", "exscan"):
+    for topo in ("ring", "tree", "exscan", "ptree"):
         for name, multi, build, frag in cases:
             if multi and P == 1:
                 continue

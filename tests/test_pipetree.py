@@ -1,0 +1,162 @@
+"""The message schedules (hpczeco.collectives.schedule) and the pipelined tree ``ptree`` (hpczeco.collectives.pipetree).
+
+* The programs of ptree and the ring, run in one process (:func:`run_local`), equal the float64 fold on fresh
+  random inputs at every P from 1 to 40 and a few larger ones, every piece count, with and without ``initial``.
+* Their structure: one ordered stream of messages per directed pair, at most three state pieces in and out per
+  position and piece, the tree's depth.
+* Under MPI (n = 2..5): the ring, tree and ptree handles send exactly the messages (destination, bytes, order)
+  their schedules list, so the simulator (``hpczeco simulate``) runs the library's own message order.
+* At 7 and 8 ranks (a subprocess mpiexec): every topology equals the fold (tests/scan_many_ranks.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hpczeco.collectives import scan, schedule
+from hpczeco.collectives.kernels import fold_reference
+from hpczeco.collectives.pipetree import run_local
+from hpczeco.collectives.transport import HostTransport
+
+HERE = Path(__file__).resolve().parent
+
+
+def _pairs(rng, P, R, V):
+    a = [rng.uniform(0.0, 1.0, R) for _ in range(P)]
+    for x in a:
+        x[0] = 1.0  # an exact one and an exact zero among the decays
+        x[-1] = 0.0 if R > 1 else x[-1]
+    S = [rng.standard_normal((R, V)) for _ in range(P)]
+    return a, S
+
+
+@pytest.mark.parametrize("topology", ["ptree", "ring"])
+def test_programs_equal_the_fold(rng, topology):
+    for P in list(range(1, 41)) + [63, 64, 65, 100, 257]:
+        R, V = 7, 2
+        a, S = _pairs(rng, P, R, V)
+        init = rng.standard_normal((R, V))
+        ks = sorted({1, 2, R, int(rng.integers(1, R + 1))}) if P <= 40 else [1, 3]
+        for k in ks:
+            for initial in (None, init):
+                want = fold_reference(list(zip(a, S)), initial)
+                got = run_local(schedule.programs(topology, P, k), a, S, k, initial)
+                for p in range(P):
+                    np.testing.assert_allclose(got[p], want[p], rtol=1e-12, atol=1e-12,
+                                               err_msg=f"{topology} P={P} k={k} pos={p} init={initial is not None}")
+
+
+def test_ptree_structure():
+    for P in list(range(1, 70)) + [128, 255, 256, 1000, 1024]:
+        t = schedule.inorder_tree(P)
+        seen, stack, v = [], [], t.root  # in-order traversal: left subtree, node, right subtree
+        while stack or v >= 0:
+            while v >= 0:
+                stack.append(v)
+                v = t.left[v]
+            v = stack.pop()
+            seen.append(v)
+            v = t.right[v]
+        assert seen == list(range(P)), P
+        assert max(t.depth) == (P.bit_length() - 1), P  # balanced: depth floor(log2 P)
+        for v in range(P):
+            assert t.lo[v] <= v < t.hi[v]
+            for c in (t.left[v], t.right[v]):
+                if c >= 0:
+                    assert t.parent[c] == v and t.lo[v] <= t.lo[c] and t.hi[c] <= t.hi[v]
+        progs = schedule.ptree_programs(P, 3)
+        counts = schedule.message_counts(progs)
+        assert counts["max_in"] <= 9 and counts["max_out"] <= 9  # three pieces (of three) each way at most
+        # every directed pair: the receiver posts exactly what the sender sends, in the same order
+        sent: dict[tuple[int, int], list] = {}
+        for prog in progs:
+            for op in prog.sends():
+                sent.setdefault((prog.pos, op[3]), []).append(op[2])
+        posted: dict[tuple[int, int], list] = {}
+        for prog in progs:
+            for op in prog.recvs:
+                posted.setdefault((op[3], prog.pos), []).append(op[2])
+        assert sent == posted, P
+    # two positions: ptree is the ring's one hop
+    assert [p.sends() for p in schedule.ptree_programs(2, 4)] == [p.sends() for p in schedule.ring_programs(2, 4)]
+
+
+class RecordingTransport(HostTransport):
+    """A host transport that records every send: ``(destination rank, bytes)`` in order."""
+
+    name = "host"
+
+    def __init__(self, comm):
+        super().__init__(comm)
+        self.sent: list[tuple[int, int]] = []
+
+    def isend(self, buf, dest, tag):
+        self.sent.append((int(dest), int(buf.nbytes)))
+        return super().isend(buf, dest, tag)
+
+
+def _schedule_sends(progs, pos, R, V, k, itemsize, rank_of):
+    b = schedule.piece_bounds(R, k)
+    out = []
+    for op in progs[pos].sends():
+        _, buf, j, dst = op
+        if buf in progs[pos].pairs or buf.startswith(("W", "B")):
+            n = R * (V + 1)
+        elif j < 0:
+            n = R
+        else:
+            n = (b[j + 1] - b[j]) * V
+        out.append((rank_of(dst), n * itemsize))
+    return out
+
+
+@pytest.mark.mpi
+def test_handles_send_what_the_schedules_say(comm, rng):
+    P, rank = comm.Get_size(), comm.Get_rank()
+    R, V = 6, 4
+    a = rng.uniform(0.1, 1.0, (1, R))
+    S = rng.standard_normal((1, R, V))
+    for reverse in (False, True):
+        pos = P - 1 - rank if reverse else rank
+
+        def rank_of(q, reverse=reverse):
+            return P - 1 - q if reverse else q
+
+        for topo, k in (("ring", 1), ("ring", 4), ("ptree", 1), ("ptree", 3), ("ptree", 6), ("tree", 1),
+                        ("serial", 1)):
+            tr = RecordingTransport(comm)
+            scan(a, S, comm, topology=topo, blocks=k if topo in ("ring", "ptree") else None, reverse=reverse,
+                 transport=tr)
+            want = _schedule_sends(schedule.programs(topo, P, k), pos, R, V, k, 8, rank_of)
+            assert tr.sent == want, f"{topo} k={k} reverse={reverse}: sent {tr.sent}, schedule {want}"
+
+
+def _mpiexec() -> str | None:
+    if os.environ.get("MPIEXEC"):
+        return os.environ["MPIEXEC"]
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else shutil.which("mpiexec")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("n", [7, 8])
+def test_every_topology_at_more_ranks(n, rng):
+    exe = _mpiexec()
+    if exe is None:
+        pytest.skip("no mpiexec on PATH (set MPIEXEC)")
+    from hpczeco.drivers.mpienv import launch_env
+
+    env = launch_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), *filter(None, [env.get("PYTHONPATH")])])
+    seed = int(rng.integers(0, 2**31))
+    proc = subprocess.run([exe, "-n", str(n), sys.executable, str(HERE / "scan_many_ranks.py"), str(seed)],
+                          env=env, capture_output=True, text=True, timeout=850)
+    assert proc.returncode == 0 and "scan_many_ranks: ok" in proc.stdout, (
+        f"seed {seed}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
