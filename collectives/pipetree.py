@@ -88,11 +88,19 @@ class ScheduleHandle(ScanHandle):
             r0, r1 = self.b[j], self.b[j + 1]
             args = (self._view(X, j), self.bufs[a][r0:r1], self._view(S, j), self._view(out, j))
             kern = row_kernel(*args)
-            return ((X, j), (a, -1), (S, j)), (lambda: kern(*args) and None), (out, j)
+
+            def axpy() -> None:
+                kern(*args)
+
+            return ((X, j), (a, -1), (S, j)), axpy, (out, j)
         if kind == "mul":
             _, out, x, y = op
-            xs, ys, os_, mul = self.bufs[x], self.bufs[y], self.bufs[out], self.p.xp.multiply
-            return ((x, -1), (y, -1)), (lambda: mul(xs, ys, out=os_) and None), (out, -1)
+            xs, ys, os_, multiply = self.bufs[x], self.bufs[y], self.bufs[out], self.p.xp.multiply
+
+            def mul() -> None:
+                multiply(xs, ys, out=os_)
+
+            return ((x, -1), (y, -1)), mul, (out, -1)
         raise ValueError(f"op {kind!r} is not run by the piecewise executor")
 
     def _deps_ready(self, deps: tuple) -> bool:

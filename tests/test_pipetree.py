@@ -1,7 +1,9 @@
 """The message schedules (hpczeco.collectives.schedule) and the pipelined tree ``ptree`` (hpczeco.collectives.pipetree).
 
 * The programs of ptree and the ring, run in one process (:func:`run_local`), equal the float64 fold on fresh
-  random inputs at every P from 1 to 40 and a few larger ones, every piece count, with and without ``initial``.
+  random inputs at every P from 1 to 40 and a few larger ones, every piece count, with and without ``initial``;
+  so does the MPI executor itself (:class:`ScheduleHandle`) with every rank in one process over a loopback
+  transport, forward and reverse, with the fused kernel and the array fallback.
 * Their structure: one ordered stream of messages per directed pair, at most three state pieces in and out per
   position and piece, the tree's depth.
 * Under MPI (n = 2..5): the ring, tree and ptree handles send exactly the messages (destination, bytes, order)
@@ -22,7 +24,7 @@ import pytest
 from hpczeco.collectives import scan, schedule
 from hpczeco.collectives.kernels import fold_reference
 from hpczeco.collectives.pipetree import run_local
-from hpczeco.collectives.transport import HostTransport
+from hpczeco.collectives.transport import HostTransport, Transport
 
 HERE = Path(__file__).resolve().parent
 
@@ -85,6 +87,97 @@ def test_ptree_structure():
         assert sent == posted, P
     # two positions: ptree is the ring's one hop
     assert [p.sends() for p in schedule.ptree_programs(2, 4)] == [p.sends() for p in schedule.ring_programs(2, 4)]
+
+
+class _Req:
+    def __init__(self, done: bool = False):
+        self.done = done
+
+    def test(self) -> bool:
+        return self.done
+
+    def wait(self) -> None:
+        assert self.done, "a loopback receive never matched (the schedule waits on a message nobody sends)"
+
+
+class LoopbackTransport(Transport):
+    """``P`` ranks in one process: a send is copied into the receive posted first for its (source, destination,
+    tag), or kept until one is posted (messages of one channel match in order, as in MPI)."""
+
+    name = "loopback"
+
+    def __init__(self, net: dict, rank: int, size: int):  # no communicator
+        self.comm, self.rank, self.size, self.net = None, rank, size, net
+
+    @property
+    def xp(self):
+        return np
+
+    def isend(self, buf, dest, tag):
+        key = (self.rank, dest, tag)
+        waiting = self.net.setdefault(("recv",) + key, [])
+        if waiting:
+            target, req = waiting.pop(0)
+            target[...] = buf
+            req.done = True
+        else:
+            self.net.setdefault(("sent",) + key, []).append(np.array(buf, copy=True))
+        return _Req(True)
+
+    def irecv(self, buf, source, tag):
+        key = (source, self.rank, tag)
+        sent = self.net.setdefault(("sent",) + key, [])
+        if sent:
+            buf[...] = sent.pop(0)
+            return _Req(True)
+        req = _Req()
+        self.net.setdefault(("recv",) + key, []).append((buf, req))
+        return req
+
+    def allgather(self, sendbuf, recvbuf):  # pragma: no cover - not used by ptree
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_executor_in_one_process(rng, monkeypatch, fused):
+    """The MPI executor itself (ScheduleHandle: its compiled ops, readiness, progress) at P = 1..40 and a few larger,
+    every rank in this process over a loopback transport, forward and reverse, with and without initial, with the
+    fused kernel and with the array fallback (what CuPy arrays take)."""
+    from hpczeco.collectives import kernels
+    from hpczeco.collectives.context import BufferPool
+    from hpczeco.collectives.handle import ScanPlan
+    from hpczeco.collectives.pipetree import ScheduleHandle
+
+    if not fused:
+        monkeypatch.setattr(kernels, "_FUSED", False)
+    pool = BufferPool(1 << 26)
+    for P in list(range(2, 41)) + [64, 100]:
+        R, V = 6, 3
+        a, S = _pairs(rng, P, R, V)
+        init = rng.standard_normal((R, V))
+        for k in sorted({1, R, int(rng.integers(1, R + 1))}):
+            for reverse in (False, True):
+                for initial in (None, init):
+                    order = list(range(P))[::-1] if reverse else list(range(P))
+                    want = fold_reference([(a[q], S[q]) for q in order], initial)
+                    net: dict = {}
+                    progs = schedule.ptree_programs(P, k)
+                    handles = []
+                    for rank in range(P):
+                        pos = P - 1 - rank if reverse else rank
+                        tr = LoopbackTransport(net, rank, P)
+                        plan = ScanPlan(tr, np, a[rank], S[rank], initial if pos == 0 else None, (R, V), pos, P,
+                                        reverse, 16, pool, None)
+                        handles.append(ScheduleHandle(plan, progs, k, "ptree"))
+                    for _ in range(10 * P * k + 10):
+                        if all([h.test() for h in handles]):
+                            break
+                    for rank, h in enumerate(handles):
+                        pos = P - 1 - rank if reverse else rank
+                        np.testing.assert_allclose(h.wait(), want[pos], rtol=1e-12, atol=1e-12,
+                                                   err_msg=f"P={P} k={k} reverse={reverse} rank={rank} "
+                                                           f"init={initial is not None} fused={fused}")
+                    assert not any(v for v in net.values()), "messages left unmatched"
 
 
 class RecordingTransport(HostTransport):
