@@ -413,11 +413,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--K", type=int, default=128, help="largest piece count (rows of one head)")
     ap.add_argument("--blocks", type=int, default=0,
                     help="piece count of ring and ptree (0: the cost model's choice for this platform)")
-    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node, joined by NVLink")
     ap.add_argument("--nodes-per-leaf", type=int, default=4, help="nodes per leaf switch of the fat tree")
     ap.add_argument("--nvlink-gbs", type=float, default=450.0, help="NVLink-class GB/s per GPU and direction")
     ap.add_argument("--ib-gbs", type=float, default=50.0, help="InfiniBand-class GB/s per GPU NIC and direction")
-    ap.add_argument("--nvlink-latency-us", type=float, default=1.0)
+    ap.add_argument("--nvlink-latency-us", type=float, default=1.0, help="GPU to GPU latency inside a node")
     ap.add_argument("--ib-latency-us", type=float, default=2.0,
                     help="NIC to NIC through the spine (half of it between nodes of one leaf switch)")
     ap.add_argument("--oversubscription", type=float, default=1.0, help="leaf uplink oversubscription (1: full)")
@@ -426,13 +426,13 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                          "(paper), or --send-us / --call-us (fixed)")
     ap.add_argument("--send-us", type=float, default=2.5, help="sender's launch cost per message (--software fixed)")
     ap.add_argument("--call-us", type=float, default=79.0, help="fixed cost per scan call (--software fixed)")
-    ap.add_argument("--combine-launch-us", type=float, default=2.0)
+    ap.add_argument("--combine-launch-us", type=float, default=2.0, help="fixed cost of one combine (kernel launch)")
     ap.add_argument("--hbm-tbs", type=float, default=3.0, help="device memory TB/s of the combine")
     ap.add_argument("--verify", action="store_true",
                     help="also run ring and ptree with real float64 pieces on a small state and check every rank")
     ap.add_argument("--jobs", type=int, default=2, help="simulations run at once (processes)")
     ap.add_argument("--out", default="runs/simulate", help="output folder")
-    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
     return ap
 
 
