@@ -8,7 +8,9 @@ what a tiny serial scan costs beyond the model's hops (:func:`measure_overhead`)
 ring's cost per piece above the eager size) and ``ring_beta`` (the ring's cost per byte of a stage) by
 fitting the ring's own times at three piece counts (:func:`measure_ring`; :func:`measure_piece` is the
 per-piece term alone, from two), and ``ring_beta_big`` (the same on a state too large for the caches) from
-the ring at two piece counts on a 16 MiB state (:func:`measure_ring_big`). The messages run
+the ring at two piece counts on a 16 MiB state (:func:`measure_ring_big`); ``beta_big`` / ``gamma_big`` from the
+shift and the combine at 16 MiB (:func:`measure_big`), ``ptree_beta`` from ``ptree`` itself at two piece counts
+(:func:`measure_ptree`). The messages run
 on a private duplicate of the communicator. Knows nothing about attention.
 """
 
@@ -29,13 +31,14 @@ from .costmodel import (
     RING_BYTES,
     LinkParams,
     piece_from_times,
+    ptree_from_times,
     ring_beta_from_times,
     ring_from_times,
 )
 from .kernels import axpy_rows
 
 __all__ = ["calibrate", "eager_bytes", "measure_combine", "measure_overhead", "measure_piece", "measure_ring",
-           "measure_ring_big", "check_ring_big", "ring_times"]
+           "measure_ring_big", "check_ring_big", "ring_times", "ptree_times", "measure_ptree", "measure_big"]
 
 #: tags of the ping-pong and cyclic-shift messages (on the private duplicate)
 _PINGPONG_TAG, _SHIFT_TAG = 7, 9
@@ -155,6 +158,62 @@ def ring_times(comm: MPI.Comm, nbytes: int, blocks: Sequence[int], repeats: int 
     t = [_timed_max(comm, lambda k=k: scan_start(a, S, comm, topology="ring", blocks=k, out=out).wait(), repeats)
          for k in blocks]
     return S.nbytes, t
+
+
+def ptree_times(comm: MPI.Comm, nbytes: int, blocks: Sequence[int], repeats: int = 15,
+                dtype: Any = "float32") -> tuple[int, list[float]]:
+    """``(state bytes, seconds per k)``: ``ptree`` on a ``[1, R, 128]`` state of about ``nbytes`` timed like the
+    benchmark at each piece count of ``blocks`` (:func:`ring_times` for the pipelined tree). Collective."""
+    from .scan import scan_start
+
+    V = 128
+    R = _ring_state_bytes(nbytes, blocks, dtype) // (np.dtype(dtype).itemsize * V)
+    a = np.full((1, R), 0.5, dtype=dtype)
+    S = np.ones((1, R, V), dtype=dtype)
+    out = np.empty_like(S)
+    t = [_timed_max(comm, lambda k=k: scan_start(a, S, comm, topology="ptree", blocks=k, out=out).wait(), repeats)
+         for k in blocks]
+    return S.nbytes, t
+
+
+#: the piece counts :func:`measure_ptree` times ``ptree`` at, on a state of ``RING_STATE_BYTES``
+PTREE_BLOCKS = (8, 32)
+
+
+def measure_ptree(comm: MPI.Comm, params: LinkParams, repeats: int = 15, dtype: Any = "float32",
+                  blocks: tuple[int, ...] = PTREE_BLOCKS) -> float:
+    """``ptree_beta``: ``ptree`` on a ``[1, R, 128]`` state of ``RING_STATE_BYTES`` timed at the piece counts
+    ``blocks``, fitted by :func:`~.costmodel.ptree_from_times` with ``params``' other terms: the per-byte cost of
+    one pipeline stage of the busiest position (three pieces in, three out, four combines inside the tree), as
+    the ring's ``ring_beta`` is its stage's. Collective; 0 below three ranks (where ptree is the ring's hop)."""
+    P = comm.Get_size()
+    if P < 3:
+        return 0.0
+    m, t = ptree_times(comm, RING_STATE_BYTES, blocks, repeats, dtype)
+    return ptree_from_times(P, m, list(blocks), t, params)
+
+
+def measure_big(comm: MPI.Comm, nbytes: int, alpha: float, delta: float, repeats: int = 5,
+                dtype: Any = "float32") -> tuple[float, float]:
+    """``(beta_big, gamma_big)``: the cyclic shift of ``nbytes`` (every rank sends and receives at once, as the
+    tree's rounds, the allgather's steps and MPI_Exscan's relay do) and the combine of ``nbytes`` on every rank at
+    once, per byte beyond ``alpha`` / ``delta``: the cost once the ranks' buffers outgrow the caches and every copy
+    and combine runs at the memory bandwidth all ranks share. Medians over repeats, then over ranks. Collective;
+    ``(0, gamma_big)`` for one rank."""
+    c = comm.Dup()
+    try:
+        beta_big = 0.0
+        if c.Get_size() >= 2:
+            _sleep_barrier(c)
+            t = _median(_shift(c, nbytes, repeats, dtype))
+            _sleep_barrier(c)
+            beta_big = max(0.0, (_median(c.allgather(t)) - alpha) / nbytes)
+        _sleep_barrier(c)
+        g = measure_combine(nbytes, repeats, dtype)
+        gamma_big = max(0.0, (_median(c.allgather(g)) - delta) / nbytes)
+        return c.bcast((beta_big, gamma_big), root=0)
+    finally:
+        c.Free()
 
 
 #: the piece counts :func:`measure_piece` times the ring at, on a state of ``PIECE_STATE_EAGERS * eager`` bytes
@@ -277,7 +336,10 @@ def calibrate(
     :func:`measure_ring`, after the others (``ring_k_min``: its fewest pieces); then ``ring_beta_big``
     (unless ``piece=False`` or ``ring_big=0``): :func:`measure_ring_big` on a state of ``ring_big`` bytes (more
     than ``RING_STATE_BYTES``; its ``P`` states and buffers must fit in memory). Rank 0's numbers are
-    broadcast. One rank alone measures ``alpha = beta = 0`` (no link).
+    broadcast. One rank alone measures ``alpha = beta = 0`` (no link). With ``piece`` and ``ring_big`` (larger
+    than the largest of ``sizes``) also ``beta_big`` / ``gamma_big`` (:func:`measure_big`: the shift and the
+    combine on ``ring_big`` bytes, which the tree, allgather, exscan and serial relay pay on big states), and with
+    ``piece`` at three ranks or more ``ptree_beta`` (:func:`measure_ptree`).
     """
     if method not in ("shift", "pingpong"):
         raise ValueError(f"method must be 'shift' or 'pingpong', got {method!r}")
@@ -328,4 +390,9 @@ def calibrate(
                 rbb, big = comm.bcast(measure_ring_big(comm, link, ring_big, dtype=dtype), root=0)
                 if rbb > 0 and big > small:
                     link = replace(link, ring_beta_big=rbb, ring_bytes=small, ring_big=big)
+            if ring_big and ring_big > sizes[-1]:  # the big-state shift and combine (tree, allgather, exscan)
+                bb, gb = measure_big(comm, int(ring_big), link.alpha, link.delta, dtype=dtype)
+                link = replace(link, beta_big=bb, gamma_big=gb, shift_bytes=float(sizes[-1]),
+                               big_bytes=float(ring_big))
+            link = replace(link, ptree_beta=comm.bcast(measure_ptree(comm, link, repeats, dtype), root=0))
     return link

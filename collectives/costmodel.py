@@ -107,6 +107,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Any
 
+from . import schedule
 from .names import ALGORITHMS, check_blocks
 
 __all__ = [
@@ -118,6 +119,14 @@ __all__ = [
     "set_default_params",
     "ring_time",
     "best_blocks",
+    "ptree_time",
+    "best_blocks_ptree",
+    "ptree_from_times",
+    "ptree_time_hier",
+    "PTREE_K_LADDER",
+    "beta_at",
+    "gamma_at",
+    "SHIFT_BYTES",
     "piece_cost",
     "piece_from_times",
     "ring_from_times",
@@ -141,6 +150,8 @@ __all__ = [
 #: state bytes at which ``LinkParams.ring_beta`` and ``ring_beta_big`` are measured unless set (2 and 16 MiB)
 RING_BYTES = 2 << 20
 RING_BIG = 16 << 20
+#: the largest message of the calibration's shift and combine (``beta``, ``gamma`` hold up to it)
+SHIFT_BYTES = 4 << 20
 
 
 def _mib(n: float) -> str:
@@ -180,10 +191,16 @@ class LinkParams:
     ring_bytes: float = float(RING_BYTES)
     ring_big: float = float(RING_BIG)
     ring_k_min: float = 0.0
+    beta_big: float = 0.0
+    gamma_big: float = 0.0
+    shift_bytes: float = float(SHIFT_BYTES)
+    big_bytes: float = float(RING_BIG)
+    ptree_beta: float = 0.0
 
     def __post_init__(self) -> None:
         for k in ("alpha", "beta", "gamma", "delta", "overhead", "piece", "eager", "ring_beta", "ring_beta_big",
-                  "ring_bytes", "ring_big", "ring_k_min"):
+                  "ring_bytes", "ring_big", "ring_k_min", "beta_big", "gamma_big", "shift_bytes", "big_bytes",
+                  "ptree_beta"):
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"LinkParams.{k} must be a finite number >= 0, got {v!r}")
@@ -191,6 +208,9 @@ class LinkParams:
             raise ValueError(f"LinkParams.ring_beta_big needs ring_beta > 0 and 0 < ring_bytes < ring_big, got "
                              f"ring_beta={self.ring_beta!r}, ring_bytes={self.ring_bytes!r}, "
                              f"ring_big={self.ring_big!r}")
+        if (self.beta_big > 0 or self.gamma_big > 0) and not 0 < self.shift_bytes < self.big_bytes:
+            raise ValueError(f"LinkParams.beta_big / gamma_big need 0 < shift_bytes < big_bytes, got "
+                             f"shift_bytes={self.shift_bytes!r}, big_bytes={self.big_bytes!r}")
 
     def describe(self) -> str:
         bw = "inf" if self.beta <= 0 else (f"{1e-9 / self.beta:.1f} GB/s" if self.beta <= 1e-9 else
@@ -202,7 +222,10 @@ class LinkParams:
                 + (f" ({_mib(self.ring_bytes)}), {self.ring_beta_big * 1e9:.3f} ns/B ({_mib(self.ring_big)})"
                    if self.ring_beta_big > 0 else "")
                 + (f", at least beta below k = {self.ring_k_min:g}" if self.ring_beta > 0 and self.ring_k_min > 0
-                   else ""))
+                   else "")
+                + (f"; at {_mib(self.big_bytes)}: shift {self.beta_big * 1e9:.3f} ns/B, combine "
+                   f"{self.gamma_big * 1e12:.1f} ps/B" if self.beta_big > 0 or self.gamma_big > 0 else "")
+                + (f", ptree stage {self.ptree_beta * 1e9:.3f} ns/B" if self.ptree_beta > 0 else ""))
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -234,7 +257,8 @@ def preset(name: str) -> LinkParams:
 
 _LINK_FORM = ("'alpha,beta[,gamma[,delta[,overhead]]][,piece=S][,eager=BYTES][,ring_beta=S_PER_BYTE]"
               "[,ring_beta_big=S_PER_BYTE][,ring_bytes=BYTES][,ring_big=BYTES][,ring_k_min=K]'")
-_LINK_NAMED = ("piece", "eager", "ring_beta", "ring_beta_big", "ring_bytes", "ring_big", "ring_k_min")
+_LINK_NAMED = ("piece", "eager", "ring_beta", "ring_beta_big", "ring_bytes", "ring_big", "ring_k_min", "beta_big",
+               "gamma_big", "shift_bytes", "big_bytes", "ptree_beta")
 
 
 def parse_link(text: str) -> LinkParams:
@@ -315,6 +339,35 @@ def ring_beta_at(nbytes: float, params: LinkParams) -> float:
     return p.ring_beta + w * (p.ring_beta_big - p.ring_beta)
 
 
+def _log_interp(nbytes: float, small: float, at_small: float, big: float, at_big: float) -> float:
+    if nbytes <= small:
+        return at_small
+    if nbytes >= big:
+        return at_big
+    w = math.log(nbytes / small) / math.log(big / small)
+    return at_small + w * (at_big - at_small)
+
+
+def beta_at(nbytes: float, params: LinkParams) -> float:
+    """Seconds per byte of a message exchange whose ranks each touch ``nbytes`` (all ranks exchanging at once):
+    ``params.beta`` up to ``shift_bytes``, ``beta_big`` (the cyclic shift measured at ``big_bytes``, where the
+    ranks' buffers no longer fit the caches and every copy runs at the memory bandwidth they share) from
+    ``big_bytes`` on, linear in ``log(nbytes)`` between; just ``beta`` without ``beta_big``."""
+    p = params
+    if p.beta_big <= 0:
+        return p.beta
+    return _log_interp(nbytes, p.shift_bytes, p.beta, p.big_bytes, p.beta_big)
+
+
+def gamma_at(nbytes: float, params: LinkParams) -> float:
+    """Seconds per state byte of a combine whose ranks each touch ``nbytes`` (all ranks combining at once):
+    ``params.gamma`` up to ``shift_bytes``, ``gamma_big`` from ``big_bytes`` on (as :func:`beta_at`)."""
+    p = params
+    if p.gamma_big <= 0:
+        return p.gamma
+    return _log_interp(nbytes, p.shift_bytes, p.gamma, p.big_bytes, p.gamma_big)
+
+
 def ring_stage_beta(P: int, nbytes: float, k: int, params: LinkParams) -> float:
     """Seconds per byte one stage of the pipelined ring (``k > 1``, ``params.ring_beta`` set) pays on a state of
     ``nbytes`` at ``P`` ranks, transfer and combine together: :func:`ring_beta_at`, and for fewer pieces than
@@ -337,9 +390,9 @@ def ring_time(P: int, nbytes: float, k: int, params: LinkParams) -> float:
     if p.ring_beta > 0 and k > 1:  # the pipelined ring's own per-byte stage cost (transfer and combine)
         t = p.overhead + (P + k - 2) * (p.alpha + piece_cost(m / k, p) + m * ring_stage_beta(P, m, k, p) / k)
         return t + ((P + k - 3) * p.delta if P > 2 else 0.0)
-    t = p.overhead + (P + k - 2) * (p.alpha + piece_cost(m / k, p) + m * p.beta / k)
+    t = p.overhead + (P + k - 2) * (p.alpha + piece_cost(m / k, p) + m * beta_at(m, p) / k)
     if P > 2:
-        t += (P + k - 3) * (p.delta + m * p.gamma / k)
+        t += (P + k - 3) * (p.delta + m * gamma_at(m, p) / k)
     return t
 
 
@@ -464,7 +517,8 @@ def tree_time(P: int, nbytes: float, params: LinkParams, V: int = 128) -> float:
         return 0.0
     m2 = nbytes * (1 + 1 / V)
     p = params
-    return p.overhead + _rounds(P) * (p.alpha + m2 * p.beta + 2 * (p.delta + m2 * p.gamma)) + m2 * p.gamma / 2
+    b, g = beta_at(m2, p), gamma_at(m2, p)
+    return p.overhead + _rounds(P) * (p.alpha + m2 * b + 2 * (p.delta + m2 * g)) + m2 * g / 2
 
 
 def allgather_time(P: int, nbytes: float, params: LinkParams, V: int = 128) -> float:
@@ -474,8 +528,9 @@ def allgather_time(P: int, nbytes: float, params: LinkParams, V: int = 128) -> f
         return 0.0
     m2 = nbytes * (1 + 1 / V)
     p = params
-    comm = min(_rounds(P), P - 1) * p.alpha + (P - 1) * m2 * p.beta
-    fold = max(P - 2, 0) * (p.delta + nbytes * p.gamma) + m2 * p.gamma / 2 + nbytes * p.gamma / 3
+    b, g = beta_at(P * m2, p), gamma_at(P * m2, p)  # every rank holds all P pairs
+    comm = min(_rounds(P), P - 1) * p.alpha + (P - 1) * m2 * b
+    fold = max(P - 2, 0) * (p.delta + nbytes * g) + m2 * g / 2 + nbytes * g / 3
     return p.overhead + comm + fold
 
 
@@ -488,11 +543,143 @@ def exscan_time(
         return 0.0
     m2 = nbytes * (1 + 1 / V)
     p = params
+    b, g = beta_at(m2, p), gamma_at(m2, p)
     if algorithm == "linear":
-        return p.overhead + (P - 1) * (p.alpha + m2 * p.beta) + (P - 2) * (p.delta + m2 * p.gamma) + m2 * p.gamma / 2
+        return p.overhead + (P - 1) * (p.alpha + m2 * b) + (P - 2) * (p.delta + m2 * g) + m2 * g / 2
     if algorithm != "recursive_doubling":
         raise ValueError(f"algorithm must be 'recursive_doubling' or 'linear', got {algorithm!r}")
-    return p.overhead + _rounds(P) * (p.alpha + m2 * p.beta + 2 * (p.delta + m2 * p.gamma)) + m2 * p.gamma / 2
+    return p.overhead + _rounds(P) * (p.alpha + m2 * b + 2 * (p.delta + m2 * g)) + m2 * g / 2
+
+
+# --------------------------------------------------------------------------- the pipelined tree
+
+
+#: piece counts the ptree's model tries (and K): its time is not convex in k across the eager boundary and the
+#: critical path, and one evaluation walks the tree, so a ladder instead of every k
+PTREE_K_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+@lru_cache(maxsize=64)
+def _ptree_shape(P: int) -> tuple[Any, tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]]:
+    """The in-order tree of ``P`` positions and, per position, ``(sources, destinations, combines)`` of one piece
+    of ``ptree`` (from :func:`.schedule.ptree_programs`; decay messages left out)."""
+    progs = schedule.ptree_programs(P, 1)
+    shape = []
+    for prog in progs:
+        src = tuple(op[3] for op in prog.recvs if op[2] >= 0)
+        dst = tuple(op[3] for op in prog.sends() if op[2] >= 0)
+        comb = sum(1 for st in prog.streams for op in st if op[0] == "axpy")
+        shape.append((src, dst, comb))
+    return schedule.inorder_tree(P), tuple(shape)
+
+
+def _ptree_first_piece(P: int, hop, c: float, launch=None) -> float:
+    """Seconds until the last position has its first piece of ``S_in``: the critical path of one piece through the
+    up-sweep and the down-sweep, ``hop(u, v)`` seconds per message from ``u`` to ``v`` (``launch(u, v)`` of it
+    the sender's own time, default ``hop``), ``c`` per combine (the dependencies and the order of the ops of
+    :func:`.schedule.ptree_programs`)."""
+    launch = launch or hop
+    t, _ = _ptree_shape(P)
+    arr = [0.0] * P  # arrival of v's up message at its parent
+    ready_u = [0.0] * P  # U = A_L o x_v ready (x_v itself: 0)
+    got_l = [0.0] * P  # A_L arrived
+    order = sorted(range(P), key=lambda v: -t.depth[v])
+    for v in order:
+        l, r, par = t.left[v], t.right[v], t.parent[v]
+        if l >= 0:
+            got_l[v] = arr[l]
+            ready_u[v] = arr[l] + c
+        if par >= 0 and t.hi[v] < P:
+            ready = max(ready_u[v], arr[r]) + c if r >= 0 else ready_u[v]
+            arr[v] = ready + hop(v, par)
+    x = [0.0] * P
+    last = 0.0
+    for v in reversed(order):
+        l, r, lo = t.left[v], t.right[v], t.lo[v]
+        if lo > 0:
+            fwd = 0.0
+            if l >= 0:
+                x[l] = x[v] + hop(v, l)
+                fwd = launch(v, l)  # X goes to the left child before X o U is formed for the right one
+            if r >= 0:
+                x[r] = max(x[v], ready_u[v]) + fwd + c + hop(v, r)
+            done = max(x[v] + fwd + (c if r >= 0 else 0.0), got_l[v]) + c if l >= 0 else x[v]
+        else:
+            done = got_l[v]
+            if r >= 0:
+                x[r] = ready_u[v] + hop(v, r)
+        last = max(last, done)
+    return last
+
+
+@lru_cache(maxsize=4096)
+def ptree_time(P: int, nbytes: float, k: int, params: LinkParams) -> float:
+    """The pipelined in-order binary tree (``ptree``) in ``k`` pieces on one kind of link (seconds), as the host
+    executor runs it: one thread per rank posts, completes and combines every piece, so a position's costs add.
+
+    ``T = overhead + T1 + (k - 1) stage``: ``T1`` the first piece's critical path through both sweeps
+    (:func:`_ptree_first_piece`; a message ``t = alpha + pi + (m/k) b`` with ``b`` the transfer part of a ring stage,
+    ``ring_stage_beta - gamma`` where the ring's stage cost is measured, else :func:`beta_at`; a combine
+    ``c = delta + (m/k) gamma``), ``stage`` the busiest position's work per piece, ``max(in, out) t + combines c``
+    (three pieces in, three out and four combines inside the tree; the ring's stage is one, one and one), or, where
+    the calibration measured it (``ptree_beta``), ``max(in, out)(alpha + pi) + combines delta + (m/k) ptree_beta``.
+    The decays' one message per edge travels ahead of the pieces and is not counted."""
+    _check(P, nbytes)
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if P == 1:
+        return 0.0
+    p, m = params, float(nbytes)
+    piece = m / k
+    g = gamma_at(m, p)
+    if p.ring_beta > 0 and k > 1:
+        rb = ring_stage_beta(P, m, k, p)
+        bt = max(rb - g, 0.0) if P > 2 else rb
+    else:
+        bt = beta_at(m, p)
+    pi = piece_cost(piece, p)
+    t = p.alpha + pi + piece * bt
+    c = p.delta + piece * g
+    first = _ptree_first_piece(P, lambda u, v: t, c, lambda u, v: p.alpha + pi)
+    _, shape = _ptree_shape(P)
+    if p.ptree_beta > 0 and k > 1:
+        stage = max(max(len(s), len(d)) * (p.alpha + pi) + n * p.delta for s, d, n in shape) + piece * p.ptree_beta
+    else:
+        stage = max(max(len(s), len(d)) * t + n * c for s, d, n in shape)
+    return p.overhead + first + (k - 1) * stage
+
+
+def _ladder(K: int) -> list[int]:
+    return sorted({k for k in PTREE_K_LADDER if k <= K} | {K})
+
+
+@lru_cache(maxsize=4096)
+def best_blocks_ptree(P: int, nbytes: float, K: int, params: LinkParams) -> int:
+    """The piece count in 1..K that :func:`ptree_time` prefers among :data:`PTREE_K_LADDER` and ``K`` (ties: fewer)."""
+    _check(P, nbytes)
+    if K < 1:
+        raise ValueError(f"K must be >= 1, got {K}")
+    return min(_ladder(int(K)), key=lambda k: ptree_time(int(P), float(nbytes), k, params))
+
+
+def ptree_from_times(P: int, nbytes: float, ks: Sequence[int], times: Sequence[float], params: LinkParams) -> float:
+    """``ptree_beta``: the per-byte stage cost that explains measured ``ptree`` times ``times`` at piece counts
+    ``ks`` (>= 2 each) on one state of ``nbytes`` at ``P`` ranks, with ``params``' other terms kept: the least
+    squares ``b`` of ``t - T(b = 0) = (k - 1) (nbytes / k) b`` (``T`` = :func:`ptree_time`, whose stage is linear in
+    ``ptree_beta``), at least 0. Pure arithmetic."""
+    if len(ks) != len(times) or not ks or min(ks) < 2 or P < 2 or not nbytes > 0:
+        raise ValueError(f"need P >= 2, nbytes > 0 and piece counts >= 2 with one time each, got P = {P}, "
+                         f"nbytes = {nbytes}, {ks}, {times}")
+    if not all(math.isfinite(t) for t in times):
+        raise ValueError(f"ptree times must be finite, got {times}")
+    tiny = replace(params, ptree_beta=1e-300)  # the stage of ptree_beta, without its bytes
+    num = den = 0.0
+    for k, t in zip(ks, times):
+        x = (k - 1) * nbytes / k
+        y = t - ptree_time(P, nbytes, k, tiny)
+        num += x * y
+        den += x * x
+    return max(0.0, num / den)
 
 
 def predict(
@@ -520,23 +707,28 @@ def predict(
         return allgather_time(P, nbytes, params, V)
     if topology == "exscan":
         return exscan_time(P, nbytes, params, V, exscan_algorithm)
+    if topology == "ptree":
+        k = best_blocks_ptree(P, nbytes, K, params) if blocks is None else blocks
+        return ptree_time(P, nbytes, k, params)
     raise ValueError(f"topology must be one of {ALGORITHMS}, got {topology!r}")
 
 
 def choose(P: int, nbytes: float, K: int, params: LinkParams, V: int = 128) -> tuple[str, int | None]:
-    """The fastest of ring (with its best blocks), tree and allgather: ``(topology, blocks)``.
+    """The fastest of ring and ptree (each with its best piece count), tree and allgather: ``(topology, blocks)``.
 
-    ``blocks`` is None unless the ring wins. Serial is never faster than the ring and exscan never
+    ``blocks`` is None unless the ring or ptree wins. Serial is never faster than the ring and exscan never
     faster than the tree in this model, so neither is picked. Deterministic (same on every rank).
     """
     k = best_blocks(P, nbytes, K, params)
+    kp = best_blocks_ptree(P, nbytes, K, params)
     cands = [
-        ("ring", ring_time(P, nbytes, k, params)),
-        ("tree", tree_time(P, nbytes, params, V)),
-        ("allgather", allgather_time(P, nbytes, params, V)),
+        ("ring", ring_time(P, nbytes, k, params), k),
+        ("tree", tree_time(P, nbytes, params, V), None),
+        ("allgather", allgather_time(P, nbytes, params, V), None),
+        ("ptree", ptree_time(P, nbytes, kp, params), kp),
     ]
-    topo = min(cands, key=lambda c: c[1])[0]
-    return topo, (k if topo == "ring" else None)
+    topo, _, blocks = min(cands, key=lambda c: c[1])
+    return topo, blocks
 
 
 def with_name(params: LinkParams, name: str) -> LinkParams:
@@ -584,6 +776,8 @@ def predict_hier(
     check_blocks(blocks, K)
     if P <= per_node:
         k = (best_blocks(P, nbytes, K, intra) if blocks is None else blocks) if topology == "ring" else None
+        if topology == "ptree":
+            k = best_blocks_ptree(P, nbytes, K, intra) if blocks is None else blocks
         return predict(topology, P, nbytes, intra, blocks=k, K=K, V=V), k
     n_inter = -(-P // per_node) - 1
     n_intra = P - 1 - n_inter
@@ -602,6 +796,46 @@ def predict_hier(
         if blocks is None:
             blocks = min(range(1, K + 1), key=ring)
         return ring(blocks), blocks
+    if topology == "ptree":
+        if blocks is None:
+            blocks = min(_ladder(K), key=lambda k: ptree_time_hier(P, nbytes, k, intra, inter, per_node))
+        return ptree_time_hier(P, nbytes, blocks, intra, inter, per_node), blocks
     merged = LinkParams(inter.alpha, inter.beta, cmb.gamma, cmb.delta, intra.overhead,
                         name=f"{inter.name}+{intra.name}")
     return predict(topology, P, nbytes, merged, K=K, V=V), None
+
+
+@lru_cache(maxsize=4096)
+def ptree_time_hier(P: int, nbytes: float, k: int, intra: LinkParams, inter: LinkParams, per_node: int) -> float:
+    """``ptree`` in ``k`` pieces on nodes of ``per_node`` ranks (numbered node by node), as devices run it: each
+    tree edge is an ``intra`` or an ``inter`` link by where its two positions sit, pieces move while the device
+    combines, and a position's sends (receives) over one kind of link share its port. ``T = overhead + T1 +
+    (k - 1) stage``: ``T1`` the first piece's critical path (:func:`_ptree_first_piece`, a message ``alpha + pi +
+    (m/k) beta`` of its link, a combine ``delta + (m/k) gamma`` of ``intra``), ``stage`` the busiest of, over the
+    positions: the launches (``alpha`` per send) and combines, and each port's bytes per piece."""
+    _check(P, nbytes)
+    if k < 1 or per_node < 1:
+        raise ValueError(f"k and per_node must be >= 1, got {k}, {per_node}")
+    if P == 1:
+        return 0.0
+    m = float(nbytes)
+    piece = m / k
+
+    def link(u: int, v: int) -> LinkParams:
+        return intra if u // per_node == v // per_node else inter
+
+    def hop(u: int, v: int) -> float:
+        L = link(u, v)
+        return L.alpha + piece_cost(piece, L) + piece * beta_at(m, L)
+
+    c = intra.delta + piece * gamma_at(m, intra)
+    first = _ptree_first_piece(P, hop, c, lambda u, v: link(u, v).alpha)
+    _, shape = _ptree_shape(P)
+    stage = 0.0
+    for v, (src, dst, n) in enumerate(shape):
+        busy = [sum(link(v, d).alpha for d in dst) + n * c]
+        for L in (intra, inter):
+            busy.append(piece * beta_at(m, L) * sum(1 for d in dst if link(v, d) is L))
+            busy.append(piece * beta_at(m, L) * sum(1 for q in src if link(q, v) is L))
+        stage = max(stage, max(busy))
+    return intra.overhead + first + (k - 1) * stage

@@ -4,7 +4,8 @@ Every layer that takes one of these parameters (the scans, the relay, the cost m
 the ZeCO layer) checks it with the function here, so a parameter has one rule and one message:
 
 * :data:`TOPOLOGIES` / :func:`check_topology`: the scan algorithms (``"auto"`` = the cost model's pick);
-* :func:`check_blocks`: the ring's piece count, an int in ``1..K`` (or ``None`` = the cost model's);
+* :func:`check_blocks`: the piece count of the ring and of ``ptree``, an int in ``1..K`` (or ``None`` = the cost
+  model's);
 * :data:`TRANSPORT_NAMES` / :func:`check_transport_name`: transports by name; the device kinds
   (:data:`DEVICE_TRANSPORT_KINDS`, :func:`check_device_kind`) and :data:`TRANSPORT_ENV`, the variable naming
   the default one (read once per communicator, where its context is made: :mod:`.context`).
@@ -33,8 +34,9 @@ __all__ = [
     "check_device_kind",
 ]
 
-#: accepted values of ``topology``: the five algorithms and "auto" (the cost model's pick)
-TOPOLOGIES = ("ring", "tree", "allgather", "serial", "exscan", "auto")
+#: accepted values of ``topology``: the six algorithms and "auto" (the cost model's pick); "ptree" is the
+#: doubly pipelined in-order binary tree (:mod:`.pipetree`)
+TOPOLOGIES = ("ring", "tree", "allgather", "serial", "exscan", "ptree", "auto")
 #: the algorithms themselves (``TOPOLOGIES`` without "auto")
 ALGORITHMS = tuple(t for t in TOPOLOGIES if t != "auto")
 #: accepted values of ``progress`` (:func:`hpczeco.collectives.scan.scan_start`)
@@ -54,7 +56,7 @@ def check_topology(topology: Any) -> None:
 
 
 def check_blocks(blocks: Any, K: int | None = None) -> None:
-    """The ring's piece count: ``None`` (the cost model's choice) or an int in ``1..K``.
+    """The piece count of the ring and of ``ptree``: ``None`` (the cost model's choice) or an int in ``1..K``.
 
     ``TypeError`` for a non-int (bools too); ``ValueError`` outside ``1..K``, or below 1 when ``K``
     is not known yet (a layer that checks its options before it sees the arrays).

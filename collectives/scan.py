@@ -18,9 +18,10 @@ supplied by that rank only; every other rank passes ``None``.
 Topologies (:data:`~.names.TOPOLOGIES`; all give the same result up to rounding): ``"ring"`` (the
 paper's pipelined All-Scan in ``blocks`` pieces) and ``"serial"`` (LASP-1, the ring with one block):
 :mod:`.ring`; ``"tree"`` (recursive doubling): :mod:`.tree`; ``"allgather"`` (LASP-2) and ``"exscan"``
-(``MPI_Iexscan`` with a user op): :mod:`.baselines`; ``"auto"``: the cost model's pick
-(:func:`.costmodel.choose`) for this ``P``, state size and ``K`` under the default link parameters
-(:func:`.costmodel.default_params`), which also picks the ring's ``blocks`` when it is None.
+(``MPI_Iexscan`` with a user op): :mod:`.baselines`; ``"ptree"`` (the doubly pipelined in-order binary
+tree in ``blocks`` pieces): :mod:`.pipetree`; ``"auto"``: the cost model's pick (:func:`.costmodel.choose`) for
+this ``P``, state size and ``K`` under the default link parameters (:func:`.costmodel.default_params`), which
+also picks the piece count of the ring and of ``ptree`` when ``blocks`` is None.
 
 Validation is collective and happens before the first message: shapes, dtypes, options, which
 ranks pass ``initial``, NaN/Inf, decays outside [0, 1] -- every rank raises the same
@@ -57,7 +58,9 @@ from .context import get_context
 from .handle import DoneHandle, ScanHandle, ScanPlan, scan_stats
 from .kernels import combine, fold_reference, value_summary
 from .names import TOPOLOGIES, check_blocks, check_progress, check_topology
+from .pipetree import ScheduleHandle
 from .ring import RingHandle
+from .schedule import ptree_programs
 from .selection import check_transport, transport_for, transport_name
 from .transport import Transport
 from .tree import TreeHandle
@@ -187,10 +190,14 @@ def _resolve(topology: str, blocks: int | None, P: int, nbytes: int, K: int, mem
         params = costmodel.default_params(memory)
         if topology == "auto":
             topo, kb = costmodel.choose(P, nbytes, K, params)
-            return topo, (blocks if (topo == "ring" and blocks is not None) else kb)
+            return topo, (blocks if (topo in ("ring", "ptree") and blocks is not None) else kb)
         return "ring", costmodel.best_blocks(P, nbytes, K, params)
     if topology == "serial":
         return "serial", 1
+    if topology == "ptree":
+        if blocks is None:
+            blocks = costmodel.best_blocks_ptree(P, nbytes, K, costmodel.default_params(memory))
+        return "ptree", blocks
     return topology, blocks if topology == "ring" else None
 
 
@@ -225,8 +232,9 @@ def scan_start(
     communicator's context was made, unset = wait forever; the same on every rank): a rank that waits
     longer than that -- for the other ranks to arrive at the validation, or in ``wait()`` for the
     scan's messages -- prints to stderr the operation and the rank(s) it waits for (ring/serial: the
-    previous rank in scan order; tree: the partners of the pending round; allgather/exscan: "some rank
-    did not arrive") and calls ``MPI_Abort`` on ``MPI_COMM_WORLD``. With a
+    previous rank in scan order; tree: the partners of the pending round; ptree: the tree neighbour whose
+    piece has not arrived; allgather/exscan: "some rank did not arrive") and calls ``MPI_Abort`` on
+    ``MPI_COMM_WORLD``. With a
     timeout the validation exchanges ``P - 1`` small messages each way instead of one Allreduce,
     and ``wait()`` polls (2 ms back to back, then sleeping at most 1 ms between polls: :func:`.watchdog.poll_until`)
     instead of blocking.
@@ -286,6 +294,8 @@ def scan_start(
         h: ScanHandle = RingHandle(plan, nblocks, topo)
     elif topo == "tree":
         h = TreeHandle(plan)
+    elif topo == "ptree":
+        h = ScheduleHandle(plan, ptree_programs(P, nblocks), nblocks, "ptree")
     elif topo == "allgather":
         h = AllgatherHandle(plan)
     elif topo == "exscan":
@@ -320,7 +330,8 @@ def scan(
     ``S_in^(p)`` folds the pairs of the ranks before ``p`` in rank order (reverse rank order if
     ``reverse``) with ``X <- a_q * X + S_q``, starting from ``initial`` (given by the first rank
     in scan order only) or zeros. ``topology``: "ring" (pipelined All-Scan, ``blocks`` pieces,
-    ``None`` = the cost model's choice), "tree", "allgather", "serial", "exscan" or "auto".
+    ``None`` = the cost model's choice), "tree", "allgather", "serial", "exscan", "ptree" (the pipelined in-order
+    binary tree, ``blocks`` pieces) or "auto".
     Same result on any number of ranks; errors are raised on every rank before communicating.
     ``out`` (optional) is filled and returned instead of a new array. ``transport``: None (the
     arrays' transport: host, or a device transport by detection / ``$HPCZECO_TRANSPORT``, cached

@@ -149,7 +149,7 @@ def _scan_timings(rec, cp, rng, transports: dict, comm, wall) -> None:
                 for nb in (1, 4):
                     res[("transport-ring", nb)] = wall(
                         lambda tr=tr, nb=nb, ax=ax, Sx=Sx: _transport_ring(cp, tr, ax, Sx, nb, rank, P))
-                for topo, blocks in (("ring", 1), ("ring", 4), ("ring", None), ("tree", None)):
+                for topo, blocks in (("ring", 1), ("ring", 4), ("ring", None), ("tree", None), ("ptree", None)):
                     res[(topo, blocks)] = wall(lambda tr=tr, topo=topo, blocks=blocks, ax=ax, Sx=Sx: scan(
                         ax, Sx, comm, topology=topo, blocks=blocks, transport=tr))
                 for topo, blocks in (("ring", 1), ("ring", None), ("tree", None)):

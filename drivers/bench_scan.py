@@ -82,7 +82,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--topologies", default=",".join(ALGORITHMS), type=topology_list,
                     help=f"comma list of {','.join(TOPOLOGIES)}")
     ap.add_argument("--blocks", default="4,16,64",
-                    help="extra fixed ring piece counts (each <= K; the model's choice always runs as 'ring')")
+                    help="extra fixed piece counts of ring and ptree (each <= K; the model's choice always runs as "
+                         "'ring' / 'ptree')")
     ap.add_argument("--repeats", type=int, default=15, help="timed repeats per point (median reported)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed repeats before timing")
     ap.add_argument("--time-limit", type=float, default=3.0,
@@ -206,7 +207,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = np.dtype(args.dtype)
     sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     topos = args.topologies
-    fixed_blocks = [int(b) for b in args.blocks.split(",") if b.strip()] if "ring" in topos else []
+    fixed_blocks = ([int(b) for b in args.blocks.split(",") if b.strip()]
+                    if ("ring" in topos or "ptree" in topos) else [])
 
     if args.calibrate:
         params = calibrate(comm, sizes=(8, 64 << 10, 1 << 20, 4 << 20), dtype=args.dtype,
@@ -252,8 +254,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         labels: list[tuple[str, str, int | None]] = []
         for t in topos:
             labels.append((t, t, None))
-            if t == "ring":
-                labels += [(f"ring/k={b}", "ring", b) for b in fixed_blocks if b <= K]
+            if t in ("ring", "ptree"):  # the model's piece count, then fixed ones
+                labels += [(f"{t}/k={b}", t, b) for b in fixed_blocks if b <= K]
         for label, topo, blocks in labels:
             if topo in ("allgather", "exscan") and P * nbytes > args.max_gather_mib * (1 << 20):
                 if rank == 0:

@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prefill": ("hpczeco.drivers.prefill", "DAAF prefill of a text file: plan summary and time to first token"),
     "model": ("hpczeco.drivers.model", "cost model: All-Scan vs tree vs allgather time for any P and link"),
     "report": ("hpczeco.drivers.report", "Markdown report with plots of ring vs tree vs baselines"),
+    "simulate": ("hpczeco.drivers.simulate", "the scans' schedules on a simulated GPU fat tree (SimGrid) vs the model"),
 }
 BENCHES: dict[str, tuple[str, str]] = {
     "gla": ("hpczeco.drivers.bench_gla", "chunked GLA forward/backward throughput vs the matmul rate"),

@@ -84,7 +84,8 @@ def fit(points: Sequence[Point], start: LinkParams, free: Sequence[str], *, K: i
         exscan_algorithm: str = "recursive_doubling", name: str | None = None) -> tuple[LinkParams, float]:
     """``start`` with the fields ``free`` refit to ``points``; and the RMS of ``log(predicted/measured)``.
 
-    The ring's pieces are the model's choice unless the topology is given as ``"ring/k=N"``. A free field
+    The pieces of the ring (ptree) are the model's choice unless the topology is given as ``"ring/k=N"``
+    (``"ptree/k=N"``). A free field
     that starts at 0 starts the search at 1e-6 s (or 1e-12 s/B for ``beta``/``gamma``).
     """
     if not points:
@@ -105,8 +106,8 @@ def fit(points: Sequence[Point], start: LinkParams, free: Sequence[str], *, K: i
 
 
 def _predict(topo: str, P: int, m: float, p: LinkParams, K: int, V: int, alg: str) -> float:
-    if topo.startswith("ring/k="):
-        return cm.predict("ring", P, m, p, blocks=int(topo.split("=", 1)[1]), K=K, V=V)
+    if topo.startswith(("ring/k=", "ptree/k=")):
+        return cm.predict(topo.split("/", 1)[0], P, m, p, blocks=int(topo.split("=", 1)[1]), K=K, V=V)
     return cm.predict(topo, P, m, p, K=K, V=V, exscan_algorithm=alg)
 
 

@@ -29,6 +29,7 @@ ASSUMPTIONS = [
     "alpha is constant in P (no congestion, no switch hierarchy); beyond the paper's P=256 it is extrapolation",
     "the ring pipelines with the model's best piece count k; combines run at HBM speed (gamma), 2 us a launch",
     "tree: NOT measured by the paper (nor at P > 4 here); its log2(P) rounds assume every round costs one hop",
+    "ptree (pipelined in-order binary tree): not in the paper either; `hpczeco simulate` runs its schedule",
 ]
 
 
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco model") -> int:
         print(f"  {args.gpus_per_node} ranks per node; between nodes {inter.describe()}")
     print(f"  exscan modelled as {args.exscan}; times in ms; the paper's Table 2 where P matches\n")
     head = f"{'P':>6s} {'ring':>9s} {'k':>4s} {'tree':>9s} {'allgather':>10s} {'serial':>9s} {'exscan':>9s} " \
-           f"{'ag/ring':>8s}  paper (ring / allgather)"
+           f"{'ptree':>9s} {'k':>4s} {'ag/ring':>8s}  paper (ring / allgather)"
     print(head)
     rows = []
     for P in Ps:
@@ -133,6 +134,8 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco model") -> int:
             row[t] = sec
             if t == "ring":
                 row["k"] = k
+            if t == "ptree":
+                row["ptree_k"] = k if inter is not None else cm.best_blocks_ptree(P, nbytes, K, link)
         rows.append(row)
         paper = PAPER.get(P)
         ptxt = (f"  {paper['ring']:.3f} / {paper['allgather']:.3f} (model/paper {row['ring'] * 1e3 / paper['ring']:.2f}"
@@ -140,7 +143,7 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco model") -> int:
         ratio = row["allgather"] / row["ring"] if row["ring"] > 0 else float("nan")
         print(f"{P:6d} {row['ring'] * 1e3:9.3f} {row['k']!s:>4s} {row['tree'] * 1e3:9.3f} "
               f"{row['allgather'] * 1e3:10.3f} {row['serial'] * 1e3:9.3f} {row['exscan'] * 1e3:9.3f} "
-              f"{ratio:8.2f}{ptxt}")
+              f"{row['ptree'] * 1e3:9.3f} {row['ptree_k']!s:>4s} {ratio:8.2f}{ptxt}")
     print("\npaper ratios allgather/All-Scan: " + ", ".join(
         f"P={P} {v['allgather'] / v['ring']:.2f}x" for P, v in PAPER.items()))
     paper_rows = None

@@ -76,7 +76,7 @@ def test_bench_scan_two_ranks_then_report(tmp_path):
     data = json.loads((out / "scan_P2.json").read_text())
     assert data["P"] == 2
     labels = {r["label"] for r in data["results"]}
-    assert labels == {"ring", "ring/k=2", "tree", "allgather", "serial", "exscan"}
+    assert labels == {"ring", "ring/k=2", "tree", "allgather", "serial", "exscan", "ptree", "ptree/k=2"}
     assert all(r["median_s"] > 0 and r["model_s"] > 0 for r in data["results"])
     assert {"scan only", "poll", "thread"} <= set(data["overlap"])
     assert (out / "scan_P2.csv").read_text().startswith("P,label,")

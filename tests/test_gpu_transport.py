@@ -80,7 +80,7 @@ def test_scan_on_device_arrays(comm, gpu, rng, topology):
                 cp.asarray(S_all[r]),
                 comm,
                 topology=topology,
-                blocks=3 if topology == "ring" else None,
+                blocks=3 if topology in ("ring", "ptree") else None,
                 reverse=reverse,
                 transport=tr,
             )

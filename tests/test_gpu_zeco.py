@@ -16,8 +16,8 @@ from hpczeco.base.backend import cupy_available
 pytestmark = [pytest.mark.gpu, pytest.mark.mpi,
               pytest.mark.skipif(not cupy_available(), reason="needs CuPy and a CUDA GPU")]
 
-SCAN_CASES = [(topo, reverse, blocks) for topo in ("ring", "tree", "allgather", "serial", "exscan", "auto")
-              for reverse in (False, True) for blocks in ((None, 5) if topo == "ring" else (None,))]
+SCAN_CASES = [(topo, reverse, blocks) for topo in ("ring", "tree", "allgather", "serial", "exscan", "ptree", "auto")
+              for reverse in (False, True) for blocks in ((None, 5) if topo in ("ring", "ptree") else (None,))]
 
 
 @pytest.mark.parametrize("topology,reverse,blocks", SCAN_CASES,

@@ -15,7 +15,7 @@ from hpczeco.collectives.scan import TOPOLOGIES, combine, fold_reference
 
 pytestmark = pytest.mark.mpi
 
-CONCRETE = ("ring", "tree", "allgather", "serial", "exscan", "auto")
+CONCRETE = ("ring", "tree", "allgather", "serial", "exscan", "ptree", "auto")
 
 
 def make_inputs(rng, P, lead, K, V):
@@ -56,7 +56,7 @@ def test_every_topology_matches_fold(comm, rng):
         A, S, init = make_inputs(rng, P, lead, K, V)
         for dtype, reverse, use_init in combos:
             ref, first = expected(A, S, init if use_init else None, rank, reverse)
-            cases = [("ring", 1), ("ring", 4), ("ring", K), ("ring", None)]
+            cases = [("ring", 1), ("ring", 4), ("ring", K), ("ring", None), ("ptree", 1), ("ptree", 4), ("ptree", K)]
             cases += [(t, None) for t in CONCRETE if t != "ring"]
             for topo, blocks in cases:
                 out = scan(
@@ -145,7 +145,8 @@ def test_two_scans_in_flight(comm, rng):
     P, rank = comm.Get_size(), comm.Get_rank()
     A, S, init = make_inputs(rng, P, (2,), 6, 3)
     B, T, _ = make_inputs(rng, P, (2,), 6, 3)
-    for topo_f, topo_b in (("ring", "ring"), ("tree", "ring"), ("ring", "exscan"), ("allgather", "tree")):
+    for topo_f, topo_b in (("ring", "ring"), ("tree", "ring"), ("ring", "exscan"), ("allgather", "tree"),
+                           ("ptree", "ring"), ("ring", "ptree")):
         ref_f, first_f = expected(A, S, init, rank, False)
         ref_b, _ = expected(B, T, None, rank, True)
         ref_2, _ = expected(B, T, None, rank, False)
@@ -218,7 +219,7 @@ def test_mismatches_raise_everywhere(comm, rng):
         ("NaN initial", False, lambda: dict(initial=bad(rank == 0, init * np.nan, None)), "initial contains NaN"),
     ]
     ref, _ = expected(A, S, None, rank, False)
-    for topo in ("ring", "tree", "exscan"):
+    for topo in ("ring", "tree", "exscan", "ptree"):
         for name, multi, build, frag in cases:
             if multi and P == 1:
                 continue

@@ -12,7 +12,7 @@ from hpczeco.gla import chunk_gla, chunk_gla_bwd
 
 pytestmark = pytest.mark.mpi
 
-TOPOLOGIES = ["ring", "tree", "allgather", "serial", "exscan", "auto"]
+TOPOLOGIES = ["ring", "tree", "allgather", "serial", "exscan", "ptree", "auto"]
 
 
 def slice_bounds(rng, T: int, P: int, force_empty: bool) -> np.ndarray:
