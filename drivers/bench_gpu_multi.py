@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from . import benchkit
+from .options import int_range
 
 STEM = "gpu_multi"
 
@@ -36,10 +37,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--out", default="runs/gpu_multi", help="folder for the JSON/CSV results")
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock, printed)")
-    p.add_argument("--repeats", type=int, default=20, help="timed repetitions of the transport and scan timings")
-    p.add_argument("--T", type=int, default=32768, help="tokens per GPU of the ZeCO step")
-    p.add_argument("--zeco-repeats", type=int, default=10, help="timed repetitions of the ZeCO step")
+    p.add_argument("--seed", type=int_range(0), default=None, help="random seed (default: from the clock, printed)")
+    p.add_argument("--repeats", type=int_range(1), default=20,
+                   help="timed repetitions of the transport and scan timings")
+    p.add_argument("--T", type=int_range(1), default=32768, help="tokens per GPU of the ZeCO step")
+    p.add_argument("--zeco-repeats", type=int_range(1), default=10, help="timed repetitions of the ZeCO step")
     p.add_argument("--zeco-only", action="store_true", help="only the ZeCO layer step")
     p.add_argument("--zeco-transport", default="auto", choices=DEVICE_TRANSPORT_KINDS,
                    help="device transport of the ZeCO step")
