@@ -31,6 +31,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from hpczeco.base.checks import env_positive_int
+
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "SETTINGS",
@@ -133,12 +135,7 @@ def _parse_pool(text: str) -> float | None:
 
 
 def _parse_threads(text: str) -> int | None:
-    t = text.strip()
-    if not t:
-        return None
-    if not t.isdigit() or int(t) < 1:
-        raise ValueError(f"$HPCZECO_GLA_THREADS must be an int >= 1, got {text!r}")
-    return int(t)
+    return env_positive_int("HPCZECO_GLA_THREADS", text)
 
 
 #: variable -> parser (the value's meaning, or ``ValueError`` with the message)

@@ -300,13 +300,15 @@ def serve_sim(args, model, log) -> dict:
 
 def serve_real(args, comm, model, log) -> dict:
     """Serve the requests for real over MPI: rank 0 dispatches, ranks 1..P-1 prefill."""
+    from hpczeco.collectives import timed
+
     from hpczeco.daaf import Request, metrics, plan, serve_mpi
 
     from .daaf_demo import tokenize
 
     rng = np.random.default_rng(args.seed + 99)
     reqs = make_requests(args, rng, log) if comm.Get_rank() == 0 else None
-    reqs = comm.bcast(reqs, root=0)
+    reqs = timed.bcast(comm, reqs, 0, "bench daaf: the requests")
     # calibrate a cost model on rank 0: seconds per DAAF pair (one mid-size prefill)
     rate = None
     if comm.Get_rank() == 0:
@@ -316,7 +318,7 @@ def serve_real(args, comm, model, log) -> dict:
         t0 = time.perf_counter()
         model.prefill(tok, "daaf", p)
         rate = (time.perf_counter() - t0) / p.pairs
-    rate = comm.bcast(rate, root=0)
+    rate = timed.bcast(comm, rate, 0, "bench daaf: the calibrated rate (rank 0 runs a prefill)")
     est = []
     progress = Progress("planning the requests", len(reqs), log)
     for r in reqs:

@@ -88,13 +88,16 @@ def run(args) -> int:
     ndev = cp.cuda.runtime.getDeviceCount()
     cp.cuda.Device(lr % ndev).use()
     from hpczeco.collectives import device as D  # noqa: PLC0415
+    from hpczeco.collectives import timed  # noqa: PLC0415
 
     out = Path(args.out)
-    seed = comm.bcast(int(args.seed if args.seed is not None else time.time_ns() % 2**31), root=0)
+    seed = timed.bcast(comm, int(args.seed if args.seed is not None else time.time_ns() % 2**31), 0,
+                       "bench gpu-multi: the seed")
     rng = np.random.default_rng(seed)
     rec = benchkit.Recorder(out, STEM, rank, info=benchkit.environment(("numpy", "cupy", "mpi4py"), gpu=True))
     rec.info.update(
-        seed=seed, ranks=P, devices=comm.gather(lr % ndev, root=0), mpi=MPI.Get_library_version()[:80],
+        seed=seed, ranks=P, devices=timed.gather(comm, lr % ndev, 0, "bench gpu-multi: the devices"),
+        mpi=MPI.Get_library_version()[:80],
         mpix_cuda_support=D.mpi_cuda_support(), cuda_aware_env=os.environ.get(D.CUDA_AWARE_ENV),
         cuda_aware_known=D.cuda_aware_known(), nccl=D.nccl_available(),
     )
@@ -111,7 +114,7 @@ def run(args) -> int:
             err = None
         except Exception as exc:  # noqa: BLE001
             tr, err = None, f"{type(exc).__name__}: {exc}"
-        errs = comm.allgather(err)  # a transport is used only where every rank has it
+        errs = timed.allgather(comm, err, "bench gpu-multi: the transports")  # used only where every rank has it
         if any(errs):
             rec.say(f"transport {kind}: not available ({[e for e in errs if e][0]})")
         else:
@@ -123,7 +126,7 @@ def run(args) -> int:
     _zeco_timings(rec, cp, args, seed, transports, comm, sync)
     if rank == 0:
         rec.finish()
-    comm.Barrier()
+    timed.Barrier(comm, "bench gpu-multi: rank 0 writes the results")
     return 0
 
 
@@ -166,6 +169,8 @@ def _scan_timings(rec, cp, rng, transports: dict, comm, wall) -> None:
 
 def _zeco_timings(rec, cp, args, seed: int, transports: dict, comm, sync) -> None:
     """The ZeCO layer's forward+backward on P GPUs over one GPU's on the same tokens, and its phases."""
+    from hpczeco.collectives import timed  # noqa: PLC0415
+    from hpczeco.collectives.lifeline import guard  # noqa: PLC0415
     from hpczeco.gpu import gla as G  # noqa: PLC0415
     from mpi4py import MPI  # noqa: PLC0415
 
@@ -214,16 +219,16 @@ def _zeco_timings(rec, cp, args, seed: int, transports: dict, comm, sync) -> Non
         phases: dict[str, list[float]] = {}
         for _ in range(5):
             sync()
-            comm.Barrier()
+            with guard(comm, "bench gpu-multi: the barrier before a profiled step"):
+                comm.Barrier()
             step(layer)
             for d, tm in (("fwd", layer.timings.fwd), ("bwd", layer.timings.bwd)):
                 for key, sec in tm.items():
                     phases.setdefault(f"{d}.{key}", []).append(sec * 1e3)
         layer.profile = False
         for key in sorted(phases):
-            med = np.array([np.median(phases[key])])
-            worst = np.empty_like(med)
-            comm.Allreduce(med, worst, op=MPI.MAX)
+            worst = np.array([np.median(phases[key])])
+            timed.Allreduce(comm, worst, MPI.MAX, "bench gpu-multi: the slowest rank's phase")
             rec.timing(f"ZeCO phase {key} (profile mode, slowest rank)", float(worst[0]))
         for name, fn in (("one GPU fwd prepare", lambda: G.chunk_gla_prepare(q, k, v, g_)),
                          ("one GPU fwd", lambda: G.chunk_gla(q, k, v, g_)),
