@@ -151,9 +151,8 @@ class CommContext:
         self.transports: dict[str, Any] = {}
         self.pool = BufferPool(settings.pool_bytes())
         _LIVE[id(self)] = self
-        from .lifeline import install_exit_hooks  # noqa: PLC0415 - lifeline imports this module
-
-        install_exit_hooks()
+        for hook in ON_NEW_CONTEXT:  # the exit hooks of .lifeline (installed once)
+            hook()
 
     @property
     def device_kind(self) -> str:
@@ -210,9 +209,9 @@ class CommContext:
         """``pcomm`` with ranks in reverse order (collective on first use: the ranks meet first, within the
         timeout, so that the blocking ``MPI_Comm_split`` only runs once every rank is there)."""
         if self._reversed is None:
-            from .timed import Barrier  # noqa: PLC0415 - timed imports this module
-
-            Barrier(self, "reverse-order communicator (MPI_Comm_split)")
+            self.begin()
+            _wait(self.pcomm, "reverse-order communicator (the ranks meet before MPI_Comm_split)", self.timeout, None,
+                  self.pcomm.Ibarrier())
             self._reversed = self.pcomm.Split(0, self.size - 1 - self.rank)
         return self._reversed
 
@@ -231,6 +230,9 @@ class CommContext:
 
 #: the contexts whose communicator is alive, by ``id``: the exit protocol (:mod:`.lifeline`) tells their members
 _LIVE: dict[int, CommContext] = {}
+#: called when a context is made (:mod:`.lifeline` puts its exit hooks' installer here when it is imported: the
+#: package imports it first, so every context has them)
+ON_NEW_CONTEXT: list[Callable[[], None]] = []
 
 
 def live_contexts() -> list[CommContext]:

@@ -4,7 +4,7 @@
 an uncaught exception), or calls ``MPI.Finalize``. Another rank that still waits for it in a collective would
 otherwise wait for ever -- and the leaving rank with it, in ``MPI_Finalize``. :func:`depart` (run by an ``atexit``
 handler and by an ``MPI_COMM_SELF`` attribute whose deletion starts ``MPI_Finalize``, both installed when the
-library first meets a communicator; also called by :func:`.watchdog.abort_on_error` and the ``hpczeco`` commands
+library first meets a communicator; also called by :func:`abort_on_error` and the ``hpczeco`` commands
 with the exit status) therefore
 
 1. sends every other member of every live communicator context (:mod:`.context`) a notice: its exit status and
@@ -43,11 +43,24 @@ from collections.abc import Iterator
 import numpy as np
 from mpi4py import MPI
 
-from .context import DEPART_TAG, CommContext, get_context, live_contexts
+from .context import DEPART_TAG, ON_NEW_CONTEXT, CommContext, get_context, live_contexts
 from .settings import collective_timeout
-from .watchdog import EXIT_GRACE_S, abort_departed, abort_job, abort_stalled, describe_timeout, poll_until
+from .watchdog import (
+    EXIT_GRACE_S,
+    OneLine,
+    _world,
+    abort_departed,
+    abort_job,
+    abort_stalled,
+    describe_timeout,
+    exit_status,
+    fail_rank,
+    poll_until,
+    report_error,
+)
 
-__all__ = ["depart", "install_exit_hooks", "guard", "has_departed"]
+__all__ = ["depart", "install_exit_hooks", "guard", "has_departed", "finish_rank", "abort_on_error", "fail_rank",
+           "report_error", "exit_status"]
 
 _STATE = {"departed": False, "hooks": False}
 
@@ -139,6 +152,55 @@ def install_exit_hooks() -> None:
     MPI.COMM_SELF.Set_attr(keyval, True)
 
 
+# --------------------------------------------------------------------------------------------- leaving guarded
+
+
+def finish_rank(code: int, prog: str = "hpczeco") -> int:
+    """This rank leaves the job with exit status ``code`` (any, 0 included); returns ``code``.
+
+    One rank, or no MPI: nothing to do. Else :func:`.lifeline.depart`: the members of every communicator the
+    library used are told (a rank waiting in a library operation this rank never began ends the job at once,
+    naming it), and this rank waits for every rank to leave too -- they do when the job ends normally, or when the
+    error was collective -- for at most the collective timeout (:data:`EXIT_GRACE_S` for a non-zero status);
+    past it, it says so and aborts the job."""
+    world = _world()
+    if world is None or world[1] == 1:
+        return code
+    depart(code, prog)
+    return code
+
+
+@contextlib.contextmanager
+def abort_on_error(prog: str = "hpczeco", one_line: OneLine = ()) -> Iterator[None]:
+    """Run the ``with`` body; if it raises on a rank of a job of several ranks, end the whole job.
+
+    The failing rank prints ``PROG: rank R: error: Type: message`` to stderr (after the traceback, unless
+    the exception is one of ``one_line`` (exception types, or a predicate) -- errors whose message says it
+    all -- and ``$HPCZECO_TRACEBACK`` is not ``1``), then calls ``MPI_Abort`` on ``MPI_COMM_WORLD``
+    (:func:`fail_rank`): the other ranks, which may be blocked in a collective waiting for it, end too.
+    ``SystemExit`` with any status (0 included) is this rank leaving the job: :func:`finish_rank` (a rank waiting
+    for it in a library operation ends the job at once; the job ends normally if every rank leaves alike, else it
+    is aborted after the grace or the collective timeout). With one rank, or when MPI is not running, the
+    exception propagates unchanged. A rank that returns from the body and ends its process (or calls
+    ``MPI.Finalize``) is handled the same way by the exit hooks of :mod:`.lifeline`.
+
+    For library users: ``with abort_on_error(): main()`` in the script. ``python -m mpi4py script.py`` aborts
+    the job on an uncaught exception (with the traceback), but not when a rank calls ``sys.exit``, returns or calls
+    ``MPI.Finalize`` early: there the library's exit hooks (installed with its first communicator) end the job --
+    at once for ranks waiting in the library's operations, after the collective timeout for ranks blocked in MPI
+    calls of the script's own."""
+    try:
+        yield
+    except SystemExit as exc:
+        finish_rank(exit_status(exc), prog)
+        raise
+    except BaseException as exc:  # noqa: BLE001 - reported, then the job ends
+        world = _world()
+        if world is None or world[1] == 1:
+            raise
+        fail_rank(exc, prog, one_line)
+
+
 # --------------------------------------------------------------------------------------------- guards
 
 
@@ -216,3 +278,6 @@ def guard(comm: MPI.Comm | CommContext, op: str) -> Iterator[None]:
     finally:
         w.clear()
         w.depth = 0
+
+
+ON_NEW_CONTEXT.append(install_exit_hooks)

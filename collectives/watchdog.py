@@ -9,20 +9,19 @@ bound. Past it, the waiting rank prints the operation and the rank(s) it still w
 end the job when a duplicate is aborted.) A rank that left the job ends a wait for it at once
 (:func:`abort_departed`, :mod:`.lifeline`).
 
-:func:`abort_on_error` is the same guarantee for a rank that fails: an exception that leaves a rank
-while the others wait in a collective would otherwise leave that rank blocked in ``MPI_Finalize`` and
-the job hung. Every ``hpczeco`` command runs under it; library users wrap their ``main`` in it, or
-launch with ``python -m mpi4py script.py``. Knows nothing about attention.
+:func:`fail_rank` reports a rank's error and, with several ranks, ends the job (``MPI_Abort``): an exception that
+leaves a rank while the others wait in a collective would otherwise leave that rank blocked in ``MPI_Finalize`` and
+the job hung. :func:`.lifeline.abort_on_error` (every ``hpczeco`` command runs under the same guard) uses it.
+Knows nothing about attention.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -30,8 +29,8 @@ from mpi4py import MPI
 from .settings import DEFAULT_TIMEOUT_S, SETTINGS, TIMEOUT_ENV, collective_timeout
 
 __all__ = ["TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "resolve_timeout", "abort_stalled", "abort_departed", "abort_job",
-           "poll_until", "POLL_SPIN_S", "POLL_MAX_PAUSE_S", "abort_on_error", "finish_rank", "fail_rank",
-           "report_error", "exit_status", "EXIT_GRACE_S", "TRACEBACK_ENV", "describe_timeout"]
+           "poll_until", "POLL_SPIN_S", "POLL_MAX_PAUSE_S", "fail_rank", "report_error", "exit_status", "EXIT_GRACE_S",
+           "TRACEBACK_ENV", "describe_timeout"]
 
 
 def resolve_timeout(timeout: float | None) -> float | None:
@@ -156,23 +155,6 @@ def _world() -> tuple[int, int] | None:
     return mpi.COMM_WORLD.Get_rank(), mpi.COMM_WORLD.Get_size()
 
 
-def finish_rank(code: int, prog: str = "hpczeco") -> int:
-    """This rank leaves the job with exit status ``code`` (any, 0 included); returns ``code``.
-
-    One rank, or no MPI: nothing to do. Else :func:`.lifeline.depart`: the members of every communicator the
-    library used are told (a rank waiting in a library operation this rank never began ends the job at once,
-    naming it), and this rank waits for every rank to leave too -- they do when the job ends normally, or when the
-    error was collective -- for at most the collective timeout (:data:`EXIT_GRACE_S` for a non-zero status);
-    past it, it says so and aborts the job."""
-    world = _world()
-    if world is None or world[1] == 1:
-        return code
-    from .lifeline import depart  # noqa: PLC0415 - lifeline imports this module
-
-    depart(code, prog)
-    return code
-
-
 #: which errors are reported in one line: a tuple of exception types, or a predicate
 OneLine = tuple[type[BaseException], ...] | Callable[[BaseException], bool]
 
@@ -221,34 +203,3 @@ def exit_status(exc: SystemExit) -> int:
     """The process exit status ``sys.exit(code)`` gives."""
     code = exc.code
     return 0 if code is None else (code if isinstance(code, int) else 1)
-
-
-@contextlib.contextmanager
-def abort_on_error(prog: str = "hpczeco", one_line: OneLine = ()) -> Iterator[None]:
-    """Run the ``with`` body; if it raises on a rank of a job of several ranks, end the whole job.
-
-    The failing rank prints ``PROG: rank R: error: Type: message`` to stderr (after the traceback, unless
-    the exception is one of ``one_line`` (exception types, or a predicate) -- errors whose message says it
-    all -- and ``$HPCZECO_TRACEBACK`` is not ``1``), then calls ``MPI_Abort`` on ``MPI_COMM_WORLD``
-    (:func:`fail_rank`): the other ranks, which may be blocked in a collective waiting for it, end too.
-    ``SystemExit`` with any status (0 included) is this rank leaving the job: :func:`finish_rank` (a rank waiting
-    for it in a library operation ends the job at once; the job ends normally if every rank leaves alike, else it
-    is aborted after the grace or the collective timeout). With one rank, or when MPI is not running, the
-    exception propagates unchanged. A rank that returns from the body and ends its process (or calls
-    ``MPI.Finalize``) is handled the same way by the exit hooks of :mod:`.lifeline`.
-
-    For library users: ``with abort_on_error(): main()`` in the script. ``python -m mpi4py script.py`` aborts
-    the job on an uncaught exception (with the traceback), but not when a rank calls ``sys.exit``, returns or calls
-    ``MPI.Finalize`` early: there the library's exit hooks (installed with its first communicator) end the job --
-    at once for ranks waiting in the library's operations, after the collective timeout for ranks blocked in MPI
-    calls of the script's own."""
-    try:
-        yield
-    except SystemExit as exc:
-        finish_rank(exit_status(exc), prog)
-        raise
-    except BaseException as exc:  # noqa: BLE001 - reported, then the job ends
-        world = _world()
-        if world is None or world[1] == 1:
-            raise
-        fail_rank(exc, prog, one_line)

@@ -5,11 +5,11 @@ its own ``argparse`` parser, so ``hpczeco SUB --help`` is that driver's help. Th
 only when their subcommand runs, so ``hpczeco --help`` stays fast and never imports CuPy or PyTorch.
 
 :func:`main` (the console script and ``python -m hpczeco``) runs the subcommand under
-:func:`hpczeco.collectives.watchdog.abort_on_error`: a rank that fails prints its one-line error (and the
+:func:`hpczeco.collectives.lifeline.abort_on_error`: a rank that fails prints its one-line error (and the
 traceback, for internal errors only) and ends the whole job with ``MPI_Abort`` on ``MPI_COMM_WORLD``, so
 no rank is left waiting in a collective for it; a rank that leaves with any exit status while others still
-wait for it ends the job too (:func:`~hpczeco.collectives.watchdog.finish_rank`,
-:mod:`hpczeco.collectives.lifeline`). :func:`dispatch` is the same without the guard.
+wait for it ends the job too (:func:`~hpczeco.collectives.lifeline.finish_rank`). :func:`dispatch` is the same
+without the guard.
 
 ``model`` and ``report`` are single-process commands: launched on several ranks they run on rank 0 alone, which
 prints and writes, and every rank ends with its exit status.
@@ -169,14 +169,15 @@ def is_user_error(exc: BaseException) -> bool:
 
 
 def _guard():
-    """:mod:`hpczeco.collectives.watchdog`, imported without starting MPI when no subcommand did."""
+    """:mod:`hpczeco.collectives.lifeline` (leaving, failing ranks), imported without starting MPI when no subcommand
+    did."""
     if "mpi4py.MPI" not in sys.modules:
         import mpi4py  # noqa: PLC0415
 
         mpi4py.rc.initialize = mpi4py.rc.finalize = False
-    from hpczeco.collectives import watchdog  # noqa: PLC0415
+    from hpczeco.collectives import lifeline  # noqa: PLC0415
 
-    return watchdog
+    return lifeline
 
 
 def main(argv: list[str] | None = None) -> int:
