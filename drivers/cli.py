@@ -180,6 +180,25 @@ def _guard():
     return lifeline
 
 
+def _usage_errors_on_rank0_only() -> None:
+    """Under a launch of several processes, ranks other than 0 exit on a usage error (status 2) without printing it:
+    every rank parses the same command line, so rank 0 prints the one message. The rank is read from the
+    launcher's environment (no MPI needed)."""
+    import argparse  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    from hpczeco.drivers.mpienv import launched_size  # noqa: PLC0415
+
+    if launched_size() <= 1:
+        return
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        value = os.environ.get(var, "").strip()
+        if value.isdigit():
+            if int(value) != 0:
+                argparse.ArgumentParser.error = lambda self, message: sys.exit(2)  # type: ignore[method-assign]
+            return
+
+
 def main(argv: list[str] | None = None) -> int:
     """The ``hpczeco`` command: :func:`dispatch`, and if any rank fails, the end of the whole job.
 
@@ -190,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     (:mod:`hpczeco.collectives.lifeline`). One rank: the same message and exit status 2 (user error) or 1
     (internal)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    prog = "hpczeco" + (f" {argv[0]}" if argv and not argv[0].startswith("-") else "")
+    words = argv[:2] if argv[:1] == ["bench"] and len(argv) > 1 and not argv[1].startswith("-") else argv[:1]
+    prog = " ".join(["hpczeco", *[w for w in words if not w.startswith("-")]])
+    _usage_errors_on_rank0_only()
     try:
         code = dispatch(argv)
     except SystemExit as exc:

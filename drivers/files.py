@@ -7,7 +7,8 @@
   it (a probe file, removed), so that a read-only path, a file where a folder is expected or a missing parent is
   reported before a benchmark runs, not after it.
 - :func:`rank0_verdict`: collective; rank 0's check (an error message or None) raised on every rank as the same
-  ``ValueError`` (the collective timeout bounds the wait for rank 0).
+  :class:`~hpczeco.collectives.errors.CollectiveInputError` (a ``ValueError``; the commands report it once and end
+  every rank with status 2; the collective timeout bounds the wait for rank 0).
 """
 
 from __future__ import annotations
@@ -107,8 +108,8 @@ def check_output_file(path: str | os.PathLike, what: str) -> Path:
 
 def rank0_verdict(comm: Any, check: Callable[[], Any], op: str) -> Any:
     """Run ``check()`` on rank 0 (``comm`` None or of one rank: here); its ``ValueError``/``OSError`` is raised on
-    every rank as the same ``ValueError`` (collective: a timed broadcast); returns ``check()``'s value on rank 0,
-    None elsewhere."""
+    every rank as the same ``CollectiveInputError`` (collective: a timed broadcast); returns ``check()``'s value on
+    rank 0, None elsewhere."""
     result, err = None, None
     if comm is None or comm.Get_rank() == 0:
         try:
@@ -121,5 +122,7 @@ def rank0_verdict(comm: Any, check: Callable[[], Any], op: str) -> Any:
 
         err = timed.bcast(comm, err, 0, op)
     if err:
-        raise ValueError(err)
+        from hpczeco.collectives.errors import CollectiveInputError  # noqa: PLC0415
+
+        raise CollectiveInputError(err)
     return result

@@ -69,7 +69,7 @@ def load_run(f: Path) -> dict[str, Any]:
     if m is None:
         raise ValueError(f"{f}: named like a bench scan result but not scan_P<ranks>.json; rename or remove it")
     try:
-        data = json.loads(read_bounded(str(f), MAX_RESULT_BYTES, str(f),
+        data = json.loads(read_bounded(str(f), MAX_RESULT_BYTES, "--in",
                                        too_large=" (bench scan writes far less): not a bench scan result"))
     except OSError as exc:
         raise ValueError(f"{f}: cannot be read ({exc.strerror or exc})") from None
@@ -77,7 +77,7 @@ def load_run(f: Path) -> dict[str, Any]:
         raise ValueError(f"{f}: not a bench scan result (not UTF-8 text: {exc.reason})") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{f}: not a bench scan result (not JSON: {exc})") from None
-    check_run(data, f.name, int(m.group(1)))
+    check_run(data, str(f), int(m.group(1)))
     data["_file"] = f.name
     return data
 

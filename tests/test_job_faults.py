@@ -338,7 +338,7 @@ def test_timeout_set_on_one_rank_is_a_configuration_mismatch():
     msgs = {ln.split(": ", 1)[1] for ln in lines}
     assert len(msgs) == 1, lines
     assert ("configuration mismatch: $HPCZECO_COLLECTIVE_TIMEOUT differs between the ranks (2 s on rank(s) [0]; "
-            "unset on rank(s) [1, 2])") in msgs.pop(), lines
+            "unset (the default, 600 s) on rank(s) [1, 2])") in msgs.pop(), lines
     assert "did not call" not in text
 
 

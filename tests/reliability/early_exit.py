@@ -5,10 +5,12 @@ Usage: mpiexec -n 3 python early_exit.py MODE [WHERE]
   MODE finalize      : rank 1 calls MPI.Finalize() and then returns
   MODE return        : rank 1 returns from main (its process ends)
   MODE raise         : rank 1 raises an uncaught exception outside any guard
+  MODE stall         : rank 1 sleeps (120 s) instead
   MODE late          : (control) every rank ends normally, rank 0 two seconds after the others
   WHERE guarded (default): main runs under ``with abort_on_error(...)``; bare: without it
-The other ranks then wait in a library collective (a timed barrier after one good scan), or with ``raw`` as a
-third argument in a plain ``comm.Barrier()`` of the script's own. Rank 1 prints ``t_fault=<unix time>`` first.
+The other ranks then wait in a library collective (a timed barrier after one good scan); with ``raw`` as a third
+argument in a plain ``comm.Barrier()`` of the script's own, with ``guard`` in such a barrier under
+``hpczeco.collectives.lifeline.guard``. Rank 1 prints ``t_fault=<unix time>`` first.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ import time
 
 import numpy as np
 from hpczeco.collectives import abort_on_error, scan, timed
+from hpczeco.collectives.lifeline import guard
 from mpi4py import MPI
 
 mode = sys.argv[1]
 where = sys.argv[2] if len(sys.argv) > 2 else "guarded"
-raw = len(sys.argv) > 3 and sys.argv[3] == "raw"
+wait = sys.argv[3] if len(sys.argv) > 3 else "library"
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
 
@@ -49,9 +52,14 @@ def main() -> None:
             return
         if mode == "raise":
             raise RuntimeError("rank 1 fails outside any guard")
+        if mode == "stall":
+            time.sleep(120)
         raise ValueError(mode)
-    if raw:
+    if wait == "raw":
         comm.Barrier()
+    elif wait == "guard":
+        with guard(comm, "the script's guarded barrier"):
+            comm.Barrier()
     else:
         timed.Barrier(comm, "the script's barrier")
     print(f"rank {rank}: finished (unexpected)", flush=True)
