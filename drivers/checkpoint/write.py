@@ -6,12 +6,13 @@ the serial h5py, or with every rank opening it through ``driver='mpio'`` with a 
 ``CheckpointError`` on every rank and the temporary is removed. Then checkpoints beyond the newest ``keep``
 and leftover temporaries of killed writers are removed.
 
-One writing job per folder: rank 0 of a job holds :data:`~.format.LOCK_NAME` in the folder locked (``flock``)
-from the writer's creation for as long as the writer exists (released when its process ends, however it ends); a second live job that makes a
-writer for the same folder gets a ``CheckpointError`` naming the holder, before it writes anything. The temporary's
-name holds the job (``.ckpt_<step>.h5.tmp-<job>-<host>-<pid>-<ns>``) and its writer keeps it locked until it is
-renamed; the clean-up removes only temporaries that no process holds locked (their writers are gone), never one
-being written. On a file system without ``flock`` (some NFS set-ups) neither lock is taken, and that is said once.
+One writing job per folder: rank 0 of a job holds :data:`~.format.LOCK_NAME` in the folder locked (``flock``) from
+the writer's creation for as long as the writer exists (released when its process ends, however it ends); a second
+live job that makes a writer for the same folder gets a ``CheckpointError`` naming the holder, before it writes
+anything. The temporary's name holds the job (``.ckpt_<step>.h5.tmp-<job>-<host>-<pid>-<ns>``) and its writer keeps
+it locked until it is renamed; the clean-up removes only temporaries that no process holds locked (their writers are
+gone), never one being written. On a file system without ``flock`` (some NFS set-ups) neither lock is taken, and
+that is said once.
 """
 
 from __future__ import annotations
