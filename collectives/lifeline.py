@@ -90,10 +90,9 @@ def depart(status: int | None = None, prog: str = "hpczeco") -> None:
         note = np.array([code, ctx.ops], np.int64)
         keep.append(note)
         sends += [ctx.pcomm.Isend(note, dest=r, tag=DEPART_TAG) for r in range(ctx.size) if r != ctx.rank]
-    try:
-        timeout = collective_timeout()
-    except ValueError:
-        timeout = None
+    # the agreed timeouts of the communicators (the variable may have changed since they were made)
+    timeouts = [c.timeout for c in contexts]
+    timeout = None if not timeouts or None in timeouts else max(timeouts)
     bound = (min(EXIT_GRACE_S, timeout) if timeout else EXIT_GRACE_S) if code > 0 else timeout
     if contexts and bound is not None:
         def all_left() -> bool:
