@@ -431,9 +431,11 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench daaf") -> int
     from hpczeco.daaf import plan
 
     from .daaf_demo import ModelConfig, PrefillModel, mixed_tokens
+    from .files import check_output_dir, rank0_verdict
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
+    rank0_verdict(comm, lambda: check_output_dir(args.out, "--out"), f"{prog}: checking --out")  # before the work
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     out = Path(args.out)
     model = PrefillModel(ModelConfig(d_model=args.d_model, n_heads=args.heads, head_dim=args.head_dim,

@@ -115,6 +115,11 @@ def _methods() -> tuple[str, ...]:
 
 def main(argv: list[str] | None = None, prog: str = "hpczeco bench daaf-quality") -> int:
     args = build_parser(prog).parse_args(argv)
+    from .files import check_output_dir, check_output_file
+
+    check_output_dir(args.out, "--out")  # before the work (training takes minutes)
+    if args.save:
+        check_output_file(Path(args.save).with_suffix(".npz"), "--save")
     try:
         import torch  # noqa: F401, PLC0415
     except ImportError as exc:

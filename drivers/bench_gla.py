@@ -214,12 +214,10 @@ def _print(res: dict) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str = "hpczeco bench gla") -> int:
-    args = _parser(prog).parse_args(argv)
-    for name in ("B", "T", "H", "K", "V", "chunk_size", "repeats"):
-        if getattr(args, name) < 1:
-            _parser(prog).error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup < 0:
-        _parser(prog).error("--warmup must be >= 0")
+    args = _parser(prog).parse_args(argv)  # every number checked by its type (drivers/options.py)
+    from .files import check_output_dir
+
+    check_output_dir(args.out, "--out")  # before the work
     res = run(args)
     _print(res)
     _write(res, Path(args.out))

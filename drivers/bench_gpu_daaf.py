@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench gpu-daaf") ->
     if reason:
         print(f"{prog}: {reason}", file=sys.stderr)
         return 2
+    from .files import check_output_dir
+
+    check_output_dir(args.out, "--out")  # before the work
     return run(args)
 
 

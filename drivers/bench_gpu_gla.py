@@ -92,6 +92,9 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench gpu-gla") -> 
     if reason:
         print(f"{prog}: {reason}", file=sys.stderr)
         return 2
+    from .files import check_output_dir
+
+    check_output_dir(args.out, "--out")  # before the work
     return run(args)
 
 

@@ -54,6 +54,11 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench gpu-multi") -
     if reason:
         print(f"{prog}: {reason}", file=sys.stderr)
         return 2
+    from mpi4py import MPI  # noqa: PLC0415
+
+    from .files import check_output_dir, rank0_verdict
+
+    rank0_verdict(MPI.COMM_WORLD, lambda: check_output_dir(args.out, "--out"), f"{prog}: checking --out")
     return run(args)
 
 

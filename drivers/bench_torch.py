@@ -425,6 +425,9 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench torch") -> in
     if reason:
         print(f"{prog}: {reason}", file=sys.stderr)
         return 2
+    from .files import check_output_file
+
+    check_output_file(args.json, "--json")  # before the work
     import torch  # noqa: PLC0415
 
     if not torch.cuda.is_available():
