@@ -115,11 +115,6 @@ def _methods() -> tuple[str, ...]:
 
 def main(argv: list[str] | None = None, prog: str = "hpczeco bench daaf-quality") -> int:
     args = build_parser(prog).parse_args(argv)
-    from .files import check_output_dir, check_output_file
-
-    check_output_dir(args.out, "--out")  # before the work (training takes minutes)
-    if args.save:
-        check_output_file(Path(args.save).with_suffix(".npz"), "--save")
     try:
         import torch  # noqa: F401, PLC0415
     except ImportError as exc:
@@ -199,9 +194,13 @@ def run(args, prog: str = "hpczeco bench daaf-quality") -> int:
 
     from . import daaf_lm as lm  # noqa: PLC0415
     from . import daaf_quality as dq  # noqa: PLC0415
+    from .files import check_output_dir, check_output_file  # noqa: PLC0415
 
     clock = _Clock(args.deadline)
     cfg = _resolve(args)
+    check_output_dir(args.out, "--out")  # the outputs, before the work (training takes minutes)
+    if args.save:
+        check_output_file(Path(args.save).with_suffix(".npz"), "--save")
     device, backend = cfg["device"], cfg["backend"]
     libs = ("numpy", "torch") + (("cupy",) if device == "cuda" else ())
     rec = benchkit.Recorder(args.out, STEM, info=benchkit.environment(libs, gpu=device == "cuda"))
