@@ -27,6 +27,17 @@ def check_int(name: str, value: Any, lo: int | None = None) -> int:
     return int(value)
 
 
+def env_positive_int(name: str, text: str) -> int | None:
+    """The value ``text`` of the environment variable ``name`` as an int >= 1; None when empty; ``ValueError`` naming
+    the variable otherwise (e.g. ``$HPCZECO_GLA_THREADS``)."""
+    t = text.strip()
+    if not t:
+        return None
+    if not t.isdigit() or int(t) < 1:
+        raise ValueError(f"${name} must be an int >= 1, got {text!r}")
+    return int(t)
+
+
 def dtype_name(x: Any) -> str:
     return str(getattr(x, "dtype", type(x).__name__))
 

@@ -137,8 +137,8 @@ def agree_fast(
     """:func:`collective_check` with a cheap all-good path: one ``Allreduce`` of a digest.
 
     Same errors on every rank as :func:`collective_check` (which runs when anything is wrong).
-    With a timeout (``timeout`` seconds, or None: the communicator's, ``$HPCZECO_COLLECTIVE_TIMEOUT``)
-    the digests are exchanged point to point instead (``P - 1`` small messages each way), so that a
+    With a timeout (``timeout`` seconds, or None: the communicator's, ``$HPCZECO_COLLECTIVE_TIMEOUT``, by default
+    600 s) the digests are exchanged point to point instead (``P - 1`` small messages each way), so that a
     rank that does not arrive within it is named before the job is aborted (see
     :func:`hpczeco.collectives.scan.scan_start`). The messages go over ``comm``'s private duplicate.
 
@@ -151,19 +151,21 @@ def agree_fast(
         return tuple(int(f) for f in flags)
     ctx = get_context(comm)
     tmo = ctx.timeout if timeout is None else timeout
+    index = ctx.begin()
     h = _digest(agree)
     buf = np.array([1 if error is not None else 0, h, -h, *flags], dtype=np.int64)
     if tmo is None:
         ctx.pcomm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
     else:
-        _agree_p2p(ctx.pcomm, op, buf, tmo)
+        _agree_p2p(ctx.pcomm, op, buf, tmo, ctx.watch(index, op))
     if buf[0] != 0 or buf[1] != -buf[2]:
         collective_check(comm, op, error, agree)
         raise AssertionError(f"{op}: ranks disagree but collective_check found no difference")  # pragma: no cover
     return tuple(int(f) for f in buf[3:])
 
 
-def _agree_p2p(comm: MPI.Comm, op: str, buf: np.ndarray, timeout: float) -> None:
+def _agree_p2p(comm: MPI.Comm, op: str, buf: np.ndarray, timeout: float,
+               watch: Callable[[], None] | None = None) -> None:
     """``buf <- max over ranks`` by point-to-point messages, aborting (naming the absent ranks) after ``timeout``."""
     P, rank = comm.Get_size(), comm.Get_rank()
     others = [r for r in range(P) if r != rank]
@@ -178,7 +180,7 @@ def _agree_p2p(comm: MPI.Comm, op: str, buf: np.ndarray, timeout: float) -> None
                 arrived[i] = bool(req.Test())
         return all(arrived)
 
-    if not poll_until(done, time.monotonic() + timeout):
+    if not poll_until(done, time.monotonic() + timeout, watch):
         missing = [others[i] for i, ok in enumerate(arrived) if not ok]
         abort_stalled(comm, f"{op} (arrival/validation)", f"rank(s) {missing}, which did not call {op}", timeout)
     MPI.Request.Waitall(sreqs)

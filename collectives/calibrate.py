@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from . import timed
 from .costmodel import (
     EAGER_DEFAULT,
     RING_BIG,
@@ -36,6 +37,7 @@ from .costmodel import (
     ring_from_times,
 )
 from .kernels import axpy_rows
+from .lifeline import guard
 
 __all__ = ["calibrate", "eager_bytes", "measure_combine", "measure_overhead", "measure_piece", "measure_ring",
            "measure_ring_big", "check_ring_big", "ring_times", "ptree_times", "measure_ptree", "measure_big"]
@@ -86,10 +88,9 @@ def measure_combine(nbytes: int, repeats: int = 20, dtype: Any = "float32", V: i
 
 
 def _sleep_barrier(comm: MPI.Comm) -> None:
-    """A barrier that yields the CPU while waiting (oversubscribed ranks do not steal the pingers' cores)."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(50e-6)
+    """A barrier that yields the CPU while waiting (oversubscribed ranks do not steal the pingers' cores), bounded
+    by the collective timeout (:func:`.timed.Barrier`)."""
+    timed.Barrier(comm, "calibration (a barrier between measurements)")
 
 
 def _shift(comm: MPI.Comm, nbytes: int, repeats: int, dtype: Any) -> list[float]:
@@ -113,11 +114,13 @@ def _timed_max(comm: MPI.Comm, fn, repeats: int) -> float:
     buf = np.zeros(1)
     times = []
     for r in range(repeats + 2):
-        comm.Barrier()
+        with guard(comm, "calibration (the barrier before a timed repeat)"):  # blocking, as the benchmark times
+            comm.Barrier()
         t0 = time.perf_counter()
         fn()
         buf[0] = time.perf_counter() - t0
-        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+        with guard(comm, "calibration (the slowest rank's time)"):
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
         if r >= 2:  # two warm-up calls
             times.append(float(buf[0]))
     return _median(times)
@@ -256,7 +259,8 @@ def eager_bytes(comm: MPI.Comm) -> float:
     ``btl_vader_eager_limit`` / ``btl_sm_eager_limit`` from the environment, else their default, 4 KiB. Anything
     else (MPICH, ranks on several nodes, whose links have their own thresholds): :data:`~.costmodel.EAGER_DEFAULT`.
     Collective (a shared-memory split of ``comm``); the same on every rank."""
-    shm = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    with guard(comm, "calibration (the ranks of each node: MPI_Comm_split_type)"):
+        shm = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         one_node = shm.Get_size() == comm.Get_size()
     finally:
@@ -270,7 +274,7 @@ def eager_bytes(comm: MPI.Comm) -> float:
                 break
             except (KeyError, ValueError):
                 continue
-    return comm.bcast(eager, root=0)
+    return timed.bcast(comm, eager, 0, "calibration (the eager size)")
 
 
 def measure_ring(comm: MPI.Comm, params: LinkParams, repeats: int = 15, dtype: Any = "float32",
@@ -347,7 +351,8 @@ def calibrate(
     sizes = tuple(sorted(int(s) for s in sizes))
     if len(sizes) < 2 or sizes[0] <= 0:
         raise ValueError(f"sizes needs at least two positive sizes, got {sizes}")
-    c = comm.Dup()
+    with guard(comm, "calibration (MPI_Comm_dup)"):
+        c = comm.Dup()
     try:
         P, rank = c.Get_size(), c.Get_rank()
         alpha = beta = 0.0
@@ -356,38 +361,42 @@ def calibrate(
             active = method == "shift" or peer < P
             res: dict[int, float] = {}
             for s in sizes:
-                _sleep_barrier(c)
-                if method == "shift":
-                    res[s] = _median(_shift(c, s, repeats, dtype))
-                elif active:
-                    res[s] = _median(_pingpong(c, peer, rank % 2 == 0, s, repeats, dtype))
-            _sleep_barrier(c)
-            everyone = [r for r in c.allgather(res if active else None) if r is not None]
+                _sleep_barrier(comm)
+                with guard(comm, f"calibration ({method} of {s} bytes)"):  # blocking messages, as timed
+                    if method == "shift":
+                        res[s] = _median(_shift(c, s, repeats, dtype))
+                    elif active:
+                        res[s] = _median(_pingpong(c, peer, rank % 2 == 0, s, repeats, dtype))
+            _sleep_barrier(comm)
+            everyone = [r for r in timed.allgather(comm, res if active else None, "calibration (the link times)")
+                        if r is not None]
             med = {s: _median([r[s] for r in everyone]) for s in sizes}
             alpha = med[sizes[0]]
             big = [s for s in sizes[1:] if s >= 64 * 1024] or list(sizes[1:])
             beta = max(0.0, _median([(med[s] - alpha) / (s - sizes[0]) for s in big]))
-        _sleep_barrier(c)
+        _sleep_barrier(comm)
         g_big = measure_combine(sizes[-1], repeats, dtype)
         delta = measure_combine(64, repeats, dtype)
-        comb = c.allgather((g_big, delta))
+        comb = timed.allgather(comm, (g_big, delta), "calibration (the combine times)")
         g_big, delta = _median([x[0] for x in comb]), _median([x[1] for x in comb])
         gamma = max(0.0, (g_big - delta) / sizes[-1])
-        vals = c.bcast((alpha, beta, gamma, delta) if rank == 0 else None, root=0)
+        vals = timed.bcast(comm, (alpha, beta, gamma, delta) if rank == 0 else None, 0, "calibration (the result)")
     finally:
         c.Free()
     eager = eager_bytes(comm)
     link = LinkParams(*vals, eager=eager, name=f"calibrated ({method})")
     if P >= 2:
         over = measure_overhead(comm, link)
-        link = LinkParams(*vals, overhead=comm.bcast(over, root=0), eager=eager, name=link.name)
+        link = LinkParams(*vals, overhead=timed.bcast(comm, over, 0, "calibration (the overhead)"), eager=eager,
+                          name=link.name)
         if piece:
-            pc, rb = comm.bcast(measure_ring(comm, link, repeats, dtype), root=0)
+            pc, rb = timed.bcast(comm, measure_ring(comm, link, repeats, dtype), 0, "calibration (the ring)")
             link = LinkParams(*vals, overhead=link.overhead, piece=pc, eager=eager, ring_beta=rb,
                               ring_k_min=float(min(RING_BLOCKS)) if rb > 0 else 0.0, name=link.name)
             if ring_big and rb > 0:
                 small = float(_ring_state_bytes(RING_STATE_BYTES, RING_BLOCKS, dtype))
-                rbb, big = comm.bcast(measure_ring_big(comm, link, ring_big, dtype=dtype), root=0)
+                rbb, big = timed.bcast(comm, measure_ring_big(comm, link, ring_big, dtype=dtype), 0,
+                                       "calibration (the large ring)")
                 if rbb > 0 and big > small:
                     link = replace(link, ring_beta_big=rbb, ring_bytes=small, ring_big=big)
             if ring_big and ring_big > sizes[-1]:  # the big-state shift and combine (tree, allgather, exscan)

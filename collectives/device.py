@@ -18,14 +18,15 @@ library exports ``MPIX_Query_cuda_support`` and it returns 1. ``$HPCZECO_CUDA_AW
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from .context import CommContext, get_context
+from .lifeline import guard
 from .names import DEVICE_TRANSPORT_KINDS, check_device_kind
+from .settings import cuda_aware
 from .transport import Request, Transport, _DoneRequest, _MPIRequest
 
 __all__ = [
@@ -83,12 +84,11 @@ def mpi_cuda_support() -> int | None:
 
 
 def cuda_aware_known() -> bool:
-    """True when device pointers may be handed to this MPI (env opt-in or MPIX query says 1)."""
-    env = os.environ.get(CUDA_AWARE_ENV, "").strip().lower()
-    if env in ("1", "true", "yes", "on"):
-        return True
-    if env in ("0", "false", "no", "off"):
-        return False
+    """True when device pointers may be handed to this MPI (env opt-in or MPIX query says 1). ``ValueError`` for a
+    value of ``$HPCZECO_CUDA_AWARE`` that is not a yes/no word (:func:`.settings.cuda_aware`)."""
+    declared = cuda_aware()
+    if declared is not None:
+        return declared
     return mpi_cuda_support() == 1
 
 
@@ -509,15 +509,17 @@ def device_transport(ctx: CommContext, kind: str = "auto") -> Transport:
     cache = ctx.transports
     if kind in cache:
         return cache[kind]
-    concrete = resolve_kind(ctx.pcomm, kind)
-    if concrete in cache:
-        t = cache[concrete]
-    elif concrete == "cuda-aware":
-        t = CudaAwareTransport(ctx.pcomm)
-    elif concrete == "nccl":
-        t = NcclTransport(ctx.pcomm)
-    else:
-        t = StagedTransport(ctx.pcomm)
+    # the set-up's blocking collectives (the agreement, NCCL's unique id and communicator) bounded by the timeout
+    with guard(ctx, f"device transport {kind!r} (set-up)"):
+        concrete = resolve_kind(ctx.pcomm, kind)
+        if concrete in cache:
+            t = cache[concrete]
+        elif concrete == "cuda-aware":
+            t = CudaAwareTransport(ctx.pcomm)
+        elif concrete == "nccl":
+            t = NcclTransport(ctx.pcomm)
+        else:
+            t = StagedTransport(ctx.pcomm)
     cache[concrete] = t
     cache[kind] = t
     return t

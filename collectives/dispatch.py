@@ -10,8 +10,10 @@ on rank 0's clock (dispatch to completion message) and the seconds ``run`` took.
 The messages travel on the private duplicate of the communicator (:mod:`.context`, tags
 :data:`~.context.DISPATCH_TAGS`), so they never meet the caller's own traffic. Waiting ranks sleep
 between probes instead of spinning in a blocking receive (MPICH's spins a core, which on an
-oversubscribed node steals it from the ranks doing the work). The policy and what a task is belong
-to the caller: knows nothing about attention.
+oversubscribed node steals it from the ranks doing the work). Every wait -- a worker for its next task, rank 0
+for a free worker -- is bounded by the collective timeout (which must therefore exceed the longest task), and ends
+at once when a rank left the job (:mod:`.lifeline`). The policy and what a task is belong to the caller: knows
+nothing about attention.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from typing import Any, TypeVar
 
 from mpi4py import MPI
 
-from .context import DISPATCH_TAGS, get_context
+from . import timed
+from .context import DISPATCH_TAGS, CommContext, get_context
+from .watchdog import abort_stalled
 
 __all__ = ["Completion", "dispatch"]
 
@@ -43,12 +47,23 @@ class Completion:
     busy: float
 
 
-def _recv_polling(comm: MPI.Comm, source: int, tag: int, status: MPI.Status) -> Any:
-    """``comm.recv`` that sleeps between probes (100 us growing to 2 ms)."""
+def _recv_polling(ctx: CommContext, source: int, tag: int, status: MPI.Status, waiting_for: str) -> Any:
+    """``recv`` on the context's communicator that sleeps between probes (100 us growing to 2 ms), bounded by the
+    collective timeout (then the job is aborted, naming ``waiting_for``) and ended at once by a rank that left."""
+    comm = ctx.pcomm
     nap = 1e-4
+    deadline = None if ctx.timeout is None else time.monotonic() + ctx.timeout
+    watch = ctx.watch(ctx.ops - 1, "dispatch")
+    checked = time.monotonic()
     while not comm.Iprobe(source=source, tag=tag):
         time.sleep(nap)
         nap = min(2e-3, nap * 1.5)
+        now = time.monotonic()
+        if now - checked > 0.05:
+            checked = now
+            watch()
+        if deadline is not None and now > deadline:
+            abort_stalled(comm, "dispatch", waiting_for, ctx.timeout)
     return comm.recv(source=source, tag=tag, status=status)
 
 
@@ -81,9 +96,10 @@ def _index_of(task: T, candidates: list[int], tasks: Sequence[T]) -> int:
     raise ValueError("pick must return one of the ready tasks it was given")
 
 
-def _master(comm: MPI.Comm, tasks: Sequence[T], pick: Callable[[list[T], float], T],
+def _master(ctx: CommContext, tasks: Sequence[T], pick: Callable[[list[T], float], T],
             release: Callable[[T], float]) -> list[Completion]:
     """Rank 0: hand released tasks to ready workers in ``pick``'s order, record the completions."""
+    comm = ctx.pcomm
     workers = comm.Get_size() - 1
     t0 = time.perf_counter()
 
@@ -120,7 +136,9 @@ def _master(comm: MPI.Comm, tasks: Sequence[T], pick: Callable[[list[T], float],
                 time.sleep(min(1e-3, max(0.0, t_next - clock())))
             if not comm.Iprobe(source=MPI.ANY_SOURCE, tag=_READY):
                 continue
-        msg = _recv_polling(comm, MPI.ANY_SOURCE, _READY, st)
+        busy = sorted({w for w, _ in started.values()})
+        msg = _recv_polling(ctx, MPI.ANY_SOURCE, _READY, st, f"rank(s) {busy or 'any worker'} (running a task, or "
+                            "not ready yet)")
         now = clock()
         if msg is not None:  # (index, seconds run took)
             i, secs = msg
@@ -130,12 +148,13 @@ def _master(comm: MPI.Comm, tasks: Sequence[T], pick: Callable[[list[T], float],
     return done
 
 
-def _worker(comm: MPI.Comm, tasks: Sequence[T], run: Callable[[T], Any]) -> None:
+def _worker(ctx: CommContext, tasks: Sequence[T], run: Callable[[T], Any]) -> None:
     """Ranks 1..P-1: say ready, run what rank 0 sends, report its time, until told to stop."""
+    comm = ctx.pcomm
     comm.send(None, dest=0, tag=_READY)
     st = MPI.Status()
     while True:
-        i = _recv_polling(comm, 0, MPI.ANY_TAG, st)
+        i = _recv_polling(ctx, 0, MPI.ANY_TAG, st, "rank 0 (the dispatcher) to send the next task")
         if st.Get_tag() == _STOP:
             return
         a = time.perf_counter()
@@ -159,17 +178,15 @@ def dispatch(
     the order they completed, on every rank. The arguments are not checked collectively: agree on
     them first (e.g. :func:`~.agree.collective_check`).
     """
-    pcomm = get_context(comm).pcomm
-    pcomm.Barrier()
-    if pcomm.Get_size() == 1:
+    ctx = get_context(comm)
+    timed.Barrier(ctx, "dispatch (the common start)")
+    if ctx.size == 1:
         return _serve_alone(tasks, run, pick, release)
-    if pcomm.Get_rank() == 0:
-        done: list[Completion] | None = _master(pcomm, tasks, pick, release)
+    if ctx.rank == 0:
+        done: list[Completion] | None = _master(ctx, tasks, pick, release)
     else:
-        _worker(pcomm, tasks, run)
+        _worker(ctx, tasks, run)
         done = None
-    req = pcomm.Ibarrier()  # wait for the last worker without spinning a core
-    while not req.Test():
-        time.sleep(1e-3)
-    data = pcomm.bcast(None if done is None else [asdict(c) for c in done])
+    timed.Barrier(ctx, "dispatch (the end: the last worker)")  # polled with sleeps: no core spun
+    data = timed.bcast(ctx, None if done is None else [asdict(c) for c in done], 0, "dispatch (the completions)")
     return [Completion(**c) for c in data]

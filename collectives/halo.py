@@ -13,7 +13,8 @@ error when any rank's input is bad, before any data moves). ``comm=None`` means 
 - :func:`gather_lengths` every rank's slice length.
 
 Point-to-point traffic goes through the :mod:`~hpczeco.collectives.transport` seam (host or device
-buffers). The variable-count collectives take numpy arrays; CuPy arrays are staged through host.
+buffers). The variable-count collectives take numpy arrays; CuPy arrays are staged through host. Every wait is
+bounded by the collective timeout (:mod:`.timed`: the collectives run on the communicator's private duplicate).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from . import timed
 from .agree import collective_check, local_error
 from .selection import get_transport
 
@@ -86,7 +88,7 @@ def _like(x_host: np.ndarray, like: Any) -> Any:
 
 def gather_lengths(n: int, comm) -> list[int]:
     """Every rank's slice length (``allgather`` of ``n``)."""
-    return [int(n)] if _size(comm) == 1 else [int(m) for m in comm.allgather(int(n))]
+    return [int(n)] if _size(comm) == 1 else [int(m) for m in timed.allgather(comm, int(n), "gather_lengths")]
 
 
 def halo_exchange(x: Any, width: int, comm, axis: int = 1) -> Any:
@@ -112,12 +114,13 @@ def halo_exchange(x: Any, width: int, comm, axis: int = 1) -> Any:
     lo = max(0, starts[me] - int(width))
     transport = get_transport(comm, x) if _size(comm) > 1 else None
     out = _xp(x).empty((starts[me] - lo, *xm.shape[1:]), dtype=x.dtype)
-    reqs, keep = [], []
+    reqs, keep, peers = [], [], []
     # receive the pieces of [lo, s_me) owned by earlier ranks
     for q in range(me):
         a, b = max(lo, starts[q]), min(starts[q + 1], starts[me])
         if b > a:
             reqs.append(transport.irecv(out[a - lo : b - lo], q, HALO_TAG))
+            peers.append(q)
     # send my rows to every later rank whose halo reaches into my slice
     for p in range(me + 1, _size(comm)):
         plo = max(0, starts[p] - int(width))
@@ -127,8 +130,9 @@ def halo_exchange(x: Any, width: int, comm, axis: int = 1) -> Any:
             buf = buf if buf.flags.c_contiguous else buf.copy(order="C")
             keep.append(buf)
             reqs.append(transport.isend(buf, p, HALO_TAG))
-    for r in reqs:
-        r.wait()
+            peers.append(p)
+    if comm is not None:
+        timed.wait_requests(comm, reqs, "halo_exchange", peers)
     return out if ax == 0 else out.swapaxes(0, ax)
 
 
@@ -146,7 +150,7 @@ def allgather_v(x: Any, comm, axis: int = 1) -> Any:
     out = np.empty((sum(lengths), *xh.shape[1:]), dtype=xh.dtype)
     counts = [n * row for n in lengths]
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
-    comm.Allgatherv(xh, [out, (counts, displs)])
+    timed.Allgatherv(comm, xh, out, counts, displs, "allgather_v")
     return _like(np.moveaxis(out, 0, ax), x)
 
 
@@ -176,7 +180,7 @@ def reduce_scatter_v(x: Any, counts: list[int], comm, axis: int = 0, op: str = "
     row = int(np.prod(xh.shape[1:], dtype=np.int64))
     mine = int(counts[_rank(comm)])
     out = np.empty((mine, *xh.shape[1:]), dtype=xh.dtype)
-    comm.Reduce_scatter(xh, out, recvcounts=[int(c) * row for c in counts], op=_OPS[op])
+    timed.Reduce_scatter(comm, xh, out, [int(c) * row for c in counts], _OPS[op], "reduce_scatter_v")
     return _like(np.moveaxis(out, 0, ax), x)
 
 
@@ -194,7 +198,6 @@ def allreduce(x: Any, comm, op: str = "sum") -> Any:
     collective_check(comm, "allreduce", err, agree)
     if _size(comm) == 1:
         return x.copy()
-    xh = np.ascontiguousarray(_host(x))
-    out = np.empty_like(xh)
-    comm.Allreduce(xh, out, op=_OPS[op])
+    out = np.array(_host(x), order="C", copy=True)
+    timed.Allreduce(comm, out, _OPS[op], "allreduce")
     return _like(out, x)

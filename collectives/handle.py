@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mpi4py import MPI
@@ -72,6 +73,7 @@ class ScanHandle:
         self._out: Any = None  # the caller's ``out``, returned as is
         self._timeout: float | None = None  # seconds; set by scan_start
         self._comm: MPI.Comm | None = None  # aborted on a timeout
+        self._watch: Callable[[], None] | None = None  # ends the job when a rank left before this scan
         self._counted = False
 
     def _count(self) -> None:
@@ -145,7 +147,7 @@ class ScanHandle:
                 abort_stalled(self._comm, f"scan({self.topology}) wait", self._waiting_for(), self._timeout)
             self._join()
             return
-        if not poll_until(self.test, deadline):
+        if not poll_until(self.test, deadline, self._watch):
             abort_stalled(self._comm, f"scan({self.topology}) wait", self._waiting_for(), self._timeout)
 
     def _deliver(self, result: Any) -> Any:

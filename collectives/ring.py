@@ -141,8 +141,10 @@ def relay_recv(
     :func:`relay_send` on the previous rank: the k-th ``relay_send`` of rank ``p-1`` feeds the k-th
     ``relay_recv`` of rank ``p`` (per direction; messages of one direction stay in order).
     Point-to-point, so only local checks: ``buf`` must match the sender's buffer in size and dtype.
-    ``timeout`` (seconds; None = ``$HPCZECO_COLLECTIVE_TIMEOUT``, unset = forever): past it, print the
-    sender's rank and call ``MPI_Abort``. None reads the communicator's agreed timeout (:mod:`.context`).
+    ``timeout`` (seconds; None = ``$HPCZECO_COLLECTIVE_TIMEOUT``: by default 600 s, ``0``/``off`` = forever): past
+    it, print the sender's rank and call ``MPI_Abort``. None reads the communicator's agreed timeout
+    (:mod:`.context`). A sender that left the job before the last library operation this rank began ends the wait
+    at once (:mod:`.lifeline`).
     """
     ctx, pos, tr, step = _relay_setup(buf, comm, reverse, transport)
     tmo = ctx.timeout if timeout is None else resolve_timeout(timeout)
@@ -153,7 +155,7 @@ def relay_recv(
         tr.recv(buf, src, RELAY_TAGS[bool(reverse)])
         return True
     req = tr.irecv(buf, src, RELAY_TAGS[bool(reverse)])
-    if not poll_until(req.test, time.monotonic() + tmo):
+    if not poll_until(req.test, time.monotonic() + tmo, ctx.watch(ctx.ops - 1, "relay_recv")):
         abort_stalled(ctx.pcomm, "relay_recv", f"rank {src} (the previous rank in scan order)", tmo)
     return True
 
@@ -174,5 +176,5 @@ def relay_send(
         tr.send(buf, dst, RELAY_TAGS[bool(reverse)])
         return
     req = tr.isend(buf, dst, RELAY_TAGS[bool(reverse)])
-    if not poll_until(req.test, time.monotonic() + tmo):
+    if not poll_until(req.test, time.monotonic() + tmo, ctx.watch(ctx.ops - 1, "relay_send")):
         abort_stalled(ctx.pcomm, "relay_send", f"rank {dst} (the next rank in scan order) to receive", tmo)

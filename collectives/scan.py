@@ -229,12 +229,14 @@ def scan_start(
     page-faulting) a new state per call. See the module docstring and :mod:`.handle` (progress).
 
     ``timeout`` (seconds; None = ``$HPCZECO_COLLECTIVE_TIMEOUT`` as agreed over the ranks when the
-    communicator's context was made, unset = wait forever; the same on every rank): a rank that waits
+    communicator's context was made: by default 600 s, ``0``/``off`` = wait forever; the same on every rank): a
+    rank that waits
     longer than that -- for the other ranks to arrive at the validation, or in ``wait()`` for the
     scan's messages -- prints to stderr the operation and the rank(s) it waits for (ring/serial: the
     previous rank in scan order; tree: the partners of the pending round; ptree: the tree neighbour whose
     piece has not arrived; allgather/exscan: "some rank did not arrive") and calls ``MPI_Abort`` on
-    ``MPI_COMM_WORLD``. With a
+    ``MPI_COMM_WORLD``; a rank that left the job before this scan (its process ended: :mod:`.lifeline`) ends the
+    wait at once. With a
     timeout the validation exchanges ``P - 1`` small messages each way instead of one Allreduce,
     and ``wait()`` polls (2 ms back to back, then sleeping at most 1 ms between polls: :func:`.watchdog.poll_until`)
     instead of blocking.
@@ -304,6 +306,7 @@ def scan_start(
         raise AssertionError(topo)
     h._out = out
     h._timeout, h._comm = tmo, ctx.pcomm
+    h._watch = ctx.watch(ctx.begin(), f"scan({topo})")
     h._count()
     if progress == "thread":
         h._start_thread()

@@ -1,56 +1,55 @@
 """The collective timeout: its resolution, the wait that polls until a deadline, the abort of a stalled job,
 and the abort of a job one of whose ranks fails.
 
-A collective wait has no timeout unless one is given (``timeout=`` seconds) or set in
-``$HPCZECO_COLLECTIVE_TIMEOUT``. Past it, the waiting rank prints the operation and the rank(s) it
-still waits for to stderr and calls ``MPI_Abort`` on ``MPI_COMM_WORLD``: a stalled peer ends the job
-with a message instead of hanging it. (Always ``COMM_WORLD``: the MPI standard promises only a best
-effort for other communicators, and MPICH 4.0.2 does not end the job when a duplicate is aborted.)
+Every collective wait of the library is bounded: by ``timeout=`` (seconds) where a call takes one, else by
+``$HPCZECO_COLLECTIVE_TIMEOUT`` -- by default :data:`.settings.DEFAULT_TIMEOUT_S` (600 s), ``0``/``off`` for no
+bound. Past it, the waiting rank prints the operation and the rank(s) it still waits for to stderr and calls
+``MPI_Abort`` on ``MPI_COMM_WORLD``: a stalled peer ends the job with a message instead of hanging it. (Always
+``COMM_WORLD``: the MPI standard promises only a best effort for other communicators, and MPICH 4.0.2 does not
+end the job when a duplicate is aborted.) A rank that left the job ends a wait for it at once
+(:func:`abort_departed`, :mod:`.lifeline`).
 
-:func:`abort_on_error` is the same guarantee for a rank that fails: an exception that leaves a rank
-while the others wait in a collective would otherwise leave that rank blocked in ``MPI_Finalize`` and
-the job hung. Every ``hpczeco`` command runs under it; library users wrap their ``main`` in it, or
-launch with ``python -m mpi4py script.py``. Knows nothing about attention.
+:func:`fail_rank` reports a rank's error and, with several ranks, ends the job (``MPI_Abort``): an exception that
+leaves a rank while the others wait in a collective would otherwise leave that rank blocked in ``MPI_Finalize`` and
+the job hung. :func:`.lifeline.abort_on_error` (every ``hpczeco`` command runs under the same guard) uses it.
+Knows nothing about attention.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["TIMEOUT_ENV", "resolve_timeout", "abort_stalled", "abort_job", "poll_until", "POLL_SPIN_S",
-           "POLL_MAX_PAUSE_S", "abort_on_error", "finish_rank", "fail_rank", "report_error",
-           "exit_status", "EXIT_GRACE_S", "TRACEBACK_ENV"]
+from .settings import DEFAULT_TIMEOUT_S, SETTINGS, TIMEOUT_ENV, collective_timeout
 
-#: environment variable: seconds a collective wait may take before the job is aborted (unset = forever)
-TIMEOUT_ENV = "HPCZECO_COLLECTIVE_TIMEOUT"
+__all__ = ["TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "resolve_timeout", "abort_stalled", "abort_departed", "abort_job",
+           "poll_until", "POLL_SPIN_S", "POLL_MAX_PAUSE_S", "fail_rank", "report_error", "exit_status", "EXIT_GRACE_S",
+           "TRACEBACK_ENV", "describe_timeout"]
 
 
 def resolve_timeout(timeout: float | None) -> float | None:
-    """``timeout`` (checked: positive, finite) or, when None, ``$HPCZECO_COLLECTIVE_TIMEOUT`` (None if unset)."""
+    """``timeout`` (checked: positive, finite) or, when None, ``$HPCZECO_COLLECTIVE_TIMEOUT``
+    (:func:`.settings.collective_timeout`: the default :data:`DEFAULT_TIMEOUT_S` when unset, None when off)."""
     if timeout is None:
-        env = os.environ.get(TIMEOUT_ENV, "").strip()
-        if not env:
-            return None
-        try:
-            timeout = float(env)
-        except ValueError:
-            raise ValueError(f"${TIMEOUT_ENV} must be a number of seconds, got {env!r}") from None
-        what = f"${TIMEOUT_ENV}"
-    else:
-        what = "timeout"
+        return collective_timeout()
     if isinstance(timeout, (bool, np.bool_)) or not isinstance(timeout, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{what} must be a number of seconds or None, got {type(timeout).__name__}")
+        raise TypeError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
     if not (timeout > 0 and timeout < float("inf")):
-        raise ValueError(f"{what} must be a positive finite number of seconds, got {timeout}")
+        raise ValueError(f"timeout must be a positive finite number of seconds, got {timeout}")
     return float(timeout)
+
+
+def describe_timeout(timeout: float) -> str:
+    """``600 s (the default; $HPCZECO_COLLECTIVE_TIMEOUT=S sets it, 0 turns it off)`` or ``2 s``."""
+    if timeout == DEFAULT_TIMEOUT_S and not os.environ.get(TIMEOUT_ENV, "").strip():
+        return f"{timeout:g} s (the default; ${TIMEOUT_ENV}=S sets another, 0 turns it off)"
+    return f"{timeout:g} s"
 
 
 #: seconds between this rank's last message and ``MPI_Abort``: the launcher forwards output asynchronously, and
@@ -76,9 +75,20 @@ def abort_stalled(comm: MPI.Comm, op: str, waiting_for: str, timeout: float) -> 
 
     ``comm`` is the communicator the wait was on (its rank is printed); the abort is on ``MPI_COMM_WORLD``."""
     rank = comm.Get_rank()
-    print(f"hpczeco: rank {rank}: {op} exceeded the collective timeout of {timeout:g} s; still waiting for "
-          f"{waiting_for}; aborting the job (MPI_Abort)", file=sys.stderr, flush=True)
+    print(f"hpczeco: rank {rank}: {op} exceeded the collective timeout of {describe_timeout(timeout)}; still waiting "
+          f"for {waiting_for}; aborting the job (MPI_Abort)", file=sys.stderr, flush=True)
     abort_job(3)
+
+
+def abort_departed(comm: MPI.Comm, op: str, gone: list[tuple[int, int]]) -> None:
+    """Print that the rank(s) ``gone`` (``(rank, exit status or -1)``) left the job before ``op``, which this rank
+    waits in on ``comm`` and which cannot complete without them, and abort the job (never returns): status 3, or
+    the first non-zero status of those ranks."""
+    rank = comm.Get_rank()
+    how = ", ".join(f"rank {r} ({'exit status ' + str(st) if st >= 0 else 'process exit'})" for r, st in gone)
+    print(f"hpczeco: rank {rank}: {op}: {how} left the job before reaching it, so it can never complete; aborting "
+          "the job (MPI_Abort)", file=sys.stderr, flush=True)
+    abort_job(next((st for _, st in gone if st > 0), 3))
 
 
 #: seconds a timed wait first polls without sleeping (yielding the core between polls, as MPI_Wait spins)
@@ -87,9 +97,14 @@ POLL_SPIN_S = 2e-3
 POLL_MAX_PAUSE_S = 1e-3
 
 
-def poll_until(done: Callable[[], bool], deadline: float) -> bool:
+#: seconds between two calls of a wait's ``watch`` (the check for ranks that left the job)
+WATCH_EVERY_S = 5e-3
+
+
+def poll_until(done: Callable[[], bool], deadline: float, watch: Callable[[], None] | None = None) -> bool:
     """Call ``done()`` until it returns True or ``deadline`` (``time.monotonic()`` seconds) passes; True when
-    ``done()`` did.
+    ``done()`` did. ``watch()`` (optional: e.g. the check for ranks that left the job, which aborts) is called
+    every :data:`WATCH_EVERY_S` while it waits.
 
     For :data:`POLL_SPIN_S` it polls back to back, yielding the core between polls (``sched_yield``: free on
     a core of its own, and on an oversubscribed one the rank it waits for may be the one that runs); then it
@@ -109,11 +124,16 @@ def poll_until(done: Callable[[], bool], deadline: float) -> bool:
         if yield_core is not None:
             yield_core()
     pause = 5e-5
+    watched = time.monotonic()
     while True:
         if done():
             return True
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if now >= deadline:
             return False
+        if watch is not None and now - watched >= WATCH_EVERY_S:
+            watched = now
+            watch()
         time.sleep(pause)
         pause = min(pause * 1.5, POLL_MAX_PAUSE_S)
 
@@ -121,7 +141,7 @@ def poll_until(done: Callable[[], bool], deadline: float) -> bool:
 # --------------------------------------------------------------------------------------------- failing ranks
 
 #: seconds a rank that ends with a non-zero status waits for the others to end too (they do when the error
-#: was collective) before it aborts the job; the collective timeout replaces it where one is set
+#: was collective) before it aborts the job (at most the collective timeout); status 0 waits the collective timeout
 EXIT_GRACE_S = 10.0
 #: environment variable: ``1`` prints the traceback of every error, not only of internal ones
 TRACEBACK_ENV = "HPCZECO_TRACEBACK"
@@ -135,35 +155,6 @@ def _world() -> tuple[int, int] | None:
     return mpi.COMM_WORLD.Get_rank(), mpi.COMM_WORLD.Get_size()
 
 
-def _exit_timeout() -> float:
-    try:
-        tmo = resolve_timeout(None)
-    except (TypeError, ValueError):
-        tmo = None
-    return EXIT_GRACE_S if tmo is None else tmo
-
-
-def finish_rank(code: int, prog: str = "hpczeco") -> int:
-    """End this rank's part of a job with exit status ``code``; returns ``code``.
-
-    Status 0, one rank, or no MPI: nothing to do. A non-zero status on several ranks: this rank waits (a
-    non-blocking barrier, polled) for every rank to end with an error too -- they all do when the error was
-    collective, and the job then ends normally with that status. If they do not arrive within
-    :data:`EXIT_GRACE_S` (or the collective timeout), the error was this rank's alone while the others go on
-    (or wait for it): it says so and aborts the job."""
-    world = _world()
-    if code == 0 or world is None or world[1] == 1:
-        return code
-    grace = _exit_timeout()
-    req = MPI.COMM_WORLD.Ibarrier()
-    if poll_until(lambda: bool(req.Test()), time.monotonic() + grace):
-        return code
-    print(f"{prog}: rank {world[0]}: ended with status {code} while other ranks did not end within {grace:g} s; "
-          "aborting the job (MPI_Abort on MPI_COMM_WORLD)", file=sys.stderr, flush=True)
-    abort_job(code)
-    return code  # pragma: no cover
-
-
 #: which errors are reported in one line: a tuple of exception types, or a predicate
 OneLine = tuple[type[BaseException], ...] | Callable[[BaseException], bool]
 
@@ -172,11 +163,18 @@ def _is_one_line(exc: BaseException, one_line: OneLine) -> bool:
     return bool(one_line(exc)) if callable(one_line) else isinstance(exc, one_line)
 
 
+def _traceback_always() -> bool:
+    try:
+        return bool(SETTINGS[TRACEBACK_ENV](os.environ.get(TRACEBACK_ENV, "")))
+    except ValueError:  # reported where the settings are agreed (the first collective)
+        return False
+
+
 def report_error(exc: BaseException, prog: str, rank: int | None, one_line: OneLine = ()) -> None:
     """Print ``PROG: [rank R: ]error: Type: message`` to stderr, after the traceback unless ``exc`` is one of
     ``one_line`` (and ``$HPCZECO_TRACEBACK`` is not ``1``)."""
     who = f"{prog}: " + (f"rank {rank}: " if rank is not None else "")
-    brief = _is_one_line(exc, one_line) and os.environ.get(TRACEBACK_ENV, "") != "1"
+    brief = _is_one_line(exc, one_line) and not _traceback_always()
     if not brief:
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     text = str(exc).strip().splitlines()
@@ -205,31 +203,3 @@ def exit_status(exc: SystemExit) -> int:
     """The process exit status ``sys.exit(code)`` gives."""
     code = exc.code
     return 0 if code is None else (code if isinstance(code, int) else 1)
-
-
-@contextlib.contextmanager
-def abort_on_error(prog: str = "hpczeco", one_line: OneLine = ()) -> Iterator[None]:
-    """Run the ``with`` body; if it raises on a rank of a job of several ranks, end the whole job.
-
-    The failing rank prints ``PROG: rank R: error: Type: message`` to stderr (after the traceback, unless
-    the exception is one of ``one_line`` (exception types, or a predicate) -- errors whose message says it
-    all -- and ``$HPCZECO_TRACEBACK`` is not ``1``), then calls ``MPI_Abort`` on ``MPI_COMM_WORLD``
-    (:func:`fail_rank`): the other ranks, which may be blocked in a collective waiting for it, end too.
-    ``SystemExit`` with a non-zero status goes through :func:`finish_rank` (the job ends normally if every
-    rank fails alike, else it is aborted). With one rank, or when MPI is not running, the exception
-    propagates unchanged.
-
-    For library users: ``with abort_on_error(): main()`` in the script (or run it as
-    ``python -m mpi4py script.py``, which aborts on any uncaught exception)."""
-    try:
-        yield
-    except SystemExit as exc:
-        status = exit_status(exc)
-        if status != 0:
-            finish_rank(status, prog)
-        raise
-    except BaseException as exc:  # noqa: BLE001 - reported, then the job ends
-        world = _world()
-        if world is None or world[1] == 1:
-            raise
-        fail_rank(exc, prog, one_line)

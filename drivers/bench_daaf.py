@@ -36,6 +36,7 @@ import numpy as np
 
 from .benchkit import Stopwatch, cpu_model
 from .console import Progress
+from .options import float_range, int_range
 
 #: what the columns of the printed tables mean (printed under them)
 LEGEND = """\
@@ -75,24 +76,25 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--lengths", default="8192,32768", help="comma-separated token counts (e.g. 8192,32768,131072)")
-    ap.add_argument("--repeats", type=int, default=3, help="timed runs per length and path (median reported)")
-    ap.add_argument("--source-share", type=float, default=0.2, help="share of each segment that is source code")
-    ap.add_argument("--segment", type=int, default=4096, help="tokens per source+logs segment")
-    ap.add_argument("--threshold", type=float, default=0.65,
+    ap.add_argument("--repeats", type=int_range(1), default=3, help="timed runs per length and path (median reported)")
+    ap.add_argument("--source-share", type=float_range(0, 1), default=0.2,
+                    help="share of each segment that is source code")
+    ap.add_argument("--segment", type=int_range(1), default=4096, help="tokens per source+logs segment")
+    ap.add_argument("--threshold", type=float_range(0, 1), default=0.65,
                     help="entropy threshold (word-level hashed tokens: stdlib windows score ~0.62-0.80, logs ~0.5)")
-    ap.add_argument("--window", type=int, default=512, help="entropy scan window (tokens)")
-    ap.add_argument("--local-window", type=int, default=128, help="local attention window W (tokens)")
-    ap.add_argument("--layers", type=int, default=2, help="layers of the random-weight model")
-    ap.add_argument("--d-model", type=int, default=128, help="model width")
-    ap.add_argument("--heads", type=int, default=4, help="attention heads")
-    ap.add_argument("--head-dim", type=int, default=32, help="dimension per head")
-    ap.add_argument("--rows", type=int, default=64, help="sampled query rows for error/recall")
-    ap.add_argument("--requests", type=int, default=32, help="concurrent requests of the serving part")
-    ap.add_argument("--workers", type=int, default=4, help="workers (ranks/GPUs) of the scheduling simulation")
+    ap.add_argument("--window", type=int_range(1), default=512, help="entropy scan window (tokens)")
+    ap.add_argument("--local-window", type=int_range(0), default=128, help="local attention window W (tokens)")
+    ap.add_argument("--layers", type=int_range(1), default=2, help="layers of the random-weight model")
+    ap.add_argument("--d-model", type=int_range(1), default=128, help="model width")
+    ap.add_argument("--heads", type=int_range(1), default=4, help="attention heads")
+    ap.add_argument("--head-dim", type=int_range(1), default=32, help="dimension per head")
+    ap.add_argument("--rows", type=int_range(1), default=64, help="sampled query rows for error/recall")
+    ap.add_argument("--requests", type=int_range(1), default=32, help="concurrent requests of the serving part")
+    ap.add_argument("--workers", type=int_range(1), default=4, help="workers (ranks/GPUs) of the scheduling simulation")
     ap.add_argument("--request-lengths", default="1024,2048,4096,8192",
                     help="token counts of the requests (cycled)")
     ap.add_argument("--skip-serve", action="store_true", help="skip the scheduling part")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the texts, the model and the sampled rows")
+    ap.add_argument("--seed", type=int_range(0), default=0, help="seed of the texts, the model and the sampled rows")
     ap.add_argument("--out", default="runs/daaf", help="output folder for daaf.json and daaf.png")
     return ap
 
@@ -298,13 +300,15 @@ def serve_sim(args, model, log) -> dict:
 
 def serve_real(args, comm, model, log) -> dict:
     """Serve the requests for real over MPI: rank 0 dispatches, ranks 1..P-1 prefill."""
+    from hpczeco.collectives import timed
+
     from hpczeco.daaf import Request, metrics, plan, serve_mpi
 
     from .daaf_demo import tokenize
 
     rng = np.random.default_rng(args.seed + 99)
     reqs = make_requests(args, rng, log) if comm.Get_rank() == 0 else None
-    reqs = comm.bcast(reqs, root=0)
+    reqs = timed.bcast(comm, reqs, 0, "bench daaf: the requests")
     # calibrate a cost model on rank 0: seconds per DAAF pair (one mid-size prefill)
     rate = None
     if comm.Get_rank() == 0:
@@ -314,7 +318,7 @@ def serve_real(args, comm, model, log) -> dict:
         t0 = time.perf_counter()
         model.prefill(tok, "daaf", p)
         rate = (time.perf_counter() - t0) / p.pairs
-    rate = comm.bcast(rate, root=0)
+    rate = timed.bcast(comm, rate, 0, "bench daaf: the calibrated rate (rank 0 runs a prefill)")
     est = []
     progress = Progress("planning the requests", len(reqs), log)
     for r in reqs:
@@ -427,9 +431,11 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench daaf") -> int
     from hpczeco.daaf import plan
 
     from .daaf_demo import ModelConfig, PrefillModel, mixed_tokens
+    from .files import check_output_dir, rank0_verdict
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
+    rank0_verdict(comm, lambda: check_output_dir(args.out, "--out"), f"{prog}: checking --out")  # before the work
     log = (lambda s: print(s, flush=True)) if rank == 0 else (lambda s: None)
     out = Path(args.out)
     model = PrefillModel(ModelConfig(d_model=args.d_model, n_heads=args.heads, head_dim=args.head_dim,

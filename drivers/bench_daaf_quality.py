@@ -37,6 +37,7 @@ import numpy as np
 
 from . import benchkit
 from .helpfmt import HelpFormatter, split_doc
+from .options import float_range, int_range
 
 STEM = "daaf_quality"
 DEFAULT_LENGTHS = "4096,8192,16384,32768"
@@ -60,42 +61,48 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                    help="model + recipe (default: gpu on CUDA, tiny on the CPU)")
     m.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                    help="where the model trains and runs (auto: cuda when torch sees a GPU)")
-    m.add_argument("--train-seconds", type=float, default=None, help="training wall-clock budget (preset's)")
-    m.add_argument("--steps", type=int, default=None, help="training steps (with no --train-seconds: by steps only)")
-    m.add_argument("--seq", type=int, default=None, help="training length of the first phase")
-    m.add_argument("--long-seq", type=int, default=None, help="training length of the last phase")
-    m.add_argument("--long-frac", type=float, default=None, help="share of the run at --long-seq")
-    m.add_argument("--batch-tokens", type=int, default=None, help="tokens per step")
-    m.add_argument("--lr", type=float, default=None, help="peak learning rate (preset's: gpu 1.5e-3, tiny 3e-3)")
-    m.add_argument("--max-bytes", type=int, default=None, help="corpus bytes read (preset's; 0: all)")
-    m.add_argument("--seed", type=int, default=0, help="weights, data order, documents, random regions")
+    m.add_argument("--train-seconds", type=float_range(0, lo_open=True), default=None,
+                   help="training wall-clock budget (preset's)")
+    m.add_argument("--steps", type=int_range(1), default=None,
+                   help="training steps (with no --train-seconds: by steps only)")
+    m.add_argument("--seq", type=int_range(1), default=None, help="training length of the first phase")
+    m.add_argument("--long-seq", type=int_range(1), default=None, help="training length of the last phase")
+    m.add_argument("--long-frac", type=float_range(0, 1), default=None, help="share of the run at --long-seq")
+    m.add_argument("--batch-tokens", type=int_range(1), default=None, help="tokens per step")
+    m.add_argument("--lr", type=float_range(0, lo_open=True), default=None,
+                   help="peak learning rate (preset's: gpu 1.5e-3, tiny 3e-3)")
+    m.add_argument("--max-bytes", type=int_range(0), default=None, help="corpus bytes read (preset's; 0: all)")
+    m.add_argument("--seed", type=int_range(0), default=0, help="weights, data order, documents, random regions")
     m.add_argument("--save", default=None, help="save the trained weights here (.npz + .json; e.g. under runs/)")
     m.add_argument("--load", default=None, help="load weights saved by --save instead of training")
     e = p.add_argument_group("evaluation")
     e.add_argument("--lengths", default=None, help=f"context lengths T (gpu: {DEFAULT_LENGTHS}; tiny: 512,1024)")
-    e.add_argument("--docs", type=int, default=None, help="held-out text documents per length (gpu 8, tiny 2)")
-    e.add_argument("--retrieval-docs", type=int, default=None, help="retrieval documents per length (gpu 8, tiny 1)")
+    e.add_argument("--docs", type=int_range(1), default=None, help="held-out text documents per length (gpu 8, tiny 2)")
+    e.add_argument("--retrieval-docs", type=int_range(0), default=None,
+                   help="retrieval documents per length (gpu 8, tiny 1)")
     e.add_argument("--pairs", default=None,
                    help="key-value pairs per retrieval document: in one block, scattered (gpu 8,8; tiny 2,2)")
-    e.add_argument("--window", type=int, default=None, help="entropy window (gpu 512, tiny 64)")
-    e.add_argument("--threshold", type=float, default=0.8, help="DAAF's entropy threshold (the seed's)")
-    e.add_argument("--local-window", type=int, default=None, help="local window W (gpu 128, tiny 16)")
-    e.add_argument("--fallback-budget", type=float, default=0.25, help="the budget fallback's token share")
-    e.add_argument("--global-layers", type=int, default=2, help="exact layers of the daaf-gl row (the first ones)")
-    e.add_argument("--continuation", type=int, default=None, help="scored tail of a text document (gpu 1024)")
+    e.add_argument("--window", type=int_range(1), default=None, help="entropy window (gpu 512, tiny 64)")
+    e.add_argument("--threshold", type=float_range(0, 1), default=0.8, help="DAAF's entropy threshold (the seed's)")
+    e.add_argument("--local-window", type=int_range(0), default=None, help="local window W (gpu 128, tiny 16)")
+    e.add_argument("--fallback-budget", type=float_range(0, 1, lo_open=True), default=0.25,
+                   help="the budget fallback's token share")
+    e.add_argument("--global-layers", type=int_range(0), default=2,
+                   help="exact layers of the daaf-gl row (the first ones)")
+    e.add_argument("--continuation", type=int_range(1), default=None, help="scored tail of a text document (gpu 1024)")
     e.add_argument("--methods", default=",".join(_methods()), help="methods of the main table")
     e.add_argument("--budgets", default="0.0625,0.125,0.25,0.5,0.75",
                    help="token budgets of DAAF's percentile plan on the curve (each method at its global tokens)")
-    e.add_argument("--curve-length", type=int, default=None, help="T of the budget curve (gpu 16384; 0: none)")
-    e.add_argument("--curve-docs", type=int, default=None,
+    e.add_argument("--curve-length", type=int_range(0), default=None, help="T of the budget curve (gpu 16384; 0: none)")
+    e.add_argument("--curve-docs", type=int_range(0), default=None,
                    help="text and retrieval documents each of the curve (gpu 4, tiny 1)")
     e.add_argument("--backend", choices=("auto", "gpu", "cpu", "dense"), default="auto",
                    help="DAAF attention: library GPU kernels, library CPU path, dense masked (auto: gpu on "
                         "CUDA with CuPy, else cpu)")
     e.add_argument("--impl", default="auto", help="GPU DAAF kernel (hpczeco.gpu.daaf impl=)")
     e.add_argument("--no-ttft", action="store_true", help="skip the GPU time to first token")
-    e.add_argument("--ttft-reps", type=int, default=5, help="timed prefills per side (median)")
-    e.add_argument("--deadline", type=float, default=None,
+    e.add_argument("--ttft-reps", type=int_range(1), default=5, help="timed prefills per side (median)")
+    e.add_argument("--deadline", type=float_range(0, lo_open=True), default=None,
                    help="seconds since the start after which the remaining sections are skipped (with a note)")
     p.add_argument("--out", default="runs/daaf_quality", help="output folder")
     return p
@@ -187,9 +194,13 @@ def run(args, prog: str = "hpczeco bench daaf-quality") -> int:
 
     from . import daaf_lm as lm  # noqa: PLC0415
     from . import daaf_quality as dq  # noqa: PLC0415
+    from .files import check_output_dir, check_output_file  # noqa: PLC0415
 
     clock = _Clock(args.deadline)
     cfg = _resolve(args)
+    check_output_dir(args.out, "--out")  # the outputs, before the work (training takes minutes)
+    if args.save:
+        check_output_file(Path(args.save).with_suffix(".npz"), "--save")
     device, backend = cfg["device"], cfg["backend"]
     libs = ("numpy", "torch") + (("cupy",) if device == "cuda" else ())
     rec = benchkit.Recorder(args.out, STEM, info=benchkit.environment(libs, gpu=device == "cuda"))

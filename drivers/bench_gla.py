@@ -36,26 +36,27 @@ from pathlib import Path
 import numpy as np
 
 from .benchkit import Stopwatch, cpu_model
+from .options import int_range
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
     from .helpfmt import HelpFormatter
 
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
-    ap.add_argument("--B", type=int, default=1, help="batch (default 1)")
-    ap.add_argument("--T", type=int, default=16384, help="tokens (default 16384)")
-    ap.add_argument("--H", type=int, default=4, help="heads (default 4)")
-    ap.add_argument("--K", type=int, default=64, help="key dimension (default 64)")
-    ap.add_argument("--V", type=int, default=64, help="value dimension (default 64)")
-    ap.add_argument("--chunk-size", type=int, default=64, help="chunk size (default 64)")
+    ap.add_argument("--B", type=int_range(1), default=1, help="batch (default 1)")
+    ap.add_argument("--T", type=int_range(1), default=16384, help="tokens (default 16384)")
+    ap.add_argument("--H", type=int_range(1), default=4, help="heads (default 4)")
+    ap.add_argument("--K", type=int_range(1), default=64, help="key dimension (default 64)")
+    ap.add_argument("--V", type=int_range(1), default=64, help="value dimension (default 64)")
+    ap.add_argument("--chunk-size", type=int_range(1), default=64, help="chunk size (default 64)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="element type")
     ap.add_argument("--gates", default="logsigmoid", choices=["logsigmoid", "strong", "weak"],
                     help="g = logsigmoid(N(0,1)) (default), strong (-8 per token) or weak (-1e-3)")  # fmt: skip
-    ap.add_argument("--threads", type=int, default=None, help="GLA worker threads (sets HPCZECO_GLA_THREADS)")
-    ap.add_argument("--repeats", type=int, default=5, help="timed runs (default 5)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
+    ap.add_argument("--threads", type=int_range(1), default=None, help="GLA worker threads (sets HPCZECO_GLA_THREADS)")
+    ap.add_argument("--repeats", type=int_range(1), default=5, help="timed runs (default 5)")
+    ap.add_argument("--warmup", type=int_range(0), default=1, help="untimed runs first (default 1)")
     ap.add_argument("--out", default="runs/bench_gla", help="output folder (default runs/bench_gla)")
-    ap.add_argument("--seed", type=int, default=0, help="input seed")
+    ap.add_argument("--seed", type=int_range(0), default=0, help="input seed")
     return ap
 
 
@@ -213,12 +214,10 @@ def _print(res: dict) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str = "hpczeco bench gla") -> int:
-    args = _parser(prog).parse_args(argv)
-    for name in ("B", "T", "H", "K", "V", "chunk_size", "repeats"):
-        if getattr(args, name) < 1:
-            _parser(prog).error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup < 0:
-        _parser(prog).error("--warmup must be >= 0")
+    args = _parser(prog).parse_args(argv)  # every number checked by its type (drivers/options.py)
+    from .files import check_output_dir
+
+    check_output_dir(args.out, "--out")  # before the work
     res = run(args)
     _print(res)
     _write(res, Path(args.out))

@@ -56,6 +56,7 @@ from .gpu_daaf_model import (
     sdpa_causal,
     synthetic_tokens,
 )
+from .options import float_range, int_range
 
 STEM = "gpu_daaf"
 W = 128  # the local window of every timed plan
@@ -77,9 +78,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("runs/gpu_daaf"), help="output folder")
     ap.add_argument("--seqs", default="8192,32768,131072", help="sequence lengths (all sections)")
-    ap.add_argument("--reps", type=int, default=20, help="timed repetitions per kernel or call form (median)")
-    ap.add_argument("--heads", type=int, default=16, help="heads of the kernel timings and of the small model")
-    ap.add_argument("--dim", type=int, default=128, help="head dim of the kernel timings and of the small model")
+    ap.add_argument("--reps", type=int_range(1), default=20, help="timed repetitions per kernel or call form (median)")
+    ap.add_argument("--heads", type=int_range(1), default=16, help="heads of the kernel timings and of the small model")
+    ap.add_argument("--dim", type=int_range(1), default=128,
+                    help="head dim of the kernel timings and of the small model")
     ap.add_argument("--impls", default=DEFAULT_IMPLS,
                     help="DAAF kernels to time: auto and any of tc, tc2, tc3, simple and the Hopper kernels "
                          "(hpczeco.gpu.daaf.impl_names())")
@@ -90,11 +92,13 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--ttft-impl", default="auto", help="DAAF kernel of the TTFT runs and needles")
     ap.add_argument("--models", default="small,7b",
                     help=f"TTFT models: {'; '.join(f'{k}: {v}' for k, v in MODELS.items())}")
-    ap.add_argument("--layers", type=int, default=4, help="layers of the small TTFT model")
-    ap.add_argument("--mlp-ratio", type=float, default=4.0, help="MLP width / d_model of the small TTFT model")
-    ap.add_argument("--big-layers", type=int, default=2, help="layers of the 7b-shaped TTFT model")
-    ap.add_argument("--big-ffn", type=int, default=11008, help="SwiGLU width of the 7b-shaped model (14336: Llama 3)")
-    ap.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock, printed)")
+    ap.add_argument("--layers", type=int_range(1), default=4, help="layers of the small TTFT model")
+    ap.add_argument("--mlp-ratio", type=float_range(0, lo_open=True), default=4.0,
+                    help="MLP width / d_model of the small TTFT model")
+    ap.add_argument("--big-layers", type=int_range(1), default=2, help="layers of the 7b-shaped TTFT model")
+    ap.add_argument("--big-ffn", type=int_range(1), default=11008,
+                    help="SwiGLU width of the 7b-shaped model (14336: Llama 3)")
+    ap.add_argument("--seed", type=int_range(0), default=None, help="random seed (default: from the clock, printed)")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention")
     ap.add_argument("--no-kernels", action="store_true", help="skip the kernel timings")
     ap.add_argument("--no-api", action="store_true", help="skip the per-call vs prepared table and the planner")
@@ -118,6 +122,9 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench gpu-daaf") ->
     if reason:
         print(f"{prog}: {reason}", file=sys.stderr)
         return 2
+    from .files import check_output_dir
+
+    check_output_dir(args.out, "--out")  # before the work
     return run(args)
 
 

@@ -54,6 +54,7 @@ from hpczeco.base import bf16
 
 from . import benchkit
 from .gpu_gla_checks import NAMES, TARGET, recurrence64, rel
+from .options import int_range
 
 STEM = "gpu_gla"
 SHAPES = {"0": (1, 32768, 16, 128, 128), "1": (8, 4096, 16, 128, 128), "2": (1, 32768, 32, 64, 64),
@@ -71,8 +72,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--out", default="runs/gpu_gla", help="folder for the JSON/CSV results")
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock, printed)")
-    p.add_argument("--repeats", type=int, default=20, help="timed repetitions (median)")
+    p.add_argument("--seed", type=int_range(0), default=None, help="random seed (default: from the clock, printed)")
+    p.add_argument("--repeats", type=int_range(1), default=20, help="timed repetitions (median)")
     p.add_argument("--shapes", default="0,1,2,3,4",
                    help="comma list of shapes: 0 = B1 T32768 H16 K=V=128, 1 = B8 T4096 H16 K=V=128, "
                         "2 = B1 T32768 H32 K=V=64, 3 = B1 T32768 H4 K256 V512, 4 = B1 T32768 H8 K128 V256, "
@@ -102,6 +103,9 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench gpu-gla") -> 
     if reason:
         print(f"{prog}: {reason}", file=sys.stderr)
         return 2
+    from .files import check_output_dir
+
+    check_output_dir(args.out, "--out")  # before the work
     return run(args)
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from . import benchkit
+from .options import int_range
 
 STEM = "gpu_multi"
 
@@ -36,10 +37,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--out", default="runs/gpu_multi", help="folder for the JSON/CSV results")
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock, printed)")
-    p.add_argument("--repeats", type=int, default=20, help="timed repetitions of the transport and scan timings")
-    p.add_argument("--T", type=int, default=32768, help="tokens per GPU of the ZeCO step")
-    p.add_argument("--zeco-repeats", type=int, default=10, help="timed repetitions of the ZeCO step")
+    p.add_argument("--seed", type=int_range(0), default=None, help="random seed (default: from the clock, printed)")
+    p.add_argument("--repeats", type=int_range(1), default=20,
+                   help="timed repetitions of the transport and scan timings")
+    p.add_argument("--T", type=int_range(1), default=32768, help="tokens per GPU of the ZeCO step")
+    p.add_argument("--zeco-repeats", type=int_range(1), default=10, help="timed repetitions of the ZeCO step")
     p.add_argument("--zeco-only", action="store_true", help="only the ZeCO layer step")
     p.add_argument("--zeco-transport", default="auto", choices=DEVICE_TRANSPORT_KINDS,
                    help="device transport of the ZeCO step")
@@ -52,6 +54,11 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench gpu-multi") -
     if reason:
         print(f"{prog}: {reason}", file=sys.stderr)
         return 2
+    from mpi4py import MPI  # noqa: PLC0415
+
+    from .files import check_output_dir, rank0_verdict
+
+    rank0_verdict(MPI.COMM_WORLD, lambda: check_output_dir(args.out, "--out"), f"{prog}: checking --out")
     return run(args)
 
 
@@ -86,13 +93,16 @@ def run(args) -> int:
     ndev = cp.cuda.runtime.getDeviceCount()
     cp.cuda.Device(lr % ndev).use()
     from hpczeco.collectives import device as D  # noqa: PLC0415
+    from hpczeco.collectives import timed  # noqa: PLC0415
 
     out = Path(args.out)
-    seed = comm.bcast(int(args.seed if args.seed is not None else time.time_ns() % 2**31), root=0)
+    seed = timed.bcast(comm, int(args.seed if args.seed is not None else time.time_ns() % 2**31), 0,
+                       "bench gpu-multi: the seed")
     rng = np.random.default_rng(seed)
     rec = benchkit.Recorder(out, STEM, rank, info=benchkit.environment(("numpy", "cupy", "mpi4py"), gpu=True))
     rec.info.update(
-        seed=seed, ranks=P, devices=comm.gather(lr % ndev, root=0), mpi=MPI.Get_library_version()[:80],
+        seed=seed, ranks=P, devices=timed.gather(comm, lr % ndev, 0, "bench gpu-multi: the devices"),
+        mpi=MPI.Get_library_version()[:80],
         mpix_cuda_support=D.mpi_cuda_support(), cuda_aware_env=os.environ.get(D.CUDA_AWARE_ENV),
         cuda_aware_known=D.cuda_aware_known(), nccl=D.nccl_available(),
     )
@@ -109,7 +119,7 @@ def run(args) -> int:
             err = None
         except Exception as exc:  # noqa: BLE001
             tr, err = None, f"{type(exc).__name__}: {exc}"
-        errs = comm.allgather(err)  # a transport is used only where every rank has it
+        errs = timed.allgather(comm, err, "bench gpu-multi: the transports")  # used only where every rank has it
         if any(errs):
             rec.say(f"transport {kind}: not available ({[e for e in errs if e][0]})")
         else:
@@ -121,7 +131,7 @@ def run(args) -> int:
     _zeco_timings(rec, cp, args, seed, transports, comm, sync)
     if rank == 0:
         rec.finish()
-    comm.Barrier()
+    timed.Barrier(comm, "bench gpu-multi: rank 0 writes the results")
     return 0
 
 
@@ -164,6 +174,8 @@ def _scan_timings(rec, cp, rng, transports: dict, comm, wall) -> None:
 
 def _zeco_timings(rec, cp, args, seed: int, transports: dict, comm, sync) -> None:
     """The ZeCO layer's forward+backward on P GPUs over one GPU's on the same tokens, and its phases."""
+    from hpczeco.collectives import timed  # noqa: PLC0415
+    from hpczeco.collectives.lifeline import guard  # noqa: PLC0415
     from hpczeco.gpu import gla as G  # noqa: PLC0415
     from mpi4py import MPI  # noqa: PLC0415
 
@@ -212,16 +224,16 @@ def _zeco_timings(rec, cp, args, seed: int, transports: dict, comm, sync) -> Non
         phases: dict[str, list[float]] = {}
         for _ in range(5):
             sync()
-            comm.Barrier()
+            with guard(comm, "bench gpu-multi: the barrier before a profiled step"):
+                comm.Barrier()
             step(layer)
             for d, tm in (("fwd", layer.timings.fwd), ("bwd", layer.timings.bwd)):
                 for key, sec in tm.items():
                     phases.setdefault(f"{d}.{key}", []).append(sec * 1e3)
         layer.profile = False
         for key in sorted(phases):
-            med = np.array([np.median(phases[key])])
-            worst = np.empty_like(med)
-            comm.Allreduce(med, worst, op=MPI.MAX)
+            worst = np.array([np.median(phases[key])])
+            timed.Allreduce(comm, worst, MPI.MAX, "bench gpu-multi: the slowest rank's phase")
             rec.timing(f"ZeCO phase {key} (profile mode, slowest rank)", float(worst[0]))
         for name, fn in (("one GPU fwd prepare", lambda: G.chunk_gla_prepare(q, k, v, g_)),
                          ("one GPU fwd", lambda: G.chunk_gla(q, k, v, g_)),

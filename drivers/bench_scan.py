@@ -17,6 +17,7 @@ import argparse
 import csv
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import socket
@@ -36,9 +37,12 @@ def parse_size(text: str) -> int:
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
     num = t[:-1] if t[-1:] in "KMG" else t
     try:
-        val = int(float(num) * mult)
+        val = float(num) * mult
     except ValueError:
-        raise argparse.ArgumentTypeError(f"bad size {text!r} (e.g. 4K, 1M, 64M, 4096)") from None
+        val = float("nan")
+    if not math.isfinite(val):
+        raise argparse.ArgumentTypeError(f"bad size {text!r} (e.g. 4K, 1M, 64M, 4096)")
+    val = int(val)
     if val <= 0:
         raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
     return val
@@ -75,35 +79,38 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     from hpczeco.collectives.names import ALGORITHMS, TOPOLOGIES
 
     from .helpfmt import HelpFormatter, split_doc, topology_list
+    from .options import float_range, int_list, int_range, link_text, size_bytes, size_list
 
     description, epilog = split_doc(__doc__)
     ap = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, formatter_class=HelpFormatter)
-    ap.add_argument("--sizes", default=DEFAULT_SIZES, help="state sizes in bytes per rank (K/M suffixes)")
+    ap.add_argument("--sizes", default=DEFAULT_SIZES, type=size_list(),
+                    help="state sizes in bytes per rank (K/M suffixes)")
     ap.add_argument("--topologies", default=",".join(ALGORITHMS), type=topology_list,
                     help=f"comma list of {','.join(TOPOLOGIES)}")
-    ap.add_argument("--blocks", default="4,16,64",
+    ap.add_argument("--blocks", default="4,16,64", type=int_list(1),
                     help="extra fixed piece counts of ring and ptree (each <= K; the model's choice always runs as "
                          "'ring' / 'ptree')")
-    ap.add_argument("--repeats", type=int, default=15, help="timed repeats per point (median reported)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed repeats before timing")
-    ap.add_argument("--time-limit", type=float, default=3.0,
+    ap.add_argument("--repeats", type=int_range(1), default=15, help="timed repeats per point (median reported)")
+    ap.add_argument("--warmup", type=int_range(0), default=3, help="untimed repeats before timing")
+    ap.add_argument("--time-limit", type=float_range(0, lo_open=True), default=3.0,
                     help="stop repeating a point after this many seconds (at least 3 timed repeats)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="state element type")
-    ap.add_argument("--V", type=int, default=128, help="state columns V (value head dim)")
-    ap.add_argument("--K", type=int, default=128, help="largest key dim K (rows per head)")
+    ap.add_argument("--V", type=int_range(1), default=128, help="state columns V (value head dim)")
+    ap.add_argument("--K", type=int_range(1), default=128, help="largest key dim K (rows per head)")
     ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
                     help="measure alpha/beta/gamma on this machine first; --no-calibrate: use --link instead")
     ap.add_argument("--calibrate-method", default="shift", choices=["shift", "pingpong"],
                     help="link measurement: cyclic shift (the ring's steady state) or pair ping-pong")
-    ap.add_argument("--ring-big", default="16M", type=parse_size_or_zero,
+    ap.add_argument("--ring-big", default="16M", type=size_bytes(allow_zero=True),
                     help="state size of the calibration's second ring fit (the stage cost once states outgrow the "
                          "caches; more than 2M), 0: skip it (slow links: it moves 16 MiB per hop)")
-    ap.add_argument("--link", default="shm", help="link preset or 'alpha,beta[,gamma[,delta]]' without calibration")
-    ap.add_argument("--max-gather-mib", type=float, default=1024.0,
+    ap.add_argument("--link", default="shm", type=link_text,
+                    help="link preset or 'alpha,beta[,gamma[,delta]]' without calibration")
+    ap.add_argument("--max-gather-mib", type=float_range(0), default=1024.0,
                     help="skip allgather/exscan points whose P*state exceeds this per rank (memory)")
-    ap.add_argument("--overlap-ms", type=float, default=0.0,
+    ap.add_argument("--overlap-ms", type=float_range(0), default=0.0,
                     help="also measure overlap: ring scan_start, this much compute, wait; poll vs progress thread")
-    ap.add_argument("--overlap-size", default="4M", help="state size for --overlap-ms")
+    ap.add_argument("--overlap-size", default="4M", type=size_bytes(), help="state size for --overlap-ms")
     ap.add_argument("--out", default="runs/bench_scan", help="output folder (one scan_P{P}.* set per rank count)")
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
     return ap
@@ -169,19 +176,23 @@ def time_point(comm, fn, repeats: int, warmup: int, limit: float, phases: list[f
     """Max-over-ranks seconds of ``fn()`` per repeat (barrier-synchronised start). Collective.
 
     If ``fn`` returns a number (the seconds of its first phase, e.g. ``scan_start``), the max over ranks of
-    that per repeat is appended to ``phases``."""
+    that per repeat is appended to ``phases``. The barrier and the reduction block (as what they time does) under
+    a guard of the collective timeout (:func:`hpczeco.collectives.lifeline.guard`)."""
+    from hpczeco.collectives.lifeline import guard
     from mpi4py import MPI
 
     buf = np.zeros(2)
     times: list[float] = []
     spent = 0.0
     for i in range(warmup + repeats):
-        comm.Barrier()
+        with guard(comm, "bench scan: the barrier before a timed repeat"):  # blocking, as timed; bounded
+            comm.Barrier()
         t0 = time.perf_counter()
         first = fn()
         buf[0] = time.perf_counter() - t0
         buf[1] = first if first is not None else 0.0
-        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
+        with guard(comm, "bench scan: the slowest rank's time of a repeat"):
+            comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.MAX)
         spent += float(buf[0])  # the same on every rank: the stop decision is collective
         if i >= warmup:
             times.append(float(buf[0]))
@@ -205,10 +216,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # collective; when not oversubscribed, other work on the ranks' cores (another job bound to them)
     shared = warn_core_sharing(comm, "hpczeco bench scan") if over is None else None
     dtype = np.dtype(args.dtype)
-    sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    sizes = list(args.sizes)
     topos = args.topologies
-    fixed_blocks = ([int(b) for b in args.blocks.split(",") if b.strip()]
-                    if ("ring" in topos or "ptree" in topos) else [])
+    fixed_blocks = list(args.blocks) if ("ring" in topos or "ptree" in topos) else []
 
     if args.calibrate:
         params = calibrate(comm, sizes=(8, 64 << 10, 1 << 20, 4 << 20), dtype=args.dtype,
@@ -305,9 +315,10 @@ def overlap_experiment(comm, args: argparse.Namespace, dtype: np.dtype) -> dict[
     compute without calling test(), wait), "poll+test" (compute in 8 slices, test() between), and
     "thread" (``progress="thread"``). Median of max-over-ranks times.
     """
-    from hpczeco.collectives import scan_start
+    from hpczeco.collectives import scan_start, timed
+    from mpi4py import MPI
 
-    size = parse_size(args.overlap_size)
+    size = int(args.overlap_size)
     H, K, V = state_shape(size, dtype.itemsize, args.V, args.K)
     rng = np.random.default_rng(7)
     a = rng.uniform(0.5, 1.0, (H, K)).astype(dtype)
@@ -318,7 +329,9 @@ def overlap_experiment(comm, args: argparse.Namespace, dtype: np.dtype) -> dict[
     _busy(x, y, 20)
     per = (time.perf_counter() - t0) / 20
     iters = max(8, int(args.overlap_ms * 1e-3 / per))
-    iters = int(comm.allreduce(iters) // comm.Get_size())
+    total = np.array([iters], np.int64)
+    timed.Allreduce(comm, total, MPI.SUM, "bench scan: the overlap's compute iterations")
+    iters = int(total[0] // comm.Get_size())
     blocks = min(K, 16)
 
     out = np.zeros_like(S)
@@ -437,17 +450,24 @@ def plot_sizes(data: dict[str, Any], png: Path) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str = "hpczeco bench scan") -> int:
-    args = build_parser(prog).parse_args(argv)
-    if args.repeats < 1 or args.warmup < 0:
-        raise SystemExit("--repeats must be >= 1 and --warmup >= 0")
+    ap = build_parser(prog)
+    args = ap.parse_args(argv)
     from hpczeco.collectives.calibrate import check_ring_big
 
     try:
         check_ring_big(args.ring_big, args.dtype)
     except ValueError:
-        raise SystemExit(f"--ring-big must be 0 or more than 2 MiB, got {args.ring_big} bytes") from None
+        ap.error(f"--ring-big must be 0 or more than 2 MiB, got {args.ring_big} bytes")
     from mpi4py import MPI
 
+    from .files import check_output_dir, rank0_verdict
+    from .mpienv import launcher_mismatch
+
+    mismatch = launcher_mismatch(MPI.COMM_WORLD.Get_size())
+    if mismatch:  # each process would benchmark alone, as rank 0 of its own world
+        raise ValueError(mismatch)
+    # the output folder, checked (made, written to) before the benchmark, not after it
+    rank0_verdict(MPI.COMM_WORLD, lambda: check_output_dir(args.out, "--out"), "bench scan: checking --out")
     data = run(args)
     if MPI.COMM_WORLD.Get_rank() == 0:
         print_table(data)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import benchkit
+from .options import int_range
 
 if TYPE_CHECKING:
     import torch
@@ -407,8 +408,8 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                     help="B,T,H,K,V (repeatable; default: " + "; ".join(",".join(map(str, s)) for s in SHAPES) + ")")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                     help="dtype of q, k, v, g, do")
-    ap.add_argument("--repeats", type=int, default=20, help="timed calls per variant (median)")
-    ap.add_argument("--warmup", type=int, default=3, help="untimed calls before the timed ones")
+    ap.add_argument("--repeats", type=int_range(1), default=20, help="timed calls per variant (median)")
+    ap.add_argument("--warmup", type=int_range(0), default=3, help="untimed calls before the timed ones")
     ap.add_argument("--no-fla", action="store_true", help="leave flash-linear-attention out (its first call at a new "
                                                             "shape autotunes for minutes)")
     ap.add_argument("--profile", action="store_true", help="also print the host time of each piece of the glue and "
@@ -424,6 +425,9 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench torch") -> in
     if reason:
         print(f"{prog}: {reason}", file=sys.stderr)
         return 2
+    from .files import check_output_file
+
+    check_output_file(args.json, "--json")  # before the work
     import torch  # noqa: PLC0415
 
     if not torch.cuda.is_available():

@@ -34,23 +34,24 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     from hpczeco.collectives.names import ALGORITHMS, TOPOLOGIES
 
     from .helpfmt import HelpFormatter, topology_list
+    from .options import int_range
 
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
-    ap.add_argument("--tokens", type=int, default=4096,
+    ap.add_argument("--tokens", type=int_range(1), default=4096,
                     help="tokens per rank (fixed as P grows: weak scaling; the paper's runs use 16384)")
-    ap.add_argument("--B", type=int, default=1, help="batch")
-    ap.add_argument("--H", type=int, default=4, help="heads")
-    ap.add_argument("--K", type=int, default=64, help="key dim")
-    ap.add_argument("--V", type=int, default=64, help="value dim")
-    ap.add_argument("--chunk-size", type=int, default=64, help="GLA chunk length (tokens)")
+    ap.add_argument("--B", type=int_range(1), default=1, help="batch")
+    ap.add_argument("--H", type=int_range(1), default=4, help="heads")
+    ap.add_argument("--K", type=int_range(1), default=64, help="key dim")
+    ap.add_argument("--V", type=int_range(1), default=64, help="value dim")
+    ap.add_argument("--chunk-size", type=int_range(1), default=64, help="GLA chunk length (tokens)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"], help="q, k, v, g element type")
     ap.add_argument("--topologies", default=",".join(ALGORITHMS), type=topology_list,
                     help=f"comma list of {','.join(TOPOLOGIES)}")
-    ap.add_argument("--blocks", type=int, default=None, help="ring blocks (default: cost model's choice)")
-    ap.add_argument("--repeats", type=int, default=7, help="timed repeats (median reported)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed repeats first")
+    ap.add_argument("--blocks", type=int_range(1), default=None, help="ring blocks (default: cost model's choice)")
+    ap.add_argument("--repeats", type=int_range(1), default=7, help="timed repeats (median reported)")
+    ap.add_argument("--warmup", type=int_range(0), default=2, help="untimed repeats first")
     ap.add_argument("--out", default="runs/bench_zeco", help="output folder")
-    ap.add_argument("--seed", type=int, default=0, help="input seed (rank r uses seed + r)")
+    ap.add_argument("--seed", type=int_range(0), default=0, help="input seed (rank r uses seed + r)")
     return ap
 
 
@@ -78,14 +79,25 @@ def _time_layer(layer, q, k, v, g, do):
 
 def main(argv: list[str] | None = None, prog: str = "hpczeco bench zeco") -> int:
     args = _parser(prog).parse_args(argv)
+    from hpczeco.collectives import timed
+    from hpczeco.collectives.lifeline import guard
     from mpi4py import MPI
 
     from hpczeco import ZeCOGLA
 
     from .console import compile_notice, warn_core_sharing, warn_oversubscribed
+    from .files import check_output_dir, rank0_verdict
+    from .mpienv import launcher_mismatch
 
     comm = MPI.COMM_WORLD
     P, rank = comm.Get_size(), comm.Get_rank()
+    mismatch = launcher_mismatch(P)
+    if mismatch:  # each process would benchmark alone, as rank 0 of its own world
+        raise ValueError(mismatch)
+    if args.blocks is not None and args.blocks > args.K:
+        raise ValueError(f"--blocks {args.blocks} is more than --K {args.K} (the ring's pieces split the K rows)")
+    # the output folder, checked before the benchmark (not after it)
+    rank0_verdict(comm, lambda: check_output_dir(args.out, "--out"), f"{prog}: checking --out")
     over = warn_oversubscribed(comm, prog)  # collective
     shared = warn_core_sharing(comm, prog) if over is None else None  # collective: other work on the cores
     compile_notice(rank)
@@ -104,7 +116,8 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench zeco") -> int
     samples: dict[str, list[tuple[float, float, dict]]] = {name: [] for name in variants}
     for rep in range(args.warmup + args.repeats):
         for name in variants:
-            comm.Barrier()
+            with guard(comm, f"{prog}: the barrier before a timed repeat"):  # blocking, as timed; bounded
+                comm.Barrier()
             if name == "ideal":
                 fwd, bwd, tm = _time_ideal(q, k, v, g, do, args.chunk_size)
             else:
@@ -112,8 +125,8 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco bench zeco") -> int
             # one reduction: the slowest rank's forward, backward, forward+backward (the repeat's time: each rank
             # starts at the barrier) and scan wait
             mine = np.array([fwd, bwd, fwd + bwd, tm.get("fwd_wait", 0.0) + tm.get("bwd_wait", 0.0)])
-            worst = np.empty_like(mine)
-            comm.Allreduce(mine, worst, op=MPI.MAX)
+            worst = mine.copy()
+            timed.Allreduce(comm, worst, MPI.MAX, f"{prog}: the slowest rank's times of a repeat")
             if rep >= args.warmup:
                 samples[name].append((float(worst[0]), float(worst[1]), {"total": float(worst[2]),
                                                                         "wait": float(worst[3]), **tm}))
@@ -192,9 +205,16 @@ def _plot(out: Path) -> list[int]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .files import read_bounded
+
     runs = []
     for f in sorted(out.glob("zeco_P*.json")):
-        runs.extend(json.loads(f.read_text())["rows"])
+        try:  # the other runs in the folder: bounded reads; one that is not a bench zeco result is named, not used
+            rows = json.loads(read_bounded(str(f), 64 << 20, "bench zeco: the runs to plot"))["rows"]
+            plot_groups(rows)
+            runs.extend(rows)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"{f}: not plotted, not a bench zeco result ({type(exc).__name__}: {exc})", flush=True)
     if not runs:
         return []
     groups = plot_groups(runs)

@@ -198,7 +198,10 @@ def host_time(fn: Callable[[], Any], repeats: int, warmup: int = 3, sync: Callab
         if sync is not None:
             sync()
         if comm is not None:
-            comm.Barrier()
+            from hpczeco.collectives.lifeline import guard  # noqa: PLC0415
+
+            with guard(comm, "the barrier before a timed repeat"):  # blocking, as timed; bounded by the timeout
+                comm.Barrier()
         t0 = time.perf_counter()
         fn()
         if sync is not None:
@@ -206,11 +209,11 @@ def host_time(fn: Callable[[], Any], repeats: int, warmup: int = 3, sync: Callab
         times.append((time.perf_counter() - t0) * 1e3)
     if comm is not None:
         import numpy as np  # noqa: PLC0415
+        from hpczeco.collectives import timed  # noqa: PLC0415
         from mpi4py import MPI  # noqa: PLC0415
 
-        mine = np.array(times, dtype=np.float64)
-        worst = np.empty_like(mine)
-        comm.Allreduce(mine, worst, op=MPI.MAX)  # per repetition, the slowest rank
+        worst = np.array(times, dtype=np.float64)
+        timed.Allreduce(comm, worst, MPI.MAX, "the slowest rank's times")  # per repetition, the slowest rank
         times = worst.tolist()
     return _summary(times)
 

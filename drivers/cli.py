@@ -5,10 +5,14 @@ its own ``argparse`` parser, so ``hpczeco SUB --help`` is that driver's help. Th
 only when their subcommand runs, so ``hpczeco --help`` stays fast and never imports CuPy or PyTorch.
 
 :func:`main` (the console script and ``python -m hpczeco``) runs the subcommand under
-:func:`hpczeco.collectives.watchdog.abort_on_error`: a rank that fails prints its one-line error (and the
+:func:`hpczeco.collectives.lifeline.abort_on_error`: a rank that fails prints its one-line error (and the
 traceback, for internal errors only) and ends the whole job with ``MPI_Abort`` on ``MPI_COMM_WORLD``, so
-no rank is left waiting in a collective for it; a non-zero exit status on some ranks only ends the job
-too (:func:`~hpczeco.collectives.watchdog.finish_rank`). :func:`dispatch` is the same without the guard.
+no rank is left waiting in a collective for it; a rank that leaves with any exit status while others still
+wait for it ends the job too (:func:`~hpczeco.collectives.lifeline.finish_rank`). :func:`dispatch` is the same
+without the guard.
+
+``model`` and ``report`` are single-process commands: launched on several ranks they run on rank 0 alone, which
+prints and writes, and every rank ends with its exit status.
 """
 
 from __future__ import annotations
@@ -56,6 +60,38 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "bench daaf": ("matplotlib",),
     "bench gpu-daaf": ("matplotlib",),
 }
+
+
+#: commands that run on one process: under a launch of several ranks, rank 0 runs them and the others end with its
+#: exit status (they would otherwise print, write and launch everything once per rank)
+ONE_PROCESS = ("model", "report")
+
+
+def _run_on_rank0(module: str, argv: list[str], prog: str, needs: tuple[str, ...]) -> int:
+    """:func:`_run_module` on rank 0 of ``MPI_COMM_WORLD`` alone; the other ranks wait for its exit status (within
+    the collective timeout) and return it. One process: just :func:`_run_module`."""
+    from hpczeco.drivers.mpienv import launched_size  # noqa: PLC0415
+
+    if launched_size() <= 1 or {"-h", "--help"} & set(argv):
+        return _run_module(module, argv, prog, needs)
+    from hpczeco.collectives import timed  # noqa: PLC0415
+    from mpi4py import MPI  # noqa: PLC0415
+
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() == 1:
+        return _run_module(module, argv, prog, needs)
+    code = 0
+    if comm.Get_rank() == 0:
+        try:
+            code = _run_module(module, argv, prog, needs)
+        except SystemExit as exc:
+            code = _guard().exit_status(exc)
+        except Exception as exc:  # noqa: BLE001 - a user error ends every rank alike; others abort (main)
+            if not is_user_error(exc):
+                raise
+            _guard().report_error(exc, prog, None, is_user_error)
+            code = 2
+    return int(timed.bcast(comm, code, 0, f"{prog} (the other ranks wait for rank 0, which runs it)"))
 
 
 class MissingExtraError(ImportError):
@@ -134,14 +170,34 @@ def is_user_error(exc: BaseException) -> bool:
 
 
 def _guard():
-    """:mod:`hpczeco.collectives.watchdog`, imported without starting MPI when no subcommand did."""
+    """:mod:`hpczeco.collectives.lifeline` (leaving, failing ranks), imported without starting MPI when no subcommand
+    did."""
     if "mpi4py.MPI" not in sys.modules:
         import mpi4py  # noqa: PLC0415
 
         mpi4py.rc.initialize = mpi4py.rc.finalize = False
-    from hpczeco.collectives import watchdog  # noqa: PLC0415
+    from hpczeco.collectives import lifeline  # noqa: PLC0415
 
-    return watchdog
+    return lifeline
+
+
+def _usage_errors_on_rank0_only() -> None:
+    """Under a launch of several processes, ranks other than 0 exit on a usage error (status 2) without printing it:
+    every rank parses the same command line, so rank 0 prints the one message. The rank is read from the
+    launcher's environment (no MPI needed)."""
+    import argparse  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    from hpczeco.drivers.mpienv import launched_size  # noqa: PLC0415
+
+    if launched_size() <= 1:
+        return
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        value = os.environ.get(var, "").strip()
+        if value.isdigit():
+            if int(value) != 0:
+                argparse.ArgumentParser.error = lambda self, message: sys.exit(2)  # type: ignore[method-assign]
+            return
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,23 +206,32 @@ def main(argv: list[str] | None = None) -> int:
     An exception on a rank of a multi-rank job: that rank prints its one-line error (with the traceback
     only for internal errors, :func:`is_user_error`) and calls ``MPI_Abort`` on ``MPI_COMM_WORLD``. A
     non-zero exit status: the ranks wait briefly for each other (they all fail alike when the error was
-    collective) and abort the job if some rank does not. One rank: the same message and exit status 2
-    (user error) or 1 (internal)."""
+    collective) and abort the job if some rank does not; status 0 too, when the process ends
+    (:mod:`hpczeco.collectives.lifeline`). One rank: the same message and exit status 2 (user error) or 1
+    (internal)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    prog = "hpczeco" + (f" {argv[0]}" if argv and not argv[0].startswith("-") else "")
+    words = argv[:2] if argv[:1] == ["bench"] and len(argv) > 1 and not argv[1].startswith("-") else argv[:1]
+    prog = " ".join(["hpczeco", *[w for w in words if not w.startswith("-")]])
+    _usage_errors_on_rank0_only()
     try:
         code = dispatch(argv)
     except SystemExit as exc:
         if "mpi4py.MPI" in sys.modules:
-            status = _guard().exit_status(exc)
-            if status:
-                _guard().finish_rank(status, prog)
+            _guard().finish_rank(_guard().exit_status(exc), prog)
         raise
     except BaseException as exc:  # noqa: BLE001 - reported; with several ranks the job is aborted
+        errors = sys.modules.get("hpczeco.collectives.errors")
+        if errors is not None and isinstance(exc, errors.CollectiveInputError):
+            # raised alike on every rank (the collective validation, the agreed settings): rank 0 says it once and
+            # every rank ends with status 2, together
+            world = _guard()._world()
+            if world is None or world[0] == 0:
+                _guard().report_error(exc, prog, None, is_user_error)
+            return _guard().finish_rank(2, prog)
         return _guard().fail_rank(exc, prog, is_user_error)
     if code and "mpi4py.MPI" in sys.modules:
         return _guard().finish_rank(code, prog)
-    return code
+    return code  # status 0: the exit hooks end the job together (hpczeco.collectives.lifeline)
 
 
 def dispatch(argv: list[str] | None = None) -> int:
@@ -189,7 +254,8 @@ def dispatch(argv: list[str] | None = None) -> int:
         return _run_module(module, rest[1:], f"hpczeco bench {rest[0]}", NEEDS.get(f"bench {rest[0]}", ()))
     if cmd not in COMMANDS:
         parser.error(f"unknown command {cmd!r} (choose from {', '.join(list(COMMANDS) + ['bench'])})")
-    return _run_module(COMMANDS[cmd][0], rest, f"hpczeco {cmd}", NEEDS.get(cmd, ()))
+    run = _run_on_rank0 if cmd in ONE_PROCESS else _run_module
+    return run(COMMANDS[cmd][0], rest, f"hpczeco {cmd}", NEEDS.get(cmd, ()))
 
 
 if __name__ == "__main__":

@@ -560,7 +560,9 @@ def load_weights(path: str | Path, device: str = "cpu"):
     path = Path(path).with_suffix(".npz")
     if not path.is_file() or not path.with_suffix(".json").is_file():
         raise ValueError(f"no saved model at {path} (and {path.with_suffix('.json').name})")
-    meta = json.loads(path.with_suffix(".json").read_text())
+    from .files import read_bounded  # noqa: PLC0415
+
+    meta = json.loads(read_bounded(str(path.with_suffix(".json")), 16 << 20, "--load"))  # a regular file, bounded
     cfg = LMConfig(**meta["config"])
     model = build_model(cfg, 0)
     with np.load(path, allow_pickle=False) as z:

@@ -25,12 +25,14 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     from hpczeco.collectives.names import TOPOLOGIES
 
     from .helpfmt import HelpFormatter
+    from .options import int_range
 
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--out", default="runs/main", help="folder for logs, checkpoints, results (default runs/main)")
-    ap.add_argument("--steps", type=int, default=6, help="steps of the first training run (default 6)")
-    ap.add_argument("--resume-steps", type=int, default=4, help="steps the resumed run adds (default 4)")
-    ap.add_argument("--seq", type=int, default=2048, help="tokens per training sequence over all ranks (--quick: 512)")
+    ap.add_argument("--steps", type=int_range(1), default=6, help="steps of the first training run (default 6)")
+    ap.add_argument("--resume-steps", type=int_range(1), default=4, help="steps the resumed run adds (default 4)")
+    ap.add_argument("--seq", type=int_range(1), default=2048,
+                    help="tokens per training sequence over all ranks (--quick: 512)")
     ap.add_argument("--topology", default="ring", choices=TOPOLOGIES,
                     help="scan topology of the training run (default ring)")
     ap.add_argument("--quick", action="store_true", help="smaller everything (for tests)")
@@ -52,6 +54,13 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco demo") -> int:
 
     comm = MPI.COMM_WORLD
     rank, P = comm.Get_rank(), comm.Get_size()
+    from .files import check_output_dir, rank0_verdict
+    from .mpienv import launcher_mismatch
+
+    mismatch = launcher_mismatch(P)
+    if mismatch:  # each process would run the whole demo alone, as rank 0 of its own world
+        raise ValueError(mismatch)
+    rank0_verdict(comm, lambda: check_output_dir(args.out, "--out"), "demo: checking --out")
     over = warn_oversubscribed(comm, prog)  # collective; printed once for the whole demo
     out = Path(args.out)
     ckpt, log = out / "ckpt", out / "train.jsonl"
@@ -59,7 +68,9 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco demo") -> int:
         out.mkdir(parents=True, exist_ok=True)
         for old in [log, *ckpt.glob("*.h5")] if ckpt.exists() else [log]:
             old.unlink(missing_ok=True)
-    comm.Barrier()
+    from hpczeco.collectives import timed
+
+    timed.Barrier(comm, "demo: rank 0 prepares the output folder")
     t_start = time.perf_counter()
     seq = 512 if args.quick else args.seq
     common = ["--seq", str(seq), "--topology", args.topology, "--ckpt-dir", str(ckpt), "--log", str(log),
@@ -94,7 +105,7 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco demo") -> int:
     if rank == 0:
         data, source = read_corpus(None, max_bytes=(24 if args.quick else 96) * 1024)
         text_file.write_text(data.decode("utf-8", errors="replace"))
-    comm.Barrier()
+    timed.Barrier(comm, "demo: rank 0 writes the text to prefill")
     rc = prefill.main([str(text_file), "--layers", "1" if args.quick else "2"])
     if rc:
         return rc

@@ -41,6 +41,7 @@ import numpy as np
 from hpczeco.base import bf16
 
 from .gpu_daaf_model import bench_plans, key_regions
+from .options import int_range
 
 __all__ = ["TOL", "UNIT_TOL", "FLEX_DIFF_TOL", "rel_err", "check", "failed", "unit", "probe", "probe_cases", "small",
            "run_child", "sanitizer", "flex_checks", "targets", "main"]
@@ -298,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--impl", default="", help="the kernel (probe, small)")
     ap.add_argument("--out", required=True, help="folder of the records")
     ap.add_argument("--stem", required=True, help="file name stem of the records")
-    ap.add_argument("--seed", type=int, required=True, help="random seed")
+    ap.add_argument("--seed", type=int_range(0), required=True, help="random seed")
     ap.add_argument("--quick", action="store_true", help="fewer probe cases")
     a = ap.parse_args(argv)
     import cupy as cp  # noqa: PLC0415

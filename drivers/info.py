@@ -59,11 +59,11 @@ def mpix_cuda_support(libpath: str | None) -> dict[str, Any]:
 
 
 def env_flag(name: str) -> bool | None:
-    """``True``/``False`` for 1/true/yes/on and 0/false/no/off; ``None`` when unset."""
-    v = os.environ.get(name)
-    if v is None or v.strip() == "":
-        return None
-    return v.strip().lower() in ("1", "true", "yes", "on")
+    """``True``/``False`` for 1/true/yes/on and 0/false/no/off; ``None`` when unset; ``ValueError`` for anything
+    else (:func:`hpczeco.collectives.settings.parse_flag`)."""
+    from hpczeco.collectives.settings import parse_flag
+
+    return parse_flag(name)(os.environ.get(name, ""))
 
 
 def format_cpus(cpus: list[int]) -> str:
@@ -139,6 +139,7 @@ def checkpoint_mode() -> tuple[str, bool]:
 def collect(comm=None) -> dict[str, Any]:
     """Everything ``hpczeco info`` reports (collective over ``comm``: gathers every rank's host/GPUs)."""
     import mpi4py
+    from hpczeco.collectives import timed
     from mpi4py import MPI
 
     import hpczeco
@@ -150,7 +151,9 @@ def collect(comm=None) -> dict[str, Any]:
     mine = {"rank": rank, "host": socket.gethostname(), "processor": MPI.Get_processor_name(),
             "pid": os.getpid(), "gpus": gpus["count"], "cpus": cpu_affinity(),
             "omp_threads": os.environ.get("OMP_NUM_THREADS")}
-    ranks = comm.gather(mine, root=0)
+    # the first collective: the library's HPCZECO_* settings are checked and agreed here (a bad or differing value
+    # is the same error on every rank)
+    ranks = timed.gather(comm, mine, 0, "info: every rank's host")
     mpix = mpix_cuda_support(libpath)
     opt_in = env_flag(CUDA_AWARE_ENV)
     detected = any(v for v in mpix.values())

@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 
 from .costfit import PAPER_TABLE2 as PAPER  # ms, All-Scan vs LASP-2's AllGather
+from .options import float_range, int_list, int_range, link_text
 
 ASSUMPTIONS = [
     "state: one layer's GLA state per GPU; the paper's row is H=32, K=V=128 in bf16 = 1 MiB (it prints no size)",
@@ -38,23 +39,26 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
     description, epilog = split_doc(__doc__)
     ap = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, formatter_class=HelpFormatter)
-    ap.add_argument("--link", default="nvlink4",
+    ap.add_argument("--link", default="nvlink4", type=link_text,
                     help="link preset (nvlink4, ib-ndr, shm, tcp) or "
                          "'alpha,beta[,gamma[,delta[,overhead]]][,piece=S][,eager=BYTES]'")
-    ap.add_argument("--alpha", type=float, help="seconds per message (overrides the preset's)")
-    ap.add_argument("--beta", type=float, help="seconds per byte (overrides the preset's)")
-    ap.add_argument("--gamma", type=float, help="seconds per state byte combined (overrides the preset's)")
-    ap.add_argument("--gpus-per-node", type=int, default=0,
+    ap.add_argument("--alpha", type=float_range(0), help="seconds per message (overrides the preset's)")
+    ap.add_argument("--beta", type=float_range(0), help="seconds per byte (overrides the preset's)")
+    ap.add_argument("--gamma", type=float_range(0), help="seconds per state byte combined (overrides the preset's)")
+    ap.add_argument("--gpus-per-node", type=int_range(0), default=0,
                     help="two-level machine: ranks per node (0 = one flat link)")
-    ap.add_argument("--inter-link", default="ib-ndr", help="link between nodes when --gpus-per-node is set")
-    ap.add_argument("--state-bytes", type=float, help="state bytes per rank (else B*H*K*V*itemsize)")
-    ap.add_argument("--B", type=int, default=1, help="batch of the state [B, H, K, V]")
-    ap.add_argument("--H", type=int, default=16, help="heads of the state")
-    ap.add_argument("--K", type=int, default=128, help="key dim of the state")
-    ap.add_argument("--V", type=int, default=128, help="value dim of the state")
+    ap.add_argument("--inter-link", default="ib-ndr", type=link_text,
+                    help="link between nodes when --gpus-per-node is set")
+    ap.add_argument("--state-bytes", type=float_range(0, lo_open=True),
+                    help="state bytes per rank (else B*H*K*V*itemsize)")
+    ap.add_argument("--B", type=int_range(1), default=1, help="batch of the state [B, H, K, V]")
+    ap.add_argument("--H", type=int_range(1), default=16, help="heads of the state")
+    ap.add_argument("--K", type=int_range(1), default=128, help="key dim of the state")
+    ap.add_argument("--V", type=int_range(1), default=128, help="value dim of the state")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"],
                     help="state element type")
-    ap.add_argument("--P", default="2,4,8,16,32,64,128,256,512,1024", help="comma list of rank counts")
+    ap.add_argument("--P", default="2,4,8,16,32,64,128,256,512,1024", type=int_list(1, 1 << 24),
+                    help="comma list of rank counts")
     ap.add_argument("--exscan", default="recursive_doubling", choices=["recursive_doubling", "linear"],
                     help="how the MPI implements MPI_Exscan (MPICH: recursive doubling; Open MPI: linear)")
     ap.add_argument("--fit-paper", action="store_true",
@@ -99,11 +103,13 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco model") -> int:
         if over:
             link = replace(link, name=f"{link.name}*", **over)
         inter = cm.parse_link(args.inter_link) if args.gpus_per_node else None
-        Ps = [int(p) for p in args.P.split(",") if p.strip()]
     except ValueError as exc:
-        raise SystemExit(f"{prog}: {exc}") from None
-    if not Ps or min(Ps) < 1:
-        raise SystemExit(f"{prog}: --P needs positive rank counts")
+        build_parser(prog).error(str(exc))
+    Ps = list(args.P)
+    if args.out:  # checked before the work
+        from .files import check_output_dir
+
+        check_output_dir(args.out, "--out")
     itemsize = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}[args.dtype]
     nbytes = args.state_bytes if args.state_bytes else args.B * args.H * args.K * args.V * itemsize
     K, V = args.K, args.V

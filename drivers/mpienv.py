@@ -38,6 +38,7 @@ __all__ = [
     "srun_mpi_plugin",
     "mpicc_mismatch",
     "launcher_mismatch",
+    "launched_size",
     "CoreOversubscription",
     "CoreSharing",
     "core_sharing",
@@ -282,6 +283,17 @@ def _int(value: str | None) -> int | None:
         return None
 
 
+def launched_size(environ: Mapping[str, str] | None = None) -> int:
+    """How many processes the launcher started (``PMI_SIZE``, ``OMPI_COMM_WORLD_SIZE``, ``SLURM_STEP_NUM_TASKS``),
+    read from the environment without starting MPI; 1 when no launcher says."""
+    env = os.environ if environ is None else environ
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"):
+        n = _int(env.get(var))
+        if n is not None and n > 0:
+            return n
+    return 1
+
+
 def launcher_mismatch(comm_size: int, environ: Mapping[str, str] | None = None) -> str | None:
     """One line when the launcher started several processes but MPI sees a world of ``comm_size`` == 1
     (mpi4py built against another MPI than the launcher's, or srun without the right ``--mpi``);
@@ -340,12 +352,15 @@ def core_oversubscription(comm) -> CoreOversubscription | None:
     count), else ``os.cpu_count()``. ``None`` when no node is oversubscribed."""
     import socket
 
+    from hpczeco.collectives import timed
+    from hpczeco.collectives.lifeline import guard
     from mpi4py import MPI
 
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    with guard(comm, "the ranks of each node (MPI_Comm_split_type)"):
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     try:
         cpus = cpu_affinity()
-        every = node.allgather(cpus)
+        every = timed.allgather(node, cpus, "the CPU affinities of a node's ranks")
         if all(c is not None for c in every):
             usable = len(set().union(*every))
         else:
@@ -353,7 +368,8 @@ def core_oversubscription(comm) -> CoreOversubscription | None:
         mine = (socket.gethostname(), node.Get_size(), usable) if node.Get_rank() == 0 else None
     finally:
         node.Free()
-    over = [n for n in comm.allgather(mine) if n is not None and n[1] > n[2]]
+    nodes = timed.allgather(comm, mine, "the ranks and cores of every node")
+    over = [n for n in nodes if n is not None and n[1] > n[2]]
     if not over:
         return None
     host, ranks, cores = max(over, key=lambda n: n[1] / max(1, n[2]))
@@ -402,9 +418,12 @@ def core_sharing(comm, seconds: float = 0.05, floor: float = 5e-4, threshold: fl
     if not (seconds > 0 and floor > 0 and 0 < threshold < 1):
         raise ValueError(f"core_sharing needs seconds > 0, floor > 0 and 0 < threshold < 1, got {seconds}, {floor}, "
                          f"{threshold}")
-    comm.Barrier()
+    from hpczeco.collectives import timed
+
+    timed.Barrier(comm, "the start of the core-sharing probe")
     gaps = spin_gaps(seconds, floor)
-    every = comm.allgather((sum(gaps) / seconds, sorted(gaps)[len(gaps) // 2] if gaps else 0.0))
+    every = timed.allgather(comm, (sum(gaps) / seconds, sorted(gaps)[len(gaps) // 2] if gaps else 0.0),
+                            "the core-sharing probe")
     hit = [r for r, (lost, _) in enumerate(every) if lost > threshold]
     if not hit:
         return None

@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
+
+from .options import float_range, int_range
 
 #: default limits (raise them with --max-tokens / --max-memory; 0 = no limit)
 DEFAULT_MAX_TOKENS = 1 << 17
@@ -64,40 +65,27 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     ap.add_argument("--dense", action="store_true", help="exact causal attention instead of DAAF")
     ap.add_argument("--tokenizer", choices=["word", "byte"], default="word",
                     help="word: GPT-2-like word pieces, hashed to ids; byte: the UTF-8 bytes")
-    ap.add_argument("--window", type=int, default=512, help="entropy scan window (tokens)")
-    ap.add_argument("--stride", type=int, default=None, help="scan stride (default: the window)")
-    ap.add_argument("--threshold", type=float, default=0.8, help="normalised entropy threshold of a key window")
-    ap.add_argument("--budget", type=float, default=None,
+    ap.add_argument("--window", type=int_range(1), default=512, help="entropy scan window (tokens)")
+    ap.add_argument("--stride", type=int_range(1), default=None, help="scan stride (default: the window)")
+    ap.add_argument("--threshold", type=float_range(0, 1), default=0.8,
+                    help="normalised entropy threshold of a key window")
+    ap.add_argument("--budget", type=float_range(0, 1, lo_open=True), default=None,
                     help="fraction of tokens allowed global (percentile rule; default: the threshold rule)")
-    ap.add_argument("--local-window", type=int, default=128, help="local attention window W")
+    ap.add_argument("--local-window", type=int_range(0), default=128, help="local attention window W")
     ap.add_argument("--fallback", choices=["dense", "budget"], default="dense",
                     help="policy when entropy cannot separate the text")
-    ap.add_argument("--layers", type=int, default=2, help="layers of the random-weight model")
-    ap.add_argument("--d-model", type=int, default=128, help="model width")
-    ap.add_argument("--heads", type=int, default=4, help="attention heads")
-    ap.add_argument("--head-dim", type=int, default=32, help="dimension per head")
-    ap.add_argument("--seed", type=int, default=0, help="model weight seed")
+    ap.add_argument("--layers", type=int_range(1), default=2, help="layers of the random-weight model")
+    ap.add_argument("--d-model", type=int_range(1), default=128, help="model width")
+    ap.add_argument("--heads", type=int_range(1), default=4, help="attention heads")
+    ap.add_argument("--head-dim", type=int_range(1), default=32, help="dimension per head")
+    ap.add_argument("--seed", type=int_range(0), default=0, help="model weight seed")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+    ap.add_argument("--max-tokens", type=int_range(0), default=DEFAULT_MAX_TOKENS,
                     help="refuse texts with more tokens than this (0: no limit)")
     ap.add_argument("--max-memory", type=parse_bytes, default=parse_bytes(DEFAULT_MAX_MEMORY),
                     help=f"refuse runs whose estimated memory per rank exceeds this (e.g. 16G; 0: no limit; "
                          f"default {DEFAULT_MAX_MEMORY})")
     return ap
-
-
-def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Option ranges (the same verdict on every rank: every rank parses the same argv)."""
-    for name in ("layers", "d_model", "heads", "head_dim", "window"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("local_window", "seed", "max_tokens"):
-        if getattr(args, name) < 0:
-            ap.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if args.stride is not None and args.stride < 1:
-        ap.error(f"--stride must be >= 1, got {args.stride}")
-    if not math.isfinite(args.threshold) or (args.budget is not None and not math.isfinite(args.budget)):
-        ap.error("--threshold and --budget must be finite numbers")
 
 
 def decode_text(data: bytes, name: str) -> str:
@@ -116,33 +104,32 @@ def decode_text(data: bytes, name: str) -> str:
 
 
 def _read_text(path: str, limit: int) -> str:
-    """The UTF-8 text of ``path`` ('-': stdin), refusing one larger than ``limit`` bytes (0: no limit) unread,
-    and one that is not UTF-8 text (:func:`decode_text`)."""
-    if path == "-":
-        data = sys.stdin.buffer.read(limit + 1) if limit else sys.stdin.buffer.read()
-        if limit and len(data) > limit:
-            raise ValueError(f"stdin holds more than {limit:,} bytes, more than --max-memory allows")
-        return decode_text(data, "stdin")
-    size = os.stat(path).st_size
-    if limit and size > limit:
-        raise ValueError(f"{path} has {size:,} bytes: the text alone exceeds --max-memory {limit:,} bytes")
-    with open(path, "rb") as f:
-        return decode_text(f.read(), path)
+    """The UTF-8 text of ``path`` ('-': stdin): a regular file (a FIFO, device or directory is refused unopened),
+    at most ``limit`` bytes read (0: no limit; a larger file is refused unread), UTF-8 text (:func:`decode_text`)."""
+    from .files import read_bounded
+
+    data = read_bounded(path, limit, "the text", too_large=", more than --max-memory allows (the text alone would "
+                        "exceed it); raise --max-memory (0: no limit)")
+    return decode_text(data, "stdin" if path == "-" else path)
 
 
 def main(argv: list[str] | None = None, prog: str = "hpczeco prefill") -> int:
     ap = build_parser(prog)
     args = ap.parse_args(argv)
-    check_args(ap, args)
     import numpy as np
+    from hpczeco.collectives import timed
     from mpi4py import MPI
 
     from hpczeco.daaf import dense_pairs, plan
 
     from .daaf_demo import ModelConfig, PrefillModel, TokenLimitError, tokenize
+    from .mpienv import launcher_mismatch
 
     comm = MPI.COMM_WORLD
     size, rank = comm.Get_size(), comm.Get_rank()
+    mismatch = launcher_mismatch(size)
+    if mismatch:  # refuse: each process would prefill the whole text alone, as rank 0 of its own world
+        raise ValueError(mismatch)
     vocab = 256 if args.tokenizer == "byte" else 32768
     model = PrefillModel(ModelConfig(vocab_size=vocab, d_model=args.d_model, n_heads=args.heads,
                                      head_dim=args.head_dim, n_layers=args.layers, seed=args.seed))
@@ -151,10 +138,10 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco prefill") -> int:
         try:
             text = _read_text(args.file, args.max_memory)
         except OSError as exc:
-            err = f"{prog}: cannot read {args.file}: {exc}"
+            err = f"{prog}: cannot read {args.file}: {exc.strerror or exc}"
         except ValueError as exc:
             err = f"{prog}: refusing to start: {exc}"
-    comm.Barrier()
+    timed.Barrier(comm, f"prefill: the other ranks wait while rank 0 reads {args.file}")
     t0 = time.perf_counter()
     # rank 0 tokenizes (stopping at --max-tokens) and broadcasts the ids, not the text
     tokens = None
@@ -169,14 +156,15 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco prefill") -> int:
         except ValueError as exc:
             err = f"{prog}: {exc}"
         del text
-    err, T = comm.bcast((err, 0 if tokens is None else int(tokens.size)), root=0)
+    err, T = timed.bcast(comm, (err, 0 if tokens is None else int(tokens.size)), 0,
+                         "prefill: the verdict on the text and its length (rank 0 tokenizes)")
     if err:
         if rank == 0:
             print(err, file=sys.stderr)
         return 2
     if rank != 0:
         tokens = np.empty(T, np.int32)
-    comm.Bcast(tokens, root=0)
+    timed.Bcast(comm, tokens, 0, "prefill: the token ids")
     try:
         t_tok = time.perf_counter()
         p = None
@@ -198,7 +186,9 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco prefill") -> int:
         if rank == 0:
             print(f"{prog}: {exc}", file=sys.stderr)
         return 2
-    ttft = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+    slowest = np.array([time.perf_counter() - t0])
+    timed.Allreduce(comm, slowest, MPI.MAX, "prefill: the time to first token")
+    ttft = float(slowest[0])
     if rank != 0:
         return 0
     out = {

@@ -1,22 +1,24 @@
 """`hpczeco report`: a Markdown report of ring All-Scan vs tree vs the baselines, with plots.
 
-Reads every ``scan_P*.json`` written by ``hpczeco bench scan`` in ``--in`` (runs at several P may
-share the folder). With none there it first runs a short bench itself (``mpiexec -n P`` for each
-``--np``; sizes ``--sizes``). Writes ``report.md`` with one table per P (measured median vs cost
-model, the model recomputed from the run's calibration with the current formulas), the fastest
-topology per size, ring/tree crossovers, the ring-vs-baseline ratios at 1 MiB, a measured/model
-table with the accuracy targets (states <= 64 KiB within 3x, the ring at >= 1 MiB within 1.5x), the
-model refit to the measurements (``alpha``, ``beta``, ``overhead``) with its residual, the ring's per-piece
-cost (``piece``: from the calibration, or for runs calibrated before it existed estimated from the run's own
-ring points at two piece counts) with measured/model before and after it, and PNG plots:
-time vs state size (one panel per P) and time vs P at a few sizes, where the model curves continue
-past the measured P (to ``--model-max-p``) with the calibration of the largest run that was not
-oversubscribed (an extrapolation: it assumes the calibrated link and per-call costs do not change with
-P). A calibration measured with more ranks than cores on a node times the sharing of cores, not the
-link: the report never extrapolates from one; with only oversubscribed runs it draws the model over the
-measured P only and says so. At scale (:mod:`.report_sim`): the crossover P of every link preset (the model:
-from which P ptree or the tree beats the ring, at 16 KiB, 1 MiB, 16 MiB), a figure per preset, and, with
-``--sim`` results of ``hpczeco simulate``, the simulated GPU cluster beside its model and the paper's Table 2.
+Reads every ``scan_P*.json`` written by ``hpczeco bench scan`` in ``--in`` (runs at several P may share the folder);
+each is checked whole before anything is written (a file that cannot be read, is not a bench scan result of P >= 2
+ranks, or holds a timing that is not a finite positive number stops the report with its name and the reason: nothing
+is skipped). With none there it first runs a short bench itself (``mpiexec -n P`` for each ``--np``; sizes
+``--sizes``) into a new folder under ``--out`` (``--in`` is never written). Writes ``report.md`` with one table per
+P (measured median vs cost model, the model recomputed from the run's calibration with the current formulas), the
+fastest topology per size, ring/tree crossovers, the ring-vs-baseline ratios at 1 MiB, a measured/model table with
+the accuracy targets (states <= 64 KiB within 3x, the ring at >= 1 MiB within 1.5x), the model refit to the
+measurements (``alpha``, ``beta``, ``overhead``) with its residual, the ring's per-piece cost (``piece``: from the
+calibration, or for runs calibrated before it existed estimated from the run's own ring points at two piece counts)
+with measured/model before and after it, and PNG plots: time vs state size (one panel per P) and time vs P at a few
+sizes, where the model curves continue past the measured P (to ``--model-max-p``) with the calibration of the
+largest run that was not oversubscribed (an extrapolation: it assumes the calibrated link and per-call costs do not
+change with P). A calibration measured with more ranks than cores on a node times the sharing of cores, not the
+link: the report never extrapolates from one; with only oversubscribed runs it draws the model over the measured P
+only and says so. At scale (:mod:`.report_sim`): the crossover P of every
+link preset (the model: from which P ptree or the tree beats the ring, at 16 KiB, 1 MiB, 16 MiB), a figure per
+preset, and, with ``--sim`` results of ``hpczeco simulate``, the simulated GPU cluster beside its model and the
+paper's Table 2.
 """
 
 from __future__ import annotations
@@ -24,14 +26,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from hpczeco.drivers import report_sim
 from hpczeco.drivers.bench_scan import fmt_size
+from hpczeco.drivers.options import as_text, int_list, int_range, size_list
+
+#: largest scan_P*.json read (bench scan writes a few hundred KiB)
+MAX_RESULT_BYTES = 64 << 20
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -41,9 +49,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, formatter_class=HelpFormatter)
     ap.add_argument("--in", dest="inp", default="runs/bench_scan", help="folder with scan_P*.json files")
     ap.add_argument("--out", default="runs/report", help="folder for report.md and the PNGs")
-    ap.add_argument("--np", default="2,4", help="rank counts of the short bench run when --in has no results")
-    ap.add_argument("--sizes", default="4K,64K,1M", help="state sizes of that short bench")
-    ap.add_argument("--model-max-p", type=int, default=256, help="model curves up to this P")
+    ap.add_argument("--np", default="2,4", type=int_list(2, 1024),
+                    help="rank counts (>= 2) of the short bench run when --in has no results")
+    ap.add_argument("--sizes", default="4K,64K,1M", type=as_text(size_list()), help="state sizes of that short bench")
+    ap.add_argument("--model-max-p", type=int_range(2, 1 << 24), default=256, help="model curves up to this P")
     ap.add_argument("--mpiexec", default=None, help="mpiexec to use for the short bench (default: found on PATH)")
     ap.add_argument("--sim", default="runs/simulate",
                     help="folder of `hpczeco simulate` results (simulate.json) drawn beside the model, if present")
@@ -51,17 +60,88 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
 
 
 def load(folder: Path) -> list[dict[str, Any]]:
-    runs = []
-    for f in sorted(folder.glob("scan_P*.json")):
-        try:
-            data = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            print(f"report: skipping {f}: {exc}", file=sys.stderr)
-            continue
-        if data.get("bench") == "scan" and data.get("results"):
-            data["_file"] = f.name
-            runs.append(data)
+    """Every ``scan_P*.json`` in ``folder``, checked whole (:func:`load_run`), sorted by P. ``ValueError`` naming
+    the first file that does not pass: nothing is skipped."""
+    runs = [load_run(f) for f in sorted(folder.glob("scan_P*.json"))]
     return sorted(runs, key=lambda d: d["P"])
+
+
+def load_run(f: Path) -> dict[str, Any]:
+    """One result of ``hpczeco bench scan``: read with a bound (a regular file of at most
+    :data:`MAX_RESULT_BYTES`), then checked (:func:`check_run`). ``ValueError`` naming the file and the reason."""
+    from hpczeco.drivers.files import read_bounded
+
+    m = re.fullmatch(r"scan_P(\d+)\.json", f.name)
+    if m is None:
+        raise ValueError(f"{f}: named like a bench scan result but not scan_P<ranks>.json; rename or remove it")
+    try:
+        data = json.loads(read_bounded(str(f), MAX_RESULT_BYTES, "--in",
+                                       too_large=" (bench scan writes far less): not a bench scan result"))
+    except OSError as exc:
+        raise ValueError(f"{f}: cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{f}: not a bench scan result (not UTF-8 text: {exc.reason})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{f}: not a bench scan result (not JSON: {exc})") from None
+    check_run(data, str(f), int(m.group(1)))
+    data["_file"] = f.name
+    return data
+
+
+def _positive_time(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def check_run(data: Any, name: str, P: int | None = None) -> None:
+    """``ValueError`` unless ``data`` is a bench scan result the report can use: ``bench == "scan"``, ``P`` (the file
+    name's) >= 2, link parameters the cost model accepts, and results whose labels, topologies, sizes, shapes and
+    median times are what bench scan writes (times finite and positive: a NaN would rank first everywhere)."""
+    from hpczeco.collectives import costmodel as cm
+    from hpczeco.collectives.names import ALGORITHMS
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{name}: {why}")
+
+    if not isinstance(data, dict) or data.get("bench") != "scan":
+        raise bad("not a bench scan result (no \"bench\": \"scan\")")
+    p = data.get("P")
+    if isinstance(p, bool) or not isinstance(p, int):
+        raise bad(f"P is {p!r}, not a rank count")
+    if P is not None and p != P:
+        raise bad(f"holds a run of P = {p} ranks but is named for P = {P}")
+    if p < 2:
+        raise bad(f"a one-rank run (P = {p}): nothing is scanned over ranks, and the model and its fit need P >= 2; "
+                  "rerun bench scan under mpiexec -n 2 or more, or remove the file")
+    try:
+        cm.LinkParams(**data["params"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise bad(f"its link parameters are not usable ({type(exc).__name__}: {exc})") from None
+    if not isinstance(data.get("machine"), dict) or not isinstance(data.get("dtype"), str):
+        raise bad("has no machine description or dtype")
+    if data.get("exscan_algorithm", "recursive_doubling") not in ("recursive_doubling", "linear"):
+        raise bad(f"exscan_algorithm {data.get('exscan_algorithm')!r} is not recursive_doubling or linear")
+    results = data.get("results")
+    if not isinstance(results, list) or not results:
+        raise bad("holds no results")
+    for i, r in enumerate(results):
+        where = f"result {i}" + (f" ({r.get('label')} at {r.get('nbytes')} bytes)" if isinstance(r, dict) else "")
+        if not isinstance(r, dict):
+            raise bad(f"{where} is not an object")
+        shape = r.get("shape")
+        nbytes = r.get("nbytes")
+        blocks = r.get("blocks")
+        if not isinstance(r.get("label"), str) or r.get("topology") not in ALGORITHMS:
+            raise bad(f"{where}: label {r.get('label')!r} / topology {r.get('topology')!r} is not one of {ALGORITHMS}")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise bad(f"{where}: nbytes {nbytes!r} is not a positive int")
+        if not (isinstance(shape, list) and len(shape) == 3
+                and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in shape)):
+            raise bad(f"{where}: shape {shape!r} is not [H, K, V] of positive ints")
+        if blocks is not None and (isinstance(blocks, bool) or not isinstance(blocks, int) or not 1 <= blocks):
+            raise bad(f"{where}: blocks {blocks!r} is not a positive int or null")
+        if not _positive_time(r.get("median_s")):
+            raise bad(f"{where}: median_s is {r.get('median_s')!r}, not a finite positive time (a failed or "
+                      "corrupted measurement); rerun that bench")
 
 
 def _find_mpiexec(explicit: str | None) -> str | None:
@@ -73,25 +153,58 @@ def _find_mpiexec(explicit: str | None) -> str | None:
     return shutil.which("mpiexec") or shutil.which("mpirun")
 
 
-def run_short_bench(folder: Path, nps: list[int], sizes: str, mpiexec: str | None) -> None:
-    """``mpiexec -n P python -m hpczeco bench scan`` (short) for each P; in-process with one rank if no mpiexec."""
-    folder.mkdir(parents=True, exist_ok=True)
+def check_mpiexec(explicit: str | None) -> str:
+    """The launcher of the short bench, checked before anything is launched: found, executable, and answering
+    ``--version`` (``/bin/false`` does not). ``ValueError`` with the reason otherwise."""
+    exe = _find_mpiexec(explicit)
+    if exe is None:
+        raise ValueError("no mpiexec found for the short bench (give --mpiexec, or --in a folder of bench scan "
+                         "results of 2 or more ranks)")
+    path = shutil.which(exe)
+    if path is None:
+        raise ValueError(f"--mpiexec {exe}: not found, or not an executable file")
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ValueError(f"--mpiexec {exe}: cannot be run ({exc})") from None
+    if out.returncode != 0:
+        raise ValueError(f"--mpiexec {exe}: `{exe} --version` ended with status {out.returncode}: not an mpiexec?")
+    return path
+
+
+def run_short_bench(folder: Path, nps: list[int], sizes: str, mpiexec: str) -> None:
+    """``mpiexec -n P python -m hpczeco bench scan`` (short) for each P, writing into ``folder`` (a new one).
+    ``ValueError`` naming the command when one fails."""
     common = ["--sizes", sizes, "--repeats", "5", "--warmup", "2", "--time-limit", "1", "--blocks", "4",
               "--ring-big", "0", "--out", str(folder)]  # a short bench: no 16 MiB calibration ring
-    exe = _find_mpiexec(mpiexec)
-    if exe is None:
-        print("report: no mpiexec found; running the short bench in this process (P=1)", file=sys.stderr)
-        from hpczeco.drivers import bench_scan
-
-        bench_scan.main(common)
-        return
     from hpczeco.drivers.mpienv import launch_env
 
     env = launch_env()  # a short single-node bench: oversubscribed, possibly as root
     for P in nps:
-        cmd = [exe, "-n", str(P), sys.executable, "-m", "hpczeco", "bench", "scan", *common]
+        cmd = [mpiexec, "-n", str(P), sys.executable, "-m", "hpczeco", "bench", "scan", *common]
         print("report: " + " ".join(cmd), flush=True)
-        subprocess.run(cmd, env=env, check=True, timeout=900)
+        try:
+            done = subprocess.run(cmd, env=env, timeout=900)
+        except subprocess.TimeoutExpired:
+            raise ValueError(f"the short bench did not end within 900 s: {' '.join(cmd)}") from None
+        except OSError as exc:
+            raise ValueError(f"the short bench cannot be launched ({exc}): {' '.join(cmd)}") from None
+        if done.returncode != 0:
+            raise ValueError(f"the short bench failed (status {done.returncode}; its output is above): "
+                             f"{' '.join(cmd)}")
+
+
+def _new_bench_folder(out: Path) -> Path:
+    """A new folder under ``out`` for the short bench (never an existing one: nothing is overwritten)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for i in range(1000):
+        folder = out / (f"bench_scan-{stamp}" + (f"-{i}" if i else ""))
+        try:
+            folder.mkdir(parents=True)
+            return folder
+        except FileExistsError:
+            continue
+    raise ValueError(f"cannot make a new folder for the short bench under {out}")
 
 
 def _by(run: dict[str, Any]) -> dict[tuple[str, int], dict[str, Any]]:
@@ -475,25 +588,39 @@ def write_report(runs: list[dict[str, Any]], out: Path, max_p: int, sim_dir: Pat
 
 def main(argv: list[str] | None = None, prog: str = "hpczeco report") -> int:
     args = build_parser(prog).parse_args(argv)
-    inp = Path(args.inp)
-    runs = load(inp) if inp.exists() else []
-    if not runs:
-        try:
-            nps = [int(x) for x in args.np.split(",") if x.strip()]
-        except ValueError:
-            raise SystemExit(f"{prog}: --np must be a comma list of ints") from None
-        print(f"report: no scan_P*.json in {inp}; running a short bench first", flush=True)
-        run_short_bench(inp, nps, args.sizes, args.mpiexec)
-        runs = load(inp)
+    from hpczeco.drivers.files import check_output_dir
+    from hpczeco.drivers.mpienv import launched_size
+
+    inp, out = Path(args.inp), Path(args.out)
+    if inp.exists() and not inp.is_dir():
+        raise ValueError(f"--in {inp} is not a folder")
+    if inp.is_dir() and out.exists() and out.resolve() == inp.resolve():
+        raise ValueError(f"--out {out} is the --in folder: the report never writes among its inputs; give another")
+    check_output_dir(out, "--out")  # before any work
+    files = sorted(inp.glob("scan_P*.json")) if inp.is_dir() else []
+    if files:
+        runs = load(inp)  # every file checked; the first that does not pass stops the report
+    else:
+        if launched_size() > 1:
+            raise ValueError(f"no scan_P*.json in {inp}, and the short bench launches its own mpiexec: run "
+                             "`hpczeco report` as one process, or `mpiexec -n P hpczeco bench scan --out DIR` and "
+                             "then `hpczeco report --in DIR`")
+        exe = check_mpiexec(args.mpiexec)  # before anything is launched
+        bench = _new_bench_folder(out)
+        print(f"report: no scan_P*.json in {inp}; running a short bench into {bench} first (--in is not written)",
+              flush=True)
+        run_short_bench(bench, args.np, args.sizes, exe)
+        runs = load(bench)
         if not runs:
-            raise SystemExit(f"{prog}: the short bench wrote no results into {inp}")
+            raise ValueError(f"the short bench wrote no results into {bench}")
     for run in runs:
         remodel(run)
     _, _, caveat = model_reference(runs, args.model_max_p)
     if caveat:
         print(f"{prog}: warning: {caveat}", flush=True)
-    md = write_report(runs, Path(args.out), args.model_max_p, Path(args.sim))
-    print(f"wrote {md} with {len(runs)} run(s): P = {', '.join(str(r['P']) for r in runs)}")
+    md = write_report(runs, out, args.model_max_p, Path(args.sim))
+    print(f"wrote {md} with {len(runs)} run(s): P = {', '.join(str(r['P']) for r in runs)} "
+          f"(from {', '.join(r['_file'] for r in runs)})")
     return 0
 
 

@@ -199,7 +199,7 @@ def test_measure_ring_big_is_collective_and_calibrate_records_it(comm):
         calibrate(comm, sizes=(8, 65536), repeats=2, ring_big=MIB)  # checked before any message: every rank
 
 
-def test_bench_ring_big_option():
+def test_bench_ring_big_option(capsys):
     from hpczeco.collectives.calibrate import check_ring_big
     from hpczeco.drivers import bench_scan
 
@@ -217,8 +217,9 @@ def test_bench_ring_big_option():
     assert ap.parse_args([]).ring_big == 16 * MIB
     assert ap.parse_args(["--ring-big", "0"]).ring_big == 0
     assert ap.parse_args(["--ring-big", "32M"]).ring_big == 32 * MIB
-    with pytest.raises(SystemExit, match="--ring-big must be 0 or more than 2 MiB"):
+    with pytest.raises(SystemExit) as exc:  # a usage error (status 2), before any MPI work
         bench_scan.main(["--ring-big", "1M"])
+    assert exc.value.code == 2 and "--ring-big must be 0 or more than 2 MiB" in capsys.readouterr().err
 
 
 def test_bench_records_the_mpi_settings_and_says_when_single_copy_is_off(monkeypatch):

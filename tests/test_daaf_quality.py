@@ -266,9 +266,13 @@ def test_bench_refuses_options_that_cannot_work(capsys):
 
     assert bq._methods() == dq.METHODS  # the parser's list (no torch import for --help) is the evaluation's
     for argv, msg in ((["--pairs", "3"], "--pairs must be two counts"), (["--lengths", "100"], "must exceed"),
-                      (["--budgets", "0,0.5"], "--budgets must lie"), (["--threshold", "2"], "--threshold")):
+                      (["--budgets", "0,0.5"], "--budgets must lie")):
         with pytest.raises(ValueError, match=msg):
             bq.main(["--device", "cpu", *argv])
+    with pytest.raises(SystemExit) as exc:  # a number out of range is a usage error where it enters
+        bq.main(["--device", "cpu", "--threshold", "2"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "argument --threshold: must be a finite number >= 0 and <= 1" in err
 
 
 def test_gpu_kernel_choice_falls_back_with_reasons(monkeypatch):

@@ -18,7 +18,14 @@ from hpczeco.collectives import timed
 from hpczeco.collectives.agree import agree_fast, canonical, collective_check
 from hpczeco.collectives.context import get_context
 from hpczeco.collectives.watchdog import TIMEOUT_ENV
-from hpczeco.drivers.checkpoint import CheckpointError, CheckpointWriter, array_sha256, load_checkpoint, load_latest
+from hpczeco.drivers.checkpoint import (
+    LOCK_NAME,
+    CheckpointError,
+    CheckpointWriter,
+    array_sha256,
+    load_checkpoint,
+    load_latest,
+)
 from hpczeco.drivers.checkpoint import guarded_file as ck_guarded
 from mpi4py import MPI
 
@@ -120,7 +127,8 @@ def test_timeout_agreed_per_communicator(comm):
     rank only, or invalid on one rank, every rank raises the same configuration error."""
     old = os.environ.get(TIMEOUT_ENV)
     r, last = comm.Get_rank(), comm.Get_size() - 1
-    cases = [("7", "7", None), ("7", None, "configuration mismatch"), ("7", "soon", "not a positive finite")]
+    cases = [("7", "7", None), ("7", None, "configuration mismatch"), ("7", "soon", "must be a number of seconds"),
+             ("7", "-1", "must be a positive finite number"), ("off", "0", None)]
     try:
         for value, on_last, want in cases:
             os.environ[TIMEOUT_ENV] = value
@@ -135,7 +143,7 @@ def test_timeout_agreed_per_communicator(comm):
             try:
                 msg = agreed_error(comm, lambda d=dup: get_context(d))
                 if want is None:
-                    assert msg is None and get_context(dup).timeout == 7.0
+                    assert msg is None and get_context(dup).timeout == (7.0 if value == "7" else None)
                 else:
                     assert msg is not None and want in msg, msg
             finally:
@@ -149,10 +157,10 @@ def test_timeout_agreed_per_communicator(comm):
 @pytest.mark.mpi
 @pytest.mark.parametrize("with_timeout", [False, True])
 def test_timed_collectives_equal_mpi(comm, rng, with_timeout):
-    """Every timed collective gives what the plain MPI call gives, with and without a timeout."""
+    """Every timed collective gives what the plain MPI call gives, with and without a timeout (off: the blocking
+    calls)."""
     old = os.environ.pop(TIMEOUT_ENV, None)
-    if with_timeout:
-        os.environ[TIMEOUT_ENV] = "30"
+    os.environ[TIMEOUT_ENV] = "30" if with_timeout else "off"
     dup = comm.Dup()
     try:
         assert get_context(dup).timeout == (30.0 if with_timeout else None)
@@ -176,6 +184,20 @@ def test_timed_collectives_equal_mpi(comm, rng, with_timeout):
         c = x.copy()
         comm.Bcast(c, root=0)
         assert np.array_equal(b, c)
+        assert timed.gather(dup, obj, P - 1, "t") == comm.gather(obj, root=P - 1)
+        timed.Barrier(dup, "t")
+        counts = [r + 1 for r in range(P)]
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+        mine = np.full(r + 1, float(r))
+        got_v = np.empty(sum(counts))
+        timed.Allgatherv(dup, mine, got_v, counts, displs, "t")
+        assert np.array_equal(got_v, np.repeat(np.arange(P, dtype=float), counts))
+        y = rng.standard_normal(2 * P) * (r + 1)
+        rs = np.empty(2)
+        timed.Reduce_scatter(dup, y, rs, [2] * P, MPI.SUM, "t")
+        want_rs = np.empty(2 * P)
+        comm.Allreduce(y, want_rs, op=MPI.SUM)
+        assert np.allclose(rs, want_rs[2 * r:2 * r + 2])
     finally:
         dup.Free()
         os.environ.pop(TIMEOUT_ENV, None)
@@ -224,7 +246,7 @@ def test_prefill_rejects_zero_sizes(tmp_path, capsys, opt):
     f.write_text("a few words of text " * 20)
     with pytest.raises(SystemExit) as exc:
         main([str(f), opt, "0"])
-    assert exc.value.code == 2 and f"{opt} must be >= 1, got 0" in capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument {opt}: must be an integer >= 1, got '0'" in capsys.readouterr().err
 
 
 def test_word_pieces_equal_one_findall(rng):
@@ -368,7 +390,8 @@ def test_leftover_temporaries_removed_by_the_next_write(tmp_path):
     keep = tmp_path / ".notes.tmp-1-2"
     keep.write_text("not ours")
     _good(tmp_path, 4)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".notes.tmp-1-2", "ckpt_00000001.h5", "ckpt_00000004.h5"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != LOCK_NAME) == [".notes.tmp-1-2", "ckpt_00000001.h5",
+                                                                                "ckpt_00000004.h5"]
 
 
 def test_disk_full_write_is_a_clean_error(tmp_path, monkeypatch):
@@ -389,4 +412,4 @@ def test_disk_full_write_is_a_clean_error(tmp_path, monkeypatch):
                                               r"the device \(No space left on device\): it needs [\d,]+ bytes"):
         _good(tmp_path, 2)
     monkeypatch.undo()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_00000001.h5"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != LOCK_NAME) == ["ckpt_00000001.h5"]

@@ -278,8 +278,7 @@ def test_auto_device_transport_skips_nccl_where_ranks_share_a_gpu(comm, monkeypa
 def test_transport_env_is_read_once_and_agreed(comm, monkeypatch):
     """$HPCZECO_TRANSPORT is read once, where a communicator's context is made, and agreed over its ranks: the
     kind named alike everywhere is the default device kind (unset: "auto"); a value that differs between the ranks,
-    or is not a kind, is the same error on every rank where a device transport is chosen by it; host buffers never
-    need it."""
+    or is not a kind, is the same error on every rank when the context is made (before any other message)."""
     from hpczeco.collectives.context import get_context
     from hpczeco.collectives.names import TRANSPORT_ENV
     from hpczeco.collectives.selection import transport_for
@@ -288,7 +287,8 @@ def test_transport_env_is_read_once_and_agreed(comm, monkeypatch):
     last = r == P - 1
     cases = [("staged", "staged", "staged", None), (None, None, "auto", None), ("auto", None, "auto", None),
              ("nccl", None, None, "configuration mismatch: $HPCZECO_TRANSPORT differs between the ranks"),
-             ("nccl", "pigeon", None, "is not one of ('auto', 'cuda-aware', 'staged', 'nccl') (or unset) on rank(s)")]
+             ("nccl", "pigeon", None, "must be one of auto, cuda-aware, staged, nccl (or unset), got 'pigeon' on "
+                                      "rank(s)")]
     for value, on_last, want_kind, want_error in cases:
         if want_error == "configuration mismatch: $HPCZECO_TRANSPORT differs between the ranks" and P == 1:
             continue  # one rank cannot disagree with itself
@@ -299,16 +299,17 @@ def test_transport_env_is_read_once_and_agreed(comm, monkeypatch):
             monkeypatch.setenv(TRANSPORT_ENV, mine)
         dup = comm.Dup()
         try:
-            ctx = get_context(dup)
-            monkeypatch.setenv(TRANSPORT_ENV, "cuda-aware")  # read once: a later change does not count
-            msg = agreed_error(comm, lambda ctx=ctx: ctx.device_kind)
+            msg = agreed_error(comm, lambda d=dup: get_context(d))
             if want_error is None:
-                assert msg is None and ctx.device_kind == want_kind
+                assert msg is None
+                ctx = get_context(dup)
+                monkeypatch.setenv(TRANSPORT_ENV, "cuda-aware")  # read once: a later change does not count
+                assert ctx.device_kind == want_kind
+                assert transport_for(ctx, None, np.zeros(3)).name == "host"
             else:
                 assert msg is not None and want_error in msg, msg
-                if "not one of" in want_error:
+                if "pigeon" in want_error:
                     assert msg.endswith(f"[{P - 1}]"), msg
-            assert transport_for(ctx, None, np.zeros(3)).name == "host"
         finally:
             dup.Free()
 

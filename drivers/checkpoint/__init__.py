@@ -12,7 +12,9 @@ A checkpoint is one file ``ckpt_<step:08d>.h5`` in a folder:
 
 Writes are atomic: a hidden temporary file in the same folder, fsync'ed, then ``os.replace``'d onto its
 final name and the folder fsync'ed; a crash leaves at worst a hidden temporary file, never a
-half-written newest checkpoint (the next successful write removes such leftovers). HDF5 writes the
+half-written newest checkpoint (the next successful write removes such leftovers: only those no live process
+holds locked). One job writes a folder at a time: the writer holds ``LOCK_NAME`` in it locked, and a second live
+job's writer is refused with a ``CheckpointError`` naming the holder. HDF5 writes the
 temporary through a Python file object (:class:`GuardedFile`: ordinary ``os.pwrite``) that keeps I/O
 errors away from HDF5: a write that fails (a full disk) is remembered and its bytes kept in memory, so
 HDF5 never fails half-way inside its caches (the PyPI h5py then crashed the process at exit, status
@@ -48,7 +50,16 @@ Modules: :mod:`.format` (names, attribute encoding, checksums, path rules; no h5
 from __future__ import annotations
 
 from .faults import FAULT_ENV, FAULT_EXIT_CODE
-from .format import FORMAT, FORMAT_VERSION, CheckpointError, array_sha256, check_name, checkpoint_name, list_checkpoints
+from .format import (
+    FORMAT,
+    FORMAT_VERSION,
+    LOCK_NAME,
+    CheckpointError,
+    array_sha256,
+    check_name,
+    checkpoint_name,
+    list_checkpoints,
+)
 from .guarded_file import GuardedFile
 from .hdf5 import hdf5_mode, parallel_hdf5
 from .read import ExpectArrays, load_checkpoint, load_latest
@@ -65,6 +76,7 @@ __all__ = [
     # the file format and the parts the tests and tools use
     "FORMAT",
     "FORMAT_VERSION",
+    "LOCK_NAME",
     "FAULT_ENV",
     "FAULT_EXIT_CODE",
     "ExpectArrays",

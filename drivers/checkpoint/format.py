@@ -1,7 +1,9 @@
 """The checkpoint file format, shared by the writer and the reader: names, attribute encoding, checksums,
 path rules (no HDF5 here: this module never imports h5py).
 
-One checkpoint is ``ckpt_<step:08d>.h5``; a writer's temporary is ``.ckpt_<step>.h5.tmp-<pid>-<ns>``. The
+One checkpoint is ``ckpt_<step:08d>.h5``; a writer's temporary is ``.ckpt_<step>.h5.tmp-<job>-<host>-<pid>-<ns>``
+(``<job>``: the batch job's id, ``local`` outside one; older writers named it ``.ckpt_<step>.h5.tmp-<pid>-<ns>``),
+locked (``flock``) by its writer while it exists; a writing job holds :data:`LOCK_NAME` in the folder. The
 root attributes ``format`` (:data:`FORMAT`), ``format_version`` (:data:`FORMAT_VERSION`), ``step``,
 ``nranks``, ``created``, ``_manifest``, ``_attr_kinds`` and ``_attrs_sha256`` are reserved; the caller's
 attributes are stored with one of the kinds ``str``, ``bool``, ``int``, ``float``, ``array``, ``json``.
@@ -23,7 +25,9 @@ import numpy as np
 FORMAT = "hpczeco-checkpoint"
 FORMAT_VERSION = 1
 FILE_RE = re.compile(r"^ckpt_(\d{8,})\.h5$")
-TMP_RE = re.compile(r"^\.ckpt_\d{8,}\.h5\.tmp-\d+-\d+$")
+TMP_RE = re.compile(r"^\.ckpt_\d{8,}\.h5\.tmp-(?:[A-Za-z0-9_.]+-)*\d+-\d+$")
+#: the file in a checkpoint folder that the writing job holds locked (``flock``) while it may write there
+LOCK_NAME = ".hpczeco-ckpt.lock"
 
 _PART = r"[A-Za-z0-9_][A-Za-z0-9_.\-]*"
 _NAME_RE = re.compile(rf"^{_PART}(/{_PART})*$")

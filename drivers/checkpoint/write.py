@@ -5,14 +5,29 @@ the serial h5py, or with every rank opening it through ``driver='mpio'`` with a 
 ``os.replace``-s it onto ``ckpt_<step:08d>.h5`` and fsyncs the folder; any failure is one
 ``CheckpointError`` on every rank and the temporary is removed. Then checkpoints beyond the newest ``keep``
 and leftover temporaries of killed writers are removed.
+
+One writing job per folder: rank 0 of a job holds :data:`~.format.LOCK_NAME` in the folder locked (``flock``) from
+the writer's creation for as long as the writer exists (released when its process ends, however it ends); a second
+live job that makes a writer for the same folder gets a ``CheckpointError`` naming the holder, before it writes
+anything. The temporary's name holds the job (``.ckpt_<step>.h5.tmp-<job>-<host>-<pid>-<ns>``) and its writer keeps
+it locked until it is renamed; the clean-up removes only temporaries that no process holds locked (their writers are
+gone), never one being written. On a file system without ``flock`` (some NFS set-ups) neither lock is taken, and
+that is said once.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import json
 import os
+import re
 import shutil
+import socket
+import sys
+import threading
 import time
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +39,7 @@ from .faults import crash, fault_here
 from .format import (
     FORMAT,
     FORMAT_VERSION,
+    LOCK_NAME,
     RESERVED,
     TMP_RE,
     CheckpointError,
@@ -63,12 +79,23 @@ class CheckpointWriter:
         if self.parallel and comm is None:
             self.parallel = False
         err = None
+        self._lock: _FolderLock | None = None
         if self.rank == 0:
             try:
                 self.folder.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 err = f"cannot create checkpoint folder {self.folder}: {exc}"
+            if err is None:
+                try:
+                    self._lock = _FolderLock.acquire(self.folder)
+                except OSError as exc:
+                    err = f"cannot lock checkpoint folder {self.folder} ({exc.strerror or exc}: {exc.filename})"
+                except CheckpointError as exc:
+                    err = str(exc)
         self._raise_if_any(err)
+        if self._lock is not None:
+            weakref.finalize(self, self._lock.release)
+        self._tmp_lock: int | None = None
 
     @property
     def mode(self) -> str:
@@ -147,7 +174,7 @@ class CheckpointWriter:
                         "attributes must be replicated (identical on every rank)"
                     )
         final = self.folder / checkpoint_name(step)
-        tmp_name = f".{final.name}.tmp-{os.getpid()}-{time.time_ns()}" if self.rank == 0 else None
+        tmp_name = f".{final.name}.tmp-{_job_tag()}-{os.getpid()}-{time.time_ns()}" if self.rank == 0 else None
         if self.comm is not None and self.size > 1:
             from hpczeco.collectives import timed  # noqa: PLC0415
 
@@ -175,8 +202,22 @@ class CheckpointWriter:
             err_s = self._publish(tmp, final)
         if err_s is not None and self.rank == 0:
             _silent_unlink(tmp)
+        self._unlock_tmp()
         self._raise_if_any(err_s, root_only=not self.parallel)
         return final
+
+    def _lock_tmp(self, tmp: Path) -> None:
+        """Rank 0: hold the temporary locked (a descriptor of its own, kept until the rename) so that no clean-up
+        takes it for a killed writer's."""
+        self._tmp_lock = _lock_fd(tmp)
+
+    def _unlock_tmp(self) -> None:
+        if self._tmp_lock is not None:
+            try:
+                os.close(self._tmp_lock)
+            except OSError:
+                pass
+            self._tmp_lock = None
 
     # -- file writing ---------------------------------------------------------------------------------
 
@@ -203,6 +244,7 @@ class CheckpointWriter:
         error: BaseException | None = None
         try:
             with GuardedFile(tmp) as guarded:
+                self._lock_tmp(tmp)
                 with h5py.File(guarded, "w") as f:
                     self._fill(f, host, manifest, stored, root_attrs, write_data=True)
                     f.flush()
@@ -246,6 +288,8 @@ class CheckpointWriter:
         err = None
         try:
             with h5py.File(tmp, "w", driver="mpio", comm=self.comm) as f:
+                if self.rank == 0:
+                    self._lock_tmp(tmp)
                 self._fill(f, host, manifest, stored, root_attrs, write_data=self.rank == 0)
                 f.flush()
             if self.rank == 0:
@@ -266,8 +310,9 @@ class CheckpointWriter:
         if self.keep is not None:
             for _, old in list_checkpoints(self.folder)[: -self.keep]:
                 _silent_unlink(old)
-        for leftover in _leftover_temporaries(self.folder):  # of writers killed mid-write
-            _silent_unlink(leftover)
+        for leftover in _leftover_temporaries(self.folder):  # of writers killed mid-write (never a live one's)
+            if leftover != tmp:
+                _unlink_if_unlocked(leftover)
         return None
 
 
@@ -295,6 +340,130 @@ def _leftover_temporaries(folder: Path) -> list[Path]:
     except OSError:
         return []
     return [e for e in entries if TMP_RE.match(e.name) and e.is_file() and not e.is_symlink()]
+
+
+def _job_tag() -> str:
+    """``<job>-<host>`` for a temporary's name: the batch job's id (Slurm, PBS, LSF; ``local`` outside one) and the
+    host, with anything but letters, digits, ``_`` and ``.`` replaced by ``_``."""
+    job = (os.environ.get("SLURM_JOB_ID") or os.environ.get("PBS_JOBID") or os.environ.get("LSB_JOBID")
+           or "local")
+    host = socket.gethostname().split(".")[0] or "host"
+    return re.sub(r"[^A-Za-z0-9_.]", "_", f"{job}") + "-" + re.sub(r"[^A-Za-z0-9_.]", "_", host)
+
+
+_NO_FLOCK = {"said": False}
+
+
+def _flock_unsupported(exc: OSError) -> bool:
+    """True (and a note, once) when ``flock`` is not supported where the checkpoints are (some NFS set-ups)."""
+    if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EBADF, errno.EINVAL):
+        return False
+    if not _NO_FLOCK["said"]:
+        _NO_FLOCK["said"] = True
+        print(f"hpczeco checkpoint: note: the file system does not support flock ({exc.strerror}): the checkpoint "
+              "folder and temporaries are not locked (do not let two jobs share a --ckpt-dir)", file=sys.stderr,
+              flush=True)
+    return True
+
+
+def _lock_fd(path: Path) -> int | None:
+    """A new descriptor of ``path`` holding an exclusive ``flock`` on it (None where flock is not supported)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if _flock_unsupported(exc):
+            return None
+        raise
+    return fd
+
+
+def _unlink_if_unlocked(path: Path) -> None:
+    """Remove the temporary ``path`` only if no process holds it locked (its writer is gone)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return  # a live writer holds it
+            if not _flock_unsupported(exc):
+                return
+        _silent_unlink(path)
+    finally:
+        os.close(fd)
+
+
+class _FolderLock:
+    """The lock of one checkpoint folder, held by this process (shared by its writers; released with the last)."""
+
+    _held: dict[str, _FolderLock] = {}
+    _guard = threading.Lock()
+
+    def __init__(self, key: str, fd: int | None):
+        self.key, self.fd, self.users = key, fd, 0
+
+    @classmethod
+    def acquire(cls, folder: Path) -> _FolderLock:
+        """This process's lock of ``folder`` (taken now, or shared); ``CheckpointError`` naming the holder when
+        another process holds it."""
+        key = os.path.realpath(folder)
+        with cls._guard:
+            lock = cls._held.get(key)
+            if lock is None:
+                lock = cls(key, cls._take(Path(key)))
+                cls._held[key] = lock
+            lock.users += 1
+            return lock
+
+    @staticmethod
+    def _take(folder: Path) -> int | None:
+        path = folder / LOCK_NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if _flock_unsupported(exc):
+                os.close(fd)
+                return None
+            holder = ""
+            try:
+                info = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+                holder = (f" (process {info.get('pid')} on {info.get('host')}, job {info.get('job')}, since "
+                          f"{info.get('since')})")
+            except (OSError, ValueError):
+                pass
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise CheckpointError(f"checkpoint folder {folder} is in use by another live job{holder}: two jobs "
+                                      f"writing one folder would remove each other's files; give this run another "
+                                      f"--ckpt-dir (the lock: {path})") from None
+            raise
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "job": _job_tag().split("-")[0],
+                "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(info).encode(), 0)
+        except OSError:
+            pass  # the lock itself is what counts (a full disk may refuse the few bytes)
+        return fd
+
+    def release(self) -> None:
+        with self._guard:
+            self.users -= 1
+            if self.users > 0:
+                return
+            self._held.pop(self.key, None)
+            if self.fd is not None:
+                try:
+                    os.close(self.fd)
+                except OSError:
+                    pass
+                self.fd = None
 
 
 def _decoded(kinds: Mapping[str, str], stored: Mapping[str, Any]) -> dict[str, Any]:

@@ -67,6 +67,7 @@ from typing import Any
 import numpy as np
 
 from ..base.backend import is_device_array
+from ..base.checks import env_positive_int
 from ..base.packing import packed_backward, packed_forward
 from . import kernels as _kn
 from .validate import check_gla_call, check_varlen_call
@@ -182,10 +183,12 @@ Tick = Callable[[], None]
 def num_threads(units: int) -> int:
     """Worker threads: ``HPCZECO_GLA_THREADS``, else ``OMP_NUM_THREADS``, else the usable cores; at most
     one per (batch, head) sequence. Under MPI with several ranks per node set one of them (e.g. 1)."""
-    for var in ("HPCZECO_GLA_THREADS", "OMP_NUM_THREADS"):
-        env = os.environ.get(var, "").strip()
-        if env.isdigit() and int(env) > 0:
-            return max(1, min(int(env), units))
+    mine = env_positive_int("HPCZECO_GLA_THREADS", os.environ.get("HPCZECO_GLA_THREADS", ""))  # a bad value: error
+    if mine is not None:
+        return max(1, min(mine, units))
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return max(1, min(int(env), units))
     return max(1, min(len(os.sched_getaffinity(0)), units))
 
 
