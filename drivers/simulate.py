@@ -129,8 +129,8 @@ def fit_software(plat: Platform, nbytes: float, K: int, V: int) -> tuple[Platfor
     this platform's links."""
     from dataclasses import replace
 
-    from hpczeco.collectives import costfit
     from hpczeco.collectives import costmodel as cm
+    from hpczeco.drivers import costfit
 
     def at(x: list[float]) -> Platform:
         return replace(plat, send=math.exp(x[0]), call=math.exp(x[1]))
@@ -402,35 +402,44 @@ def _parse_size(text: str) -> int:
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
     from .helpfmt import HelpFormatter, split_doc
+    from .options import as_text, float_range, int_list, int_range, size_bytes
 
     description, epilog = split_doc(__doc__)
     ap = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, formatter_class=HelpFormatter)
-    ap.add_argument("--P", default="8,16,32,64,128,256,512,1024", help="comma list of rank (GPU) counts")
+    ap.add_argument("--P", default="8,16,32,64,128,256,512,1024", type=as_text(int_list(1, 1 << 20)),
+                    help="comma list of rank (GPU) counts")
     ap.add_argument("--topologies", default=",".join(SIM_TOPOLOGIES), help=f"comma list of {','.join(SIM_TOPOLOGIES)}")
-    ap.add_argument("--state-bytes", default="1M", help="state bytes per rank (the paper's layer: 1 MiB)")
-    ap.add_argument("--V", type=int, default=128, help="state columns")
-    ap.add_argument("--itemsize", type=int, default=2, help="bytes per state element (bf16: 2)")
-    ap.add_argument("--K", type=int, default=128, help="largest piece count (rows of one head)")
-    ap.add_argument("--blocks", type=int, default=0,
+    ap.add_argument("--state-bytes", default="1M", type=as_text(size_bytes()),
+                    help="state bytes per rank (the paper's layer: 1 MiB)")
+    ap.add_argument("--V", type=int_range(1), default=128, help="state columns")
+    ap.add_argument("--itemsize", type=int_range(1, 16), default=2, help="bytes per state element (bf16: 2)")
+    ap.add_argument("--K", type=int_range(1), default=128, help="largest piece count (rows of one head)")
+    ap.add_argument("--blocks", type=int_range(0), default=0,
                     help="piece count of ring and ptree (0: the cost model's choice for this platform)")
-    ap.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node, joined by NVLink")
-    ap.add_argument("--nodes-per-leaf", type=int, default=4, help="nodes per leaf switch of the fat tree")
-    ap.add_argument("--nvlink-gbs", type=float, default=450.0, help="NVLink-class GB/s per GPU and direction")
-    ap.add_argument("--ib-gbs", type=float, default=50.0, help="InfiniBand-class GB/s per GPU NIC and direction")
-    ap.add_argument("--nvlink-latency-us", type=float, default=1.0, help="GPU to GPU latency inside a node")
-    ap.add_argument("--ib-latency-us", type=float, default=2.0,
+    ap.add_argument("--gpus-per-node", type=int_range(1), default=8, help="GPUs (ranks) per node, joined by NVLink")
+    ap.add_argument("--nodes-per-leaf", type=int_range(1), default=4, help="nodes per leaf switch of the fat tree")
+    ap.add_argument("--nvlink-gbs", type=float_range(0, lo_open=True), default=450.0,
+                    help="NVLink-class GB/s per GPU and direction")
+    ap.add_argument("--ib-gbs", type=float_range(0, lo_open=True), default=50.0,
+                    help="InfiniBand-class GB/s per GPU NIC and direction")
+    ap.add_argument("--nvlink-latency-us", type=float_range(0), default=1.0, help="GPU to GPU latency inside a node")
+    ap.add_argument("--ib-latency-us", type=float_range(0), default=2.0,
                     help="NIC to NIC through the spine (half of it between nodes of one leaf switch)")
-    ap.add_argument("--oversubscription", type=float, default=1.0, help="leaf uplink oversubscription (1: full)")
+    ap.add_argument("--oversubscription", type=float_range(1), default=1.0,
+                    help="leaf uplink oversubscription (1: full)")
     ap.add_argument("--software", default="paper", choices=["paper", "fixed"],
                     help="per-message launch and per-call cost: fitted to the paper's All-Scan times on this platform "
                          "(paper), or --send-us / --call-us (fixed)")
-    ap.add_argument("--send-us", type=float, default=2.5, help="sender's launch cost per message (--software fixed)")
-    ap.add_argument("--call-us", type=float, default=79.0, help="fixed cost per scan call (--software fixed)")
-    ap.add_argument("--combine-launch-us", type=float, default=2.0, help="fixed cost of one combine (kernel launch)")
-    ap.add_argument("--hbm-tbs", type=float, default=3.0, help="device memory TB/s of the combine")
+    ap.add_argument("--send-us", type=float_range(0), default=2.5,
+                    help="sender's launch cost per message (--software fixed)")
+    ap.add_argument("--call-us", type=float_range(0), default=79.0, help="fixed cost per scan call (--software fixed)")
+    ap.add_argument("--combine-launch-us", type=float_range(0), default=2.0,
+                    help="fixed cost of one combine (kernel launch)")
+    ap.add_argument("--hbm-tbs", type=float_range(0, lo_open=True), default=3.0,
+                    help="device memory TB/s of the combine")
     ap.add_argument("--verify", action="store_true",
                     help="also run ring and ptree with real float64 pieces on a small state and check every rank")
-    ap.add_argument("--jobs", type=int, default=2, help="simulations run at once (processes)")
+    ap.add_argument("--jobs", type=int_range(1, 256), default=2, help="simulations run at once (processes)")
     ap.add_argument("--out", default="runs/simulate", help="output folder")
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
     return ap
@@ -446,7 +455,9 @@ def model_rows(Ps: list[int], nbytes: int, plat: Platform, K: int, V: int, topos
 
 
 def main(argv: list[str] | None = None, prog: str = "hpczeco simulate") -> int:
-    from hpczeco.collectives.costfit import PAPER_TABLE2
+    from hpczeco.drivers.costfit import PAPER_TABLE2
+
+    from .files import check_output_dir
 
     args = build_parser(prog).parse_args(argv)
     try:
@@ -461,6 +472,10 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco simulate") -> int:
     why = simgrid_available()
     if why is not None:
         raise SystemExit(f"{prog}: SimGrid is not available: {why}")
+    try:
+        check_output_dir(args.out, "--out")  # before the simulations, not after them
+    except ValueError as exc:
+        raise SystemExit(f"{prog}: {exc}") from None
     plat = Platform(args.gpus_per_node, args.nodes_per_leaf, args.nvlink_gbs * 1e9, args.ib_gbs * 1e9,
                     args.nvlink_latency_us * 1e-6, args.ib_latency_us * 1e-6, args.oversubscription,
                     args.send_us * 1e-6, args.call_us * 1e-6, args.combine_launch_us * 1e-6, args.hbm_tbs * 1e12)
@@ -470,7 +485,7 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco simulate") -> int:
     K = min(args.K, R)
     software = "fixed (--send-us, --call-us)"
     if args.software == "paper":  # at the paper's state (1 MiB per GPU), whatever --state-bytes simulates
-        from hpczeco.collectives.costfit import PAPER_STATE_BYTES
+        from hpczeco.drivers.costfit import PAPER_STATE_BYTES
 
         plat, rms = fit_software(plat, PAPER_STATE_BYTES, 128, 128)
         software = (f"fitted to the paper's All-Scan column through this platform's ring model (RMS log residual "
@@ -542,7 +557,7 @@ def main(argv: list[str] | None = None, prog: str = "hpczeco simulate") -> int:
 
 def _paper_state(data: dict[str, Any]) -> bool:
     """Whether the simulated state is the paper's (1 MiB per GPU), where its Table 2 compares."""
-    from hpczeco.collectives.costfit import PAPER_STATE_BYTES
+    from hpczeco.drivers.costfit import PAPER_STATE_BYTES
 
     return abs(data["state_bytes"] / PAPER_STATE_BYTES - 1) < 0.01
 

@@ -59,7 +59,7 @@ def test_one_engine_per_process(simgrid_ok):
 
 def test_fit_software_reproduces_the_papers_all_scan():
     from hpczeco.collectives import costmodel as cm
-    from hpczeco.collectives.costfit import PAPER_TABLE2
+    from hpczeco.drivers.costfit import PAPER_TABLE2
 
     plat, rms = simulate.fit_software(simulate.Platform(), 1 << 20, 128, 128)
     assert rms < 0.1 and 1e-7 < plat.send < 1e-4 and 1e-6 < plat.call < 1e-3
