@@ -227,7 +227,8 @@ def _points(runs: list[dict[str, Any]]) -> list[tuple[str, int, float, float]]:
     pts = []
     for run in runs:
         for r in run["results"]:
-            topo = f"{r['topology']}/k={r['blocks']}" if r["topology"] in ("ring", "ptree") else r["topology"]
+            fixed = r["topology"] in ("ring", "ptree") and r.get("blocks") is not None  # None: one whole message
+            topo = f"{r['topology']}/k={r['blocks']}" if fixed else r["topology"]
             pts.append((topo, run["P"], float(r["nbytes"]), float(r["median_s"])))
     return pts
 

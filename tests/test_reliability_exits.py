@@ -227,6 +227,7 @@ def test_one_process_commands_run_once_under_mpiexec(tmp_path):
     out, took, _ = _run([PY, "-m", "hpczeco", "report", "--in", str(inp), "--out", str(tmp_path / "out")], 2)
     assert out.returncode == 0, _text(out)
     assert out.stdout.count("wrote ") == 1, out.stdout
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["report.md", "scan_over_p.png", "scan_sizes.png"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "report.md", "scan_over_p.png", "scan_presets.png", "scan_sizes.png"]
     out, took, _ = _run([PY, "-m", "hpczeco", "report", "--model-max-p", "-5"], 2)
     assert out.returncode == 2 and _text(out).count("argument --model-max-p: must be an integer >= 2") == 1, _text(out)

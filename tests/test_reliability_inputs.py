@@ -232,7 +232,8 @@ def test_report_writes_only_into_out(tmp_path, capsys):
     before = _snapshot(inp)
     assert report.main(["--in", str(inp), "--out", str(tmp_path / "out")]) == 0
     assert _snapshot(inp) == before
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["report.md", "scan_over_p.png", "scan_sizes.png"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "report.md", "scan_over_p.png", "scan_presets.png", "scan_sizes.png"]
     assert "P = 2, 4 (from scan_P2.json, scan_P4.json)" in capsys.readouterr().out
     with pytest.raises(ValueError, match="is the --in folder"):
         report.main(["--in", str(inp), "--out", str(inp)])
@@ -256,7 +257,7 @@ def test_report_bench_goes_to_a_new_folder_and_its_launcher_is_checked_first(tmp
 
     monkeypatch.setattr(report, "check_mpiexec", lambda explicit: "/fake/mpiexec")
     monkeypatch.setattr(report, "run_short_bench", fake_bench)
-    monkeypatch.setattr(report, "write_report", lambda runs, out, max_p: out / "report.md")  # the plots: elsewhere
+    monkeypatch.setattr(report, "write_report", lambda runs, out, max_p, sim: out / "report.md")  # the plots: elsewhere
     for _ in range(2):
         assert report.main(["--in", str(inp), "--out", str(out), "--np", "2,3", "--sizes", "4K,64K"]) == 0
     assert len(launched) == 2 and launched[0] != launched[1]
