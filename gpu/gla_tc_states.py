@@ -109,8 +109,8 @@ def file_kernel_names(file: str, types: tuple[str, ...] = ("bf16", "f16"), kms: 
             for km in kms:
                 if file == "gla_tc_states.cu":
                     names += [walk_name(t, r, f, 2, km) for r in (False, True)]
-                elif file == "gla_fwd_tc.cu":
-                    names += [fwd_name(t, km, f, out) for out in FWD_KERNELS]
+                elif file == "gla_fwd_tc.cu":  # the tiled kernel 3 lives in gla_tc_large.cu
+                    names += [fwd_name(t, km, f, out) for out in FWD_KERNELS if out != 3]
                 elif file == "gla_bwd_tc.cu":
                     names.append(bwd_name(t, km, f))
             if file == "gla_tc_large.cu":

@@ -275,3 +275,22 @@ def test_cupy_runtime_available_compiles_once_per_device_and_keeps_failures(monk
     assert len(builds) == 2 and "NVRTC: stand-in failure" in next(iter(rt.errors.values()))
     dev[0] = 1
     assert rt.available(file, "bf16") and len(builds) == 3
+
+
+def test_every_listed_kernel_is_defined_in_its_file():
+    """Each name expression the runtime compiles a module of a GLA tensor-core file with (NVRTC's name map, one module
+    per file) is a ``__global__`` template of that file, not of another: the emulation builds every file in one
+    translation unit and would not notice (a kernel listed under gla_fwd_tc.cu but defined in gla_tc_large.cu failed
+    every NVRTC build of the tensor-core forward on the H200)."""
+    import re  # noqa: PLC0415
+
+    from hpczeco.gpu import gla_tc_states as st  # noqa: PLC0415
+    from hpczeco.gpu.runtime import kernel_source  # noqa: PLC0415
+
+    for file in st.KERNEL_FILES:
+        src = kernel_source((file,))
+        names = st.file_kernel_names(file)
+        assert names, file
+        missing = [n for n in names if not re.search(r"__global__[^;{]*\b" + re.escape(n.split("<")[0].strip()) + r"\b",
+                                                       src)]
+        assert missing == [], (file, missing)
