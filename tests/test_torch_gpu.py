@@ -196,7 +196,8 @@ def test_one_memory_pool_torch_counts_every_buffer(rng, K, V):
     torch.cuda.reset_peak_memory_stats(dev)
     base = torch.cuda.memory_allocated(dev)
     o, _ = ht.chunk_gla(*ins)
-    assert torch.cuda.memory_allocated(dev) - base >= o.numel() * o.element_size()
+    # the peak, not the current count: the call may free a buffer an earlier call left cached (a [B, H, K, V] state)
+    assert torch.cuda.max_memory_allocated(dev) - base >= o.numel() * o.element_size()
     o.backward(do)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated(dev) - base
