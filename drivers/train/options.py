@@ -130,7 +130,7 @@ def build_parser(prog: str = "hpczeco train") -> argparse.ArgumentParser:
     p.add_argument("--blocks", type=int_range(1), default=None,
                    help="ring pipeline blocks (default: the cost model's)")
     p.add_argument("--chunk-size", type=int_range(1), default=64,
-                   help="GLA chunk length of the ZeCO layer (<= 64 on GPUs; default 64)")
+                   help="GLA chunk length of the ZeCO layer, at most 64 on GPUs (default 64)")
     p.add_argument("--grad-comm", choices=("auto", "nccl", "ipc", "mpi"), default="auto",
                    help="gradient all-reduce: nccl (one GPU per rank), ipc (all ranks on one GPU), mpi (host or "
                    "CUDA-aware); auto picks in that order (default auto)")
