@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 __all__ = [
-    "VOCAB", "iter_corpus_files", "default_corpus_files", "read_corpus", "load_corpus", "corpus_id", "WindowStream",
+    "VOCAB", "iter_corpus_files", "default_corpus_files", "check_text", "read_corpus", "load_corpus", "corpus_id",
+    "WindowStream",
     "slice_bounds",
 ]
 
@@ -74,6 +75,29 @@ def _read_files(files: Iterator[Path], max_bytes: int | None) -> tuple[bytes, in
     return b"".join(parts), len(parts)
 
 
+def check_text(text: str | os.PathLike) -> bool:
+    """Whether ``text`` (a ``--text``) can be read, by what it is, without opening it: True for a folder, False for a
+    regular file or ``-``; a ``ValueError`` naming ``--text`` for anything else (``/dev/zero``, a FIFO, a socket) or a
+    path that is not there."""
+    from .files import kind_of
+
+    text = str(text)
+    if text == "-":
+        return False
+    try:
+        mode = os.stat(text).st_mode
+    except OSError as exc:
+        why = "no such file or folder" if isinstance(exc, FileNotFoundError) else (exc.strerror or str(exc))
+        raise ValueError(f"--text {text}: {why}") from None
+    if stat.S_ISDIR(mode):
+        return True
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"--text: {text} is {kind_of(mode)}, not a regular file or a folder" + (
+            "; pipe it through standard input ('--text -') instead" if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)
+            else ""))
+    return False
+
+
 def read_corpus(text: str | os.PathLike | None = None, max_bytes: int | None = DEFAULT_MAX_BYTES) -> tuple[bytes, str]:
     """``(bytes, description)`` of ``text`` -- a file, ``-`` (standard input), or a folder (its regular files in
     :func:`iter_corpus_files` order, hidden ones skipped) -- or of the default stdlib corpus, cut at ``max_bytes``.
@@ -81,7 +105,7 @@ def read_corpus(text: str | os.PathLike | None = None, max_bytes: int | None = D
     At most ``max_bytes`` bytes are read, whatever a file claims (:func:`hpczeco.drivers.files.read_bounded`); a
     path that is neither a regular file nor a folder (``/dev/zero``, a FIFO, a socket) is refused unopened: a
     ``ValueError`` naming ``--text``."""
-    from .files import kind_of, read_bounded
+    from .files import read_bounded
 
     if max_bytes is not None and max_bytes < 2:
         raise ValueError(f"max_bytes must be at least 2, got {max_bytes}")
@@ -91,21 +115,12 @@ def read_corpus(text: str | os.PathLike | None = None, max_bytes: int | None = D
         if text == "-":
             data = read_bounded("-", limit, "--text", cut=True)
             return data, f"standard input ({len(data)} bytes)"
-        try:
-            mode = os.stat(text).st_mode
-        except OSError as exc:
-            why = "no such file or folder" if isinstance(exc, FileNotFoundError) else (exc.strerror or str(exc))
-            raise ValueError(f"--text {text}: {why}") from None
         path = Path(text)
-        if stat.S_ISDIR(mode):
+        if check_text(text):
             data, n = _read_files(iter_corpus_files(path, suffix=None), max_bytes)
             if not data:
                 raise ValueError(f"--text {text}: the folder holds no readable, non-empty regular file")
             return data, f"{path}/ ({n} files, {len(data)} bytes)"
-        if not stat.S_ISREG(mode):
-            raise ValueError(f"--text: {text} is {kind_of(mode)}, not a regular file or a folder" + (
-                "; pipe it through standard input ('--text -') instead" if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)
-                else ""))
         data = read_bounded(text, limit, "--text", cut=True)
         return data, f"{path} ({len(data)} bytes)"
     data, n = _read_files(iter_corpus_files(), max_bytes)

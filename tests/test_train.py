@@ -529,11 +529,12 @@ def test_a_write_error_later_names_the_path_on_every_rank(comm, shared_dir, text
 _TRAIN = [sys.executable, "-m", "hpczeco", "train"]
 
 
-def _launch_env() -> dict[str, str]:
+def _launch_env(**extra: str) -> dict[str, str]:
     from hpczeco.drivers.mpienv import launch_env
 
     env = launch_env(dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MPIEXEC_TIMEOUT="120"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env.update(extra)
     return env
 
 
@@ -578,6 +579,30 @@ def test_two_live_jobs_cannot_share_a_checkpoint_folder(text_file, tmp_path):
     res = train.run(["--text", text_file, *SMALL, "--steps", str(newest + 1), "--ckpt-dir", str(ck), "--resume"],
                     MPI.COMM_SELF)
     assert res.start_step == newest and sorted(res.losses) == [newest + 1]
+
+
+def test_a_stalled_text_read_ends_the_job_within_the_timeout(text_file, tmp_path):
+    """Rank 0 reads `--text -` from a pipe that nobody writes to (HPCZECO_COLLECTIVE_TIMEOUT=3): rank 1, waiting for
+    the text (a timed broadcast), ends the job naming the phase and rank 0, where it used to wait for ever."""
+    exe = _mpiexec()
+    if exe is None:
+        pytest.skip("needs mpiexec")
+    log = tmp_path / "out.txt"
+    with open(log, "w") as fh:
+        t0 = time.monotonic()
+        proc = subprocess.Popen([exe, "-n", "2", *_TRAIN, "--text", "-", *SMALL, "--steps", "1"], stdin=subprocess.PIPE,
+                                stdout=fh, stderr=subprocess.STDOUT, env=_launch_env(HPCZECO_COLLECTIVE_TIMEOUT="3"))
+        try:
+            status = proc.wait(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(60)
+            proc.stdin.close()
+    text = log.read_text()
+    assert status != 0 and ("hpczeco: rank 1: hpczeco train: the other ranks wait while rank 0 reads the text exceeded "
+                            "the collective timeout of 3 s; still waiting for rank(s) [0]") in text, text
+    print(f"stalled --text read: job ended with status {status} after {time.monotonic() - t0:.1f} s (timeout 3 s)")
 
 
 @pytest.mark.mpi

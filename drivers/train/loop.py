@@ -72,12 +72,12 @@ def run(argv: list[str] | None, comm, prog: str = "hpczeco train", return_params
     """Parse ``argv`` and train on ``comm`` (collective). Returns the same :class:`TrainResult` on every rank
     (``return_params``: with a host copy of the final parameters, by name)."""
     ap, args = parse(argv, comm, prog)
+    outputs = open_outputs(args, comm)  # collective, before any work; holds the --ckpt-dir lock until the run ends
     try:
-        import torch  # noqa: F401
-    except ImportError:
-        raise ValueError("hpczeco train needs PyTorch: pip install torch (or hpczeco[torch])") from None
-    outputs = open_outputs(args, comm)  # collective; holds the --ckpt-dir lock until the run ends
-    try:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise ValueError("hpczeco train needs PyTorch: pip install torch (or hpczeco[torch])") from None
         return _train(ap, args, comm, outputs, argv, return_params)
     finally:
         outputs.close()

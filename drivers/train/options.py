@@ -270,22 +270,26 @@ class Log:
 
 
 def open_outputs(args: argparse.Namespace, comm) -> Outputs:
-    """Check every output path before any work and take the checkpoint folder (collective over ``comm``): the same
-    error on every rank when one is unusable -- a ``ValueError`` for a path (a missing folder, a folder as
-    ``--log``, a file as ``--ckpt-dir``, an unwritable place: :func:`hpczeco.drivers.files.check_output_file` /
-    ``check_output_dir``), a ``CheckpointError`` when another live job holds ``--ckpt-dir``.
+    """Check ``--text`` and every output path before any work and take the checkpoint folder (collective over
+    ``comm``): the same error on every rank when one is unusable -- a ``ValueError`` for a path (a ``--text`` that is
+    a device or a FIFO, :func:`hpczeco.drivers.data.check_text`; a missing folder, a folder as ``--log``, a file as
+    ``--ckpt-dir``, an unwritable place: :func:`hpczeco.drivers.files.check_output_file` / ``check_output_dir``), a
+    ``CheckpointError`` when another live job holds ``--ckpt-dir``.
 
     Only rank 0 writes the log, the plot, ``--bench-json`` and (with asynchronous saves) the checkpoint files, so
     rank 0 checks them, opens ``--log`` for appending and makes a :class:`~hpczeco.drivers.checkpoint.CheckpointWriter`
     of ``--ckpt-dir`` (which locks the folder for as long as it lives), and broadcasts its verdict (honouring the
     collective timeout)."""
     from ..checkpoint import CheckpointError, CheckpointWriter
+    from ..data import check_text
     from ..files import check_output_dir, check_output_file
 
     rank, size = comm.Get_rank(), comm.Get_size()
     out, err = Outputs(), None
     if rank == 0:
         try:
+            if args.text is not None:
+                check_text(args.text)  # by what it is, unopened (rank 0 reads it later, with a bound)
             plot = args.plot or (os.path.splitext(args.log)[0] + ".png" if args.log else None)
             for opt, path in (("--log", args.log), ("--plot", plot), ("--bench-json", args.bench_json)):
                 if path:
