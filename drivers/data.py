@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,8 @@ from pathlib import Path
 import numpy as np
 
 __all__ = [
-    "VOCAB", "iter_corpus_files", "default_corpus_files", "read_corpus", "load_corpus", "corpus_id", "WindowStream",
+    "VOCAB", "iter_corpus_files", "default_corpus_files", "check_text", "read_corpus", "load_corpus", "corpus_id",
+    "WindowStream",
     "slice_bounds",
 ]
 
@@ -55,36 +57,71 @@ def default_corpus_files() -> list[Path]:
 
 
 def _read_files(files: Iterator[Path], max_bytes: int | None) -> tuple[bytes, int]:
+    """The files' bytes concatenated, cut at ``max_bytes``, and how many files went in. Each is read with a bound
+    (:func:`hpczeco.drivers.files.read_bounded`: regular files only, never more than the bytes still wanted); one
+    that cannot be read, or is no longer a regular file, is skipped."""
+    from .files import read_bounded
+
     parts, total = [], 0
     for p in files:
+        if max_bytes is not None and total >= max_bytes:
+            break
         try:
-            b = p.read_bytes()
-        except OSError:
+            b = read_bounded(str(p), 0 if max_bytes is None else max_bytes - total, "--text", cut=True)
+        except (OSError, ValueError):
             continue
         parts.append(b)
         total += len(b)
-        if max_bytes is not None and total >= max_bytes:
-            break
-    data = b"".join(parts)
-    return (data if max_bytes is None else data[:max_bytes]), len(parts)
+    return b"".join(parts), len(parts)
+
+
+def check_text(text: str | os.PathLike) -> bool:
+    """Whether ``text`` (a ``--text``) can be read, by what it is, without opening it: True for a folder, False for a
+    regular file or ``-``; a ``ValueError`` naming ``--text`` for anything else (``/dev/zero``, a FIFO, a socket) or a
+    path that is not there."""
+    from .files import kind_of
+
+    text = str(text)
+    if text == "-":
+        return False
+    try:
+        mode = os.stat(text).st_mode
+    except OSError as exc:
+        why = "no such file or folder" if isinstance(exc, FileNotFoundError) else (exc.strerror or str(exc))
+        raise ValueError(f"--text {text}: {why}") from None
+    if stat.S_ISDIR(mode):
+        return True
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"--text: {text} is {kind_of(mode)}, not a regular file or a folder" + (
+            "; pipe it through standard input ('--text -') instead" if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)
+            else ""))
+    return False
 
 
 def read_corpus(text: str | os.PathLike | None = None, max_bytes: int | None = DEFAULT_MAX_BYTES) -> tuple[bytes, str]:
-    """``(bytes, description)`` of ``text`` -- a file, or a folder (its files in :func:`iter_corpus_files` order,
-    hidden ones skipped) -- or of the default stdlib corpus, cut at ``max_bytes``."""
+    """``(bytes, description)`` of ``text`` -- a file, ``-`` (standard input), or a folder (its regular files in
+    :func:`iter_corpus_files` order, hidden ones skipped) -- or of the default stdlib corpus, cut at ``max_bytes``.
+
+    At most ``max_bytes`` bytes are read, whatever a file claims (:func:`hpczeco.drivers.files.read_bounded`); a
+    path that is neither a regular file nor a folder (``/dev/zero``, a FIFO, a socket) is refused unopened: a
+    ``ValueError`` naming ``--text``."""
+    from .files import read_bounded
+
     if max_bytes is not None and max_bytes < 2:
         raise ValueError(f"max_bytes must be at least 2, got {max_bytes}")
+    limit = 0 if max_bytes is None else max_bytes
     if text is not None:
+        text = str(text)
+        if text == "-":
+            data = read_bounded("-", limit, "--text", cut=True)
+            return data, f"standard input ({len(data)} bytes)"
         path = Path(text)
-        if path.is_dir():
+        if check_text(text):
             data, n = _read_files(iter_corpus_files(path, suffix=None), max_bytes)
             if not data:
-                raise ValueError(f"--text {text}: the folder holds no readable, non-empty file")
+                raise ValueError(f"--text {text}: the folder holds no readable, non-empty regular file")
             return data, f"{path}/ ({n} files, {len(data)} bytes)"
-        if not path.is_file():
-            raise ValueError(f"--text {text}: no such file or folder")
-        with open(path, "rb") as fh:
-            data = fh.read() if max_bytes is None else fh.read(max_bytes)
+        data = read_bounded(text, limit, "--text", cut=True)
         return data, f"{path} ({len(data)} bytes)"
     data, n = _read_files(iter_corpus_files(), max_bytes)
     if not data:
@@ -94,7 +131,8 @@ def read_corpus(text: str | os.PathLike | None = None, max_bytes: int | None = D
 
 def load_corpus(comm=None, text: str | os.PathLike | None = None,
                 max_bytes: int | None = DEFAULT_MAX_BYTES) -> tuple[np.ndarray, str]:
-    """The corpus as uint8 tokens on every rank (collective: rank 0 reads, then ``Bcast``).
+    """The corpus as uint8 tokens on every rank (collective: rank 0 reads, then a broadcast; both waits honour the
+    collective timeout, :mod:`hpczeco.collectives.timed`).
 
     Raises the same ``ValueError`` on every rank if rank 0 cannot read it."""
     rank = 0 if comm is None else comm.Get_rank()
@@ -104,16 +142,19 @@ def load_corpus(comm=None, text: str | os.PathLike | None = None,
         try:
             data, desc = read_corpus(text, max_bytes)
         except (OSError, ValueError) as exc:
-            err = str(exc)
+            err = str(exc) if isinstance(exc, ValueError) else f"--text {text}: {exc.strerror or exc}"
     if size > 1:
-        err, n, desc = comm.bcast((err, len(data), desc), root=0)
+        from hpczeco.collectives import timed
+
+        err, n, desc = timed.bcast(comm, (err, len(data), desc), 0,
+                                   "hpczeco train: the other ranks wait while rank 0 reads the text")
     else:
         n = len(data)
     if err:
         raise ValueError(err)
     tokens = np.frombuffer(data, dtype=np.uint8).copy() if rank == 0 else np.empty(n, dtype=np.uint8)
     if size > 1 and n:
-        comm.Bcast(tokens, root=0)
+        timed.Bcast(comm, tokens, 0, "hpczeco train: the text's broadcast")
     return tokens, desc
 
 

@@ -33,14 +33,17 @@ def kind_of(mode: int) -> str:
     return "not a regular file"
 
 
-def read_bounded(path: str, limit: int, what: str, too_large: str = "") -> bytes:
+def read_bounded(path: str, limit: int, what: str, too_large: str = "", cut: bool = False) -> bytes:
     """The bytes of ``path`` (``-``: standard input, read up to ``limit + 1`` bytes), at most ``limit`` of them
     (0: no limit, for regular files and standard input only).
 
     ``ValueError`` naming ``what`` (e.g. ``"--in scan_P2.json"``) for a path that is not a regular file (checked
     before it is opened), or holds more than ``limit`` bytes (``too_large`` is appended: what to do about it);
-    ``OSError`` (with the path) when it cannot be read."""
+    ``OSError`` (with the path) when it cannot be read. ``cut``: the first ``limit`` bytes of a larger input are
+    returned instead (no more than ``limit`` bytes are read)."""
     if path == "-":
+        if cut and limit:
+            return sys.stdin.buffer.read(limit)
         data = sys.stdin.buffer.read(limit + 1) if limit else sys.stdin.buffer.read()
         if limit and len(data) > limit:
             raise ValueError(f"{what}: standard input holds more than {limit:,} bytes{too_large}")
@@ -54,11 +57,11 @@ def read_bounded(path: str, limit: int, what: str, too_large: str = "") -> bytes
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between the stat and the open
             raise ValueError(f"{what}: {path} is not a regular file")
         size = os.fstat(fd).st_size
-        if limit and size > limit:
+        if limit and size > limit and not cut:
             raise ValueError(f"{what}: {path} has {size:,} bytes, more than {limit:,}{too_large}")
         chunks, total = [], 0
-        want = limit + 1 if limit else size + 1
-        while True:  # a file that grows while it is read is still read to at most limit + 1 bytes
+        want = limit if cut else limit + 1
+        while not limit or total < want:  # a file that grows while it is read is still read to at most want bytes
             piece = os.read(fd, min(1 << 24, want - total) if limit else 1 << 24)
             if not piece:
                 break

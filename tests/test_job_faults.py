@@ -142,7 +142,8 @@ def test_bad_output_path_is_one_clean_error(tmp_path, text_file, where):
     text = _text(out)
     assert out.returncode == 2, text
     assert "Traceback" not in text and "MPI_Abort" not in text, text
-    want = {"missing-folder": "does not exist", "directory": "is a directory", "ckpt-dir-is-a-file": "is not a folder"}
+    want = {"missing-folder": "does not exist", "directory": "is a folder; give a file name",
+            "ckpt-dir-is-a-file": "is not a folder"}
     lines = [ln for ln in text.splitlines() if ln.startswith("hpczeco train: error:")]
     assert len(lines) == 1 and want[where] in lines[0], text
     print(f"bad output path [{where}]: {lines[0]!r}, job ended after {took:.2f} s")

@@ -2,7 +2,7 @@
 bound, outputs checked before the work, `report`'s inputs checked whole and never written, the library's
 ``HPCZECO_*`` settings agreed on every rank (the timeout on by default), one writing job per checkpoint folder.
 The ``mpi`` tests run at every rank count of the suite. The same faults in whole launched jobs:
-test_reliability_exits.py. (``hpczeco train``'s options and memory estimate are tested with train.)"""
+test_reliability_exits.py. (``hpczeco train``'s text, outputs, folder lock and memory estimate: test_train.py.)"""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from hpczeco.drivers import cli, files, options, report
 from hpczeco.drivers.checkpoint import LOCK_NAME, CheckpointError, CheckpointWriter
 from hpczeco.drivers.checkpoint.write import _lock_fd
 
-SUBCOMMANDS = [[name] for name in cli.COMMANDS if name != "train"] + [["bench", name] for name in cli.BENCHES]
+SUBCOMMANDS = [[name] for name in cli.COMMANDS] + [["bench", name] for name in cli.BENCHES]
 
 
 def _parser(argv: list[str]):
@@ -70,6 +70,15 @@ NONSENSE = [
     (["model"], "--link", "1,2,x"),
     (["prefill"], "--threshold", "nan"), (["prefill"], "--budget", "0"), (["prefill"], "--max-tokens", "-1"),
     (["bench", "gla"], "--T", "0"), (["bench", "daaf"], "--threshold", "2"), (["demo"], "--steps", "0"),
+    (["train"], "--blas-threads", "-4"), (["train"], "--blas-threads", "100000"), (["train"], "--print-every", "-1"),
+    (["train"], "--seq", "0"), (["train"], "--seq", "1e400"), (["train"], "--lr", "nan"), (["train"], "--lr", "0"),
+    (["train"], "--min-lr", "2"), (["train"], "--beta2", "1"), (["train"], "--eps", "-1e-8"),
+    (["train"], "--clip", "inf"),
+    (["train"], "--weight-decay", "-0.1"), (["train"], "--peak-tflops", "0"), (["train"], "--corpus-bytes", "0"),
+    (["train"], "--corpus-bytes", "nan"), (["train"], "--d-model", "0"), (["train"], "--d-model", "1e200"),
+    (["train"], "--layers", "-2"), (["train"], "--keep", "0"), (["train"], "--seed", "-1"),
+    (["train"], "--chunk-size", "0"), (["train"], "--bucket-mb", "0"), (["train"], "--steps", "-1"),
+    (["train"], "--ckpt-every", "-3"), (["train"], "--warmup-steps", "-1"), (["train"], "--sp", "-2"),
 ]  # fmt: skip
 
 
@@ -80,7 +89,13 @@ def test_nonsense_options_are_usage_errors(capsys, argv, opt, value):
     ap = _parser(argv)
     extra = ["FILE"] if argv == ["prefill"] else []
     with pytest.raises(SystemExit) as exc:
-        ap.parse_args([*extra, opt, value])
+        if argv == ["train"]:  # its front door: parsed on every rank, a bad option on one ends them all
+            from hpczeco.drivers.train.options import parse
+            from mpi4py import MPI
+
+            parse([opt, value], MPI.COMM_SELF, ap.prog)
+        else:
+            ap.parse_args([*extra, opt, value])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and f"argument {opt}: " in err and "Traceback" not in err, err
 

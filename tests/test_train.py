@@ -5,15 +5,19 @@ layout; checkpoint contents; collective option errors; the memory refusal; the e
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
+import io
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +25,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (the optional 'torch' extra)")
 
+from helpers import agreed_error  # noqa: E402
 from hpczeco.drivers import train  # noqa: E402
 from hpczeco.drivers.checkpoint import CheckpointError, list_checkpoints, load_checkpoint  # noqa: E402
 from hpczeco.drivers.data import WindowStream, read_corpus, slice_bounds  # noqa: E402
@@ -387,17 +392,237 @@ def test_bad_options_end_every_rank_alike(comm, text_file, capsys):
     bad = P - 1
     assert _exit_code(lambda: train.run([*base, "--lr", "-1" if rank == bad else "1e-2"], comm)) == 2
     err = capsys.readouterr().err
-    assert (f"option check: rank {bad}: need --lr > 0" in err) == (rank == 0)
+    assert (f"option check: rank {bad}: argument --lr: must be a finite number > 0, got '-1'" in err) == (rank == 0)
     if P > 1:
         assert _exit_code(lambda: train.run([*base, "--seed", str(rank)], comm)) == 2
         assert ("ranks disagree on argv" in capsys.readouterr().err) == (rank == 0)
-    assert _exit_code(lambda: train.run([*base, "--lr", "nan"], comm)) == 2
-    assert ("--lr must be a finite number" in capsys.readouterr().err) == (rank == 0)
+    for opt, value, want in (("--lr", "nan", "must be a finite number > 0"),
+                             ("--seq", "0", "must be an integer >= 1 and <= 1000000000000"),
+                             ("--blas-threads", "-4", "must be an integer >= 0 and <= 1024"),
+                             ("--print-every", "-1", "must be an integer >= 0")):
+        assert _exit_code(lambda argv=[*base, opt, value]: train.run(argv, comm)) == 2
+        assert (f"argument {opt}: {want}, got '{value}'" in capsys.readouterr().err) == (rank == 0), opt
+    assert _exit_code(lambda: train.run([*base, "--plot", "curve.txt"], comm)) == 2
+    assert ("--plot curve.txt: name a .png, .pdf, .svg file" in capsys.readouterr().err) == (rank == 0)
     with pytest.raises(ValueError, match="--grad-comm nccl needs --device gpu"):
         train.run([*base, "--grad-comm", "nccl"], comm)  # base has --device cpu
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="--device gpu: no CUDA device visible"):
             train.run([*base, "--device", "gpu"], comm)
+
+
+# --------------------------------------------------------------------------------------------- inputs and outputs
+
+
+def test_text_is_read_with_a_bound(tmp_path, monkeypatch):
+    """--text reads at most --corpus-bytes whatever a file claims (a 3 GiB sparse file: its first bytes); in a folder
+    only its regular files, in name order (a FIFO and a link to /dev/zero there are not opened); '-' is standard
+    input, read to the same bound."""
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(b"a" * 100)
+    os.mkfifo(folder / "b.fifo")
+    os.symlink("/dev/zero", folder / "c.zero")
+    (folder / "d.txt").write_bytes(b"d" * 5000)
+    data, desc = read_corpus(folder, 1000)
+    assert data == b"a" * 100 + b"d" * 900 and "(2 files, 1000 bytes)" in desc
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as fh:
+        fh.write(b"xyz")
+        fh.truncate(3 << 30)
+    data, desc = read_corpus(big, 1000)
+    assert data == b"xyz" + bytes(997) and desc.endswith("(1000 bytes)")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"s" * 5000)))
+    assert read_corpus("-", 1000) == (b"s" * 1000, "standard input (1000 bytes)")
+
+
+@pytest.mark.mpi
+def test_text_that_is_not_a_regular_file_is_refused_on_every_rank(comm, shared_dir):
+    """/dev/zero (st_size 0, endless), a FIFO with no writer (opening it blocks), a missing path, a folder with
+    nothing regular in it: the same one-line error on every rank, before the model is built, nothing opened (a hang
+    here is a failure: pytest-timeout)."""
+    fifo, missing, empty = shared_dir / "fifo", shared_dir / "missing", shared_dir / "empty"
+    if comm.Get_rank() == 0:
+        os.mkfifo(fifo)
+        empty.mkdir()
+        os.mkfifo(empty / "fifo")
+        os.symlink("/dev/zero", empty / "zero")
+    comm.Barrier()
+    cases = {"/dev/zero": "--text: /dev/zero is a character device, not a regular file or a folder; pipe it "
+                          "through standard input ('--text -') instead",
+             str(fifo): f"--text: {fifo} is a FIFO (named pipe), not a regular file or a folder; pipe it",
+             str(missing): f"--text {missing}: no such file or folder",
+             str(empty): f"--text {empty}: the folder holds no readable, non-empty regular file"}  # fmt: skip
+    for text, want in cases.items():
+        argv = ["--text", text, *SMALL, "--steps", "1"]
+        msg = agreed_error(comm, lambda argv=argv: train.run(argv, comm), ValueError)
+        assert msg is not None and msg.startswith(want), (text, msg)
+
+
+@pytest.mark.mpi
+def test_outputs_are_checked_before_the_work(comm, shared_dir, text_file):
+    """A log in a missing folder, a folder as --log or --bench-json or --plot, a file as --ckpt-dir: the same error
+    on every rank before any work (nothing made, no checkpoint)."""
+    afile = shared_dir / "afile"
+    if comm.Get_rank() == 0:
+        afile.write_text("x")
+        (shared_dir / "curve.png").mkdir()
+    comm.Barrier()
+    base = ["--text", text_file, *SMALL, "--steps", "1"]
+    missing = shared_dir / "missing"
+    cases = [(["--log", str(missing / "x.jsonl")], f"--log {missing / 'x.jsonl'}: the folder {missing} does not exist"),
+             (["--log", str(shared_dir)], f"--log {shared_dir} is a folder; give a file name"),
+             (["--bench-json", str(shared_dir)], f"--bench-json {shared_dir} is a folder"),
+             (["--log", str(shared_dir / "curve.jsonl")],
+              f"--plot (beside --log) {shared_dir / 'curve.png'} is a folder"),
+             (["--ckpt-dir", str(afile)], f"--ckpt-dir {afile}: it exists and is not a folder")]  # fmt: skip
+    for extra, want in cases:
+        msg = agreed_error(comm, lambda argv=[*base, *extra]: train.run(argv, comm), ValueError)
+        assert msg is not None and want in msg, (extra, msg)
+    assert sorted(p.name for p in shared_dir.iterdir()) == ["afile", "curve.png"]
+
+
+class _FullAfter:
+    """A text file whose writes fail with ENOSPC (a full disk) once ``lines`` lines went in."""
+
+    def __init__(self, path: str, lines: int):
+        self.fh, self.left = open(path, "a"), lines  # noqa: SIM115
+
+    def write(self, text: str) -> int:
+        if self.left <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.left -= text.count("\n")
+        return self.fh.write(text)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+    def close(self) -> None:
+        self.fh.close()
+
+
+@pytest.mark.mpi
+def test_a_write_error_later_names_the_path_on_every_rank(comm, shared_dir, text_file, monkeypatch):
+    """The log's disk fills during the run (rank 0's write of step 3's record fails): every rank stops at the next
+    step with the same error naming --log (it used to be a bare `OSError: [Errno 28]` on rank 0). --bench-json that
+    cannot be written at the end: the same, naming it."""
+    from hpczeco.drivers.train import metrics
+    from hpczeco.drivers.train import options as train_options
+
+    log, bench = shared_dir / "log.jsonl", shared_dir / "b.json"
+    base = ["--text", text_file, *SMALL, "--log", str(log)]
+    if comm.Get_rank() == 0:
+        monkeypatch.setattr(train_options, "open", lambda path, mode: _FullAfter(path, 3), raising=False)
+    msg = agreed_error(comm, lambda: train.run([*base, "--steps", "8"], comm), ValueError)
+    assert msg == f"--log {log}: cannot write the log (No space left on device); training stopped after step 3", msg
+    monkeypatch.undo()
+    if comm.Get_rank() == 0:
+        def no_space(path, obj):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        monkeypatch.setattr(metrics, "write_json", no_space)
+    msg = agreed_error(comm, lambda: train.run([*base, "--steps", "1", "--bench-json", str(bench)], comm),
+                       ValueError)
+    assert msg == f"--bench-json {bench}: cannot write it (No space left on device)", msg
+
+
+_TRAIN = [sys.executable, "-m", "hpczeco", "train"]
+
+
+def _launch_env(**extra: str) -> dict[str, str]:
+    from hpczeco.drivers.mpienv import launch_env
+
+    env = launch_env(dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MPIEXEC_TIMEOUT="120"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+def _mpiexec() -> str | None:
+    local = Path(sys.executable).parent / "mpiexec"
+    return os.environ.get("MPIEXEC") or (str(local) if local.exists() else shutil.which("mpiexec"))
+
+
+def test_two_live_jobs_cannot_share_a_checkpoint_folder(text_file, tmp_path):
+    """A training job (asynchronous saves: rank 0 writes alone) holds --ckpt-dir for its whole run: a second job on
+    the folder, in process and as a 2-rank job, is refused before any work, naming the holder (one line, status 2
+    on every rank); once the holder is gone, the folder resumes from its newest checkpoint."""
+    ck, log = tmp_path / "ck", tmp_path / "holder.jsonl"
+    holder = subprocess.Popen([*_TRAIN, "--text", text_file, *SMALL, "--steps", "1000000", "--ckpt-every", "3",
+                               "--ckpt-async", "on", "--keep", "2", "--ckpt-dir", str(ck), "--log", str(log)],
+                              env=_launch_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and '"event": "checkpoint"' in log.read_text()):  # training, a save done
+            assert holder.poll() is None and time.monotonic() < deadline, holder.stderr.read() if holder.poll() else ""
+            time.sleep(0.2)
+        want = (rf"checkpoint folder {re.escape(os.path.realpath(ck))} is in use by another live job \(process "
+                rf"{holder.pid} on .*\): two jobs writing one folder would remove each other's files; give this run "
+                "another --ckpt-dir")
+        with pytest.raises(CheckpointError, match=want):
+            train.run(["--text", text_file, *SMALL, "--steps", "2", "--ckpt-dir", str(ck)], MPI.COMM_SELF)
+        exe = _mpiexec()
+        if exe is not None:
+            t0 = time.monotonic()
+            out = subprocess.run([exe, "-n", "2", *_TRAIN, "--text", text_file, *SMALL, "--steps", "2", "--ckpt-dir",
+                                  str(ck)], env=_launch_env(), capture_output=True, text=True, timeout=180)
+            lines = [ln for ln in (out.stdout + out.stderr).splitlines() if "error" in ln]
+            assert out.returncode == 2 and len(lines) == 1, out.stdout + out.stderr
+            assert re.search("hpczeco train: error: " + want, lines[0]), lines
+            print(f"second job on a held --ckpt-dir: status 2 after {time.monotonic() - t0:.1f} s: {lines[0]}")
+        assert holder.poll() is None  # still training, undisturbed
+    finally:
+        holder.kill()
+        holder.wait(60)
+        holder.stderr.close()
+    newest = list_checkpoints(ck)[-1][0]
+    res = train.run(["--text", text_file, *SMALL, "--steps", str(newest + 1), "--ckpt-dir", str(ck), "--resume"],
+                    MPI.COMM_SELF)
+    assert res.start_step == newest and sorted(res.losses) == [newest + 1]
+
+
+def test_a_stalled_text_read_ends_the_job_within_the_timeout(text_file, tmp_path):
+    """Rank 0 reads `--text -` from a pipe that nobody writes to (HPCZECO_COLLECTIVE_TIMEOUT=3): rank 1, waiting for
+    the text (a timed broadcast), ends the job naming the phase and rank 0, where it used to wait for ever."""
+    exe = _mpiexec()
+    if exe is None:
+        pytest.skip("needs mpiexec")
+    log = tmp_path / "out.txt"
+    with open(log, "w") as fh:
+        t0 = time.monotonic()
+        proc = subprocess.Popen([exe, "-n", "2", *_TRAIN, "--text", "-", *SMALL, "--steps", "1"], stdin=subprocess.PIPE,
+                                stdout=fh, stderr=subprocess.STDOUT, env=_launch_env(HPCZECO_COLLECTIVE_TIMEOUT="3"))
+        try:
+            status = proc.wait(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(60)
+            proc.stdin.close()
+    text = log.read_text()
+    assert status != 0 and ("hpczeco: rank 1: hpczeco train: the other ranks wait while rank 0 reads the text exceeded "
+                            "the collective timeout of 3 s; still waiting for rank(s) [0]") in text, text
+    print(f"stalled --text read: job ended with status {status} after {time.monotonic() - t0:.1f} s (timeout 3 s)")
+
+
+@pytest.mark.mpi
+def test_the_issues_long_sequence_is_refused_before_any_work(comm):
+    """`mpiexec -n 2 hpczeco train --seq 8000000 --steps 1 --d-model 64` was OOM-killed after 38 s at ~12 GB per
+    rank: now the estimate refuses it before the corpus is read or the model built, the same message on every rank,
+    with the estimate and the limit (on the CPU: this node's available memory shared by its ranks)."""
+    from hpczeco.drivers.train import memory
+
+    P = comm.Get_size()
+    est = estimate(make_config("tiny", d_model=64), tokens=-(-8_000_000 // P), param_bytes=4, compute_bytes=4,
+                   autocast=False, act_ckpt=False)["total"]
+    if est <= min(comm.allgather(memory.limit_bytes("cpu", None, P)[0])):
+        pytest.skip(f"this node has the memory for it ({memory.gib(est)} per rank)")
+    argv = ["--seq", "8000000", "--steps", "1", "--d-model", "64", "--device", "cpu", "--no-progress"]
+    msg = agreed_error(comm, lambda: train.run(argv, comm), ValueError)
+    assert msg is not None and re.fullmatch(
+        rf"estimated memory per rank {re.escape(memory.gib(est))} \(weights .*, activations .*, loss .*\) exceeds the "
+        rf"limit [\d.]+ GiB \(available host memory [\d.]+ GiB( / {P} ranks on this node)?, rank \d+\); use "
+        r"--act-ckpt, a shorter --seq, a smaller --batch, more --sp ranks, or --no-mem-check", msg), msg
 
 
 # --------------------------------------------------------------------------------------------- GPU

@@ -42,6 +42,9 @@ __all__ = ["PREFIXES", "init_optimizer_state", "state_tensors", "expected_arrays
 #: the array groups of a checkpoint: weights, AdamW first and second moments
 PREFIXES = ("params/", "adam/m/", "adam/v/")
 
+#: :class:`Saver`'s default ``writer``: make rank 0's writer there
+NEW_WRITER: Any = object()
+
 
 def init_optimizer_state(opt: torch.optim.Optimizer) -> None:
     """Create AdamW's state (step 0, zero moments) for every parameter now, as ``torch.optim.AdamW`` would at its
@@ -124,10 +127,16 @@ class Saver:
 
     ``save(step, attrs)`` returns the seconds this rank was blocked; ``wait_for_copies()`` must precede the next
     in-place update of the tensors (the optimizer step); ``finish()`` waits for the last write. ``events``
-    collects ``{"event": "checkpoint", ...}`` records (path, write seconds, copy seconds) as writes complete."""
+    collects ``{"event": "checkpoint", ...}`` records (path, write seconds, copy seconds) as writes complete.
+
+    ``writer``: rank 0's one-process :class:`~hpczeco.drivers.checkpoint.CheckpointWriter` of ``folder``, made
+    before any work (it holds the folder's lock; ``hpczeco train`` keeps it for the whole run), passed on every
+    rank (None on the others): the asynchronous saves write through it. By default (:data:`NEW_WRITER`) the
+    writer is made here -- collectively, so a folder that another live job holds is the same ``CheckpointError``
+    on every rank."""
 
     def __init__(self, folder: str | Path, world: Any, tensors: dict[str, torch.Tensor], keep: int,
-                 asynchronous: bool, device: torch.device):
+                 asynchronous: bool, device: torch.device, writer: Any = NEW_WRITER):
         self.folder, self.world, self.tensors, self.keep = Path(folder), world, tensors, keep
         self.rank = world.Get_rank()
         self.asynchronous = asynchronous
@@ -140,7 +149,9 @@ class Saver:
         if not asynchronous:
             self.writer = CheckpointWriter(self.folder, world, keep=keep)
             return
-        self.writer = CheckpointWriter(self.folder, None, keep=keep) if self.rank == 0 else None
+        if writer is NEW_WRITER:
+            writer = _one_process_writer(self.folder, world, keep)
+        self.writer = writer if self.rank == 0 else None
         self.host: dict[str, torch.Tensor] = {}
         if self.rank == 0:
             self._allocate()
@@ -259,3 +270,21 @@ class Saver:
             self._collect()
             self._copied = None
         return self.last_path
+
+
+def _one_process_writer(folder: Path, world: Any, keep: int) -> CheckpointWriter | None:
+    """Rank 0's writer of ``folder`` for asynchronous saves (None elsewhere); collective over ``world``: its
+    ``CheckpointError`` (another live job holds the folder) is raised on every rank."""
+    from hpczeco.collectives import timed
+
+    writer, err = None, None
+    if world.Get_rank() == 0:
+        try:
+            writer = CheckpointWriter(folder, None, keep=keep)
+        except (CheckpointError, ValueError) as exc:
+            err = str(exc)
+    if world.Get_size() > 1:
+        err = timed.bcast(world, err, 0, "checkpoint writer (the folder's lock)")
+    if err:
+        raise CheckpointError(err)
+    return writer

@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ import numpy as np
 from ..checkpoint import load_latest
 from ..data import WindowStream, corpus_id, load_corpus
 from .faults import CHECKPOINT_SIGNAL, Faults, SignalFlag, soak_line
-from .options import open_outputs, parse
+from .options import Outputs, open_outputs, parse
 
 __all__ = ["run", "main", "TrainResult", "lr_at", "set_blas_threads"]
 
@@ -71,21 +72,22 @@ def run(argv: list[str] | None, comm, prog: str = "hpczeco train", return_params
     """Parse ``argv`` and train on ``comm`` (collective). Returns the same :class:`TrainResult` on every rank
     (``return_params``: with a host copy of the final parameters, by name)."""
     ap, args = parse(argv, comm, prog)
+    outputs = open_outputs(args, comm)  # collective, before any work; holds the --ckpt-dir lock until the run ends
     try:
-        import torch  # noqa: F401
-    except ImportError:
-        raise ValueError("hpczeco train needs PyTorch: pip install torch (or hpczeco[torch])") from None
-    log = open_outputs(args, comm)
-    try:
-        return _train(ap, args, comm, log, argv, return_params)
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise ValueError("hpczeco train needs PyTorch: pip install torch (or hpczeco[torch])") from None
+        return _train(ap, args, comm, outputs, argv, return_params)
     finally:
-        if log is not None and not log.closed:
-            log.close()
+        outputs.close()
 
 
-def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any, argv: list[str] | None,
+def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, outputs: Outputs, argv: list[str] | None,
            return_params: bool) -> TrainResult:
     import torch
+    from hpczeco.base.checks import GPU_MAX_CHUNK
+    from hpczeco.collectives import timed
     from hpczeco.collectives.agree import collective_check
 
     from . import memory
@@ -113,13 +115,16 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any
         set_blas_threads(args.blas_threads)
     device = args.device
     if device == "auto":  # gpu when every rank sees one (and the dtype is not float64)
-        device = "gpu" if all(comm.allgather(torch.cuda.is_available())) and args.dtype != "float64" else "cpu"
+        seen = timed.allgather(comm, torch.cuda.is_available(), "hpczeco train --device auto")
+        device = "gpu" if all(seen) and args.dtype != "float64" else "cpu"
     layout = make_layout(comm, args.sp, device)
     dev = layout.device
     dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if dev.type == "cuda" else "float32")
     err = None
     if dtype_name == "float64" and dev.type == "cuda":
         err = ValueError("--dtype float64 runs on the CPU only (hpczeco's GPU GLA kernels have no float64)")
+    elif dev.type == "cuda" and layout.sp > 1 and args.chunk_size > GPU_MAX_CHUNK:
+        err = ValueError(f"--chunk-size {args.chunk_size}: the GPU GLA kernels take at most {GPU_MAX_CHUNK}")
     collective_check(comm, "hpczeco train (precision)", err)
     autocast = dtype_name == "bfloat16"
     param_dtype = torch.float64 if dtype_name == "float64" else torch.float32
@@ -133,7 +138,7 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any
                           autocast=autocast, act_ckpt=args.act_ckpt)
     sharing = layout.gpu_ids.count(layout.gpu_ids[rank]) if layout.gpu_ids else layout.local_size
     limit, what = memory.limit_bytes(dev.type, dev.index, sharing)
-    limits = comm.allgather((limit, what))
+    limits = timed.allgather(comm, (limit, what), "hpczeco train (memory limits)")
     low = min(range(P), key=lambda r: limits[r][0])
     if not args.no_mem_check and est["total"] > limits[low][0]:
         parts = ", ".join(f"{k} {memory.gib(v)}" for k, v in est.items() if k != "total")
@@ -201,7 +206,8 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any
                 f"{was.get('sp', '?')} x {was.get('dp', '?')} -> {layout.sp} x {layout.dp})")
             del arrays
     ckpt_async = args.ckpt_async == "on" or (args.ckpt_async == "auto" and dev.type == "cuda")
-    saver = Saver(args.ckpt_dir, comm, tensors, args.keep, ckpt_async, dev) if args.ckpt_dir else None
+    saver = (Saver(args.ckpt_dir, comm, tensors, args.keep, ckpt_async, dev, writer=outputs.ckpt_holder)
+             if args.ckpt_dir else None)
 
     # ---- what the run prints and logs -------------------------------------------------------------------------
     n_gpus = layout.n_gpus
@@ -221,7 +227,7 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any
     from ..console import compile_notice, warn_oversubscribed
 
     warn_oversubscribed(comm, ap.prog, say)  # collective
-    emit = _emitter(log)
+    emit = outputs.log.write if outputs.log is not None else (lambda rec: None)
     emit({"event": "start", "step": step0, "ranks": P, "layout": layout.to_dict(), "config": config,
           "n_params": n_params, "device": dev.type, "dtype": dtype_name, "grad_comm": grad_comm,
           "memory_estimate": est, "argv": list(argv or [])})
@@ -264,12 +270,15 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any
             share.backward()
             timer.mark("backward")
             faults.here(rank, step)
-            reducer.allreduce(share, stop_flag is not None and stop_flag.raised)
+            log_failed = outputs.log is not None and outputs.log.error is not None  # rank 0's log: a write failed
+            reducer.allreduce(share, stop_flag is not None and stop_flag.raised, log_failed)
             timer.mark("allreduce")
-            loss_t, stop_t = reducer.loss_and_stop()
+            loss_t, stop_t, failed_t = reducer.loss_and_flags()
             gnorm_t = reducer.flat[:reducer.n].norm()
-            loss, gnorm, stop = (float(v) for v in torch.stack([loss_t, gnorm_t, stop_t]).tolist())  # the sync
-            t_sync = time.perf_counter()
+            loss, gnorm, stop, failed = (float(v) for v in torch.stack([loss_t, gnorm_t, stop_t, failed_t]).tolist())
+            t_sync = time.perf_counter()  # (the sync above: the step's one)
+            if failed > 0:
+                raise _output_failed(comm, outputs, step - 1)
             if not math.isfinite(loss) or not math.isfinite(gnorm):
                 raise FloatingPointError(f"loss is {loss} (gradient norm {gnorm}) at step {step}; lower --lr")
             if args.clip and gnorm > args.clip:
@@ -336,46 +345,81 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, log: Any
         if bar is not None:
             bar.close()
         reducer.close()
-    timed = records[args.warmup_steps:] if len(records) > args.warmup_steps else records
-    result.tokens_per_s = float(np.median([r["tokens_per_s"] for r in timed])) if timed else 0.0
+    steady = records[args.warmup_steps:] if len(records) > args.warmup_steps else records
+    result.tokens_per_s = float(np.median([r["tokens_per_s"] for r in steady])) if steady else 0.0
     if return_params:
         result.params = {n: p.detach().to("cpu").numpy().copy() for n, p in model.named_parameters()}
     layout.free()
 
-    # ---- the end: summary line, JSON log, loss curve, benchmark row -------------------------------------------
+    # ---- the end: summary line, JSON log, loss curve, benchmark row (rank 0), then its verdict on every rank -----
     emit({"event": "end", "step": result.step, "loss": loss, "tokens_per_s": result.tokens_per_s,
           "wall_s": result.wall_s, "checkpoint": result.checkpoint, "stopped_by": result.stopped_by})
-    if log is not None:
-        log.close()
-    if rank != 0:
-        return result
-    if not result.losses:
+    errors: list[str] = []
+    if outputs.log is not None:
+        outputs.log.close()
+        if outputs.log.error:
+            errors.append(outputs.log.error)
+    if rank == 0 and not result.losses:
         print(f"hpczeco train: already at step {step0} (--steps {args.steps}); nothing to do", flush=True)
-        return result
-    result.summary = summarise(records, args.warmup_steps, ckpt_events)
-    plot = args.plot or (os.path.splitext(args.log)[0] + ".png" if args.log else None)
-    if plot and plot_losses(_logged_steps(args.log, records), plot,
-                            f"hpczeco train {args.config}, {layout.describe()}, {dtype_name}") and not args.quiet:
-        print(f"  loss curve: {os.path.abspath(plot)}", flush=True)
-    if args.bench_json:
-        bench = {"config": args.config, "n_params": n_params, "layout": layout.to_dict(), "n_gpus": n_gpus,
-                 "device": dev.type, "dtype": dtype_name, "seq": args.seq, "batch": args.batch,
-                 "tokens_per_step": n_tokens, "grad_comm": grad_comm, "act_ckpt": args.act_ckpt,
-                 "compile": args.compile, "topology": args.topology, "peak_flops": peak,
-                 "memory_estimate_bytes": est["total"], "argv": list(argv or []), **result.summary,
-                 "losses": [r["loss"] for r in records]}  # fmt: skip
-        write_json(args.bench_json, bench)
-        print(bench_row(f"{args.config} {layout.describe()} seq {args.seq}", result.summary), flush=True)
-    first, last = result.losses[min(result.losses)], result.losses[max(result.losses)]
-    ckpt = f", checkpoint {result.checkpoint}" if result.checkpoint else ""
-    extra = ""
-    if dev.type == "cuda" and result.summary.get("mfu_median") is not None:
-        s = result.summary
-        extra = (f", {s['tokens_per_s_per_gpu_median']:,.0f} tokens/s/GPU, MFU {100 * s['mfu_median']:.1f} %, "
-                 f"peak {memory.gib(s['peak_memory_bytes'] or 0)}")
-    print(f"hpczeco train: steps {step0 + 1}..{result.step} on {P} rank(s): loss {first:.4f} -> {last:.4f}, "
-          f"{result.tokens_per_s:,.0f} tokens/s (median step){extra}, {result.wall_s:.1f} s{ckpt}", flush=True)
+    elif rank == 0:
+        result.summary = summarise(records, args.warmup_steps, ckpt_events)
+        plot = args.plot or (os.path.splitext(args.log)[0] + ".png" if args.log else None)
+        if plot:
+            title = f"hpczeco train {args.config}, {layout.describe()}, {dtype_name}"
+            made: list[str | None] = []
+            err = _written("--plot", plot,
+                           lambda: made.append(plot_losses(_logged_steps(args.log, records), plot, title)))
+            if err:
+                errors.append(err)
+            elif made and made[0] and not args.quiet:
+                print(f"  loss curve: {os.path.abspath(plot)}", flush=True)
+        if args.bench_json:
+            bench = {"config": args.config, "n_params": n_params, "layout": layout.to_dict(), "n_gpus": n_gpus,
+                     "device": dev.type, "dtype": dtype_name, "seq": args.seq, "batch": args.batch,
+                     "tokens_per_step": n_tokens, "grad_comm": grad_comm, "act_ckpt": args.act_ckpt,
+                     "compile": args.compile, "topology": args.topology, "peak_flops": peak,
+                     "memory_estimate_bytes": est["total"], "argv": list(argv or []), **result.summary,
+                     "losses": [r["loss"] for r in records]}  # fmt: skip
+            err = _written("--bench-json", args.bench_json, lambda: write_json(args.bench_json, bench))
+            if err:
+                errors.append(err)
+            else:
+                print(bench_row(f"{args.config} {layout.describe()} seq {args.seq}", result.summary), flush=True)
+        first, last = result.losses[min(result.losses)], result.losses[max(result.losses)]
+        ckpt = f", checkpoint {result.checkpoint}" if result.checkpoint else ""
+        extra = ""
+        if dev.type == "cuda" and result.summary.get("mfu_median") is not None:
+            s = result.summary
+            extra = (f", {s['tokens_per_s_per_gpu_median']:,.0f} tokens/s/GPU, MFU {100 * s['mfu_median']:.1f} %, "
+                     f"peak {memory.gib(s['peak_memory_bytes'] or 0)}")
+        print(f"hpczeco train: steps {step0 + 1}..{result.step} on {P} rank(s): loss {first:.4f} -> {last:.4f}, "
+              f"{result.tokens_per_s:,.0f} tokens/s (median step){extra}, {result.wall_s:.1f} s{ckpt}", flush=True)
+    error = "; ".join(errors) or None
+    if P > 1:  # the others wait while rank 0 writes its outputs, then end alike
+        error = timed.bcast(comm, error, 0, "hpczeco train: rank 0 writes the log, the loss curve and --bench-json")
+    if error:
+        raise ValueError(error)
     return result
+
+
+def _written(opt: str, path: str, write: Callable[[], Any]) -> str | None:
+    """Run ``write`` (rank 0's output to ``path``); its error as one message naming ``opt`` and the path."""
+    try:
+        write()
+    except (OSError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else f"{type(exc).__name__}: {exc}"
+        return f"{opt} {path}: cannot write it ({why})"
+    return None
+
+
+def _output_failed(comm, outputs: Outputs, step: int) -> ValueError:
+    """Every rank's error after rank 0 could not write its log (collective: its message, broadcast)."""
+    from hpczeco.collectives import timed
+
+    msg = outputs.log.error if outputs.log is not None and outputs.log.error else None
+    if comm.Get_size() > 1:
+        msg = timed.bcast(comm, msg, 0, "hpczeco train: rank 0's output error")
+    return ValueError(f"{msg or 'rank 0 could not write its output'}; training stopped after step {step}")
 
 
 def _logged_steps(log_path: str | None, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -408,15 +452,6 @@ def _progress(rec: dict[str, Any], steps: int) -> str:
     if rec.get("split"):
         line += "  [" + " ".join(f"{k[:4]} {v * 1e3:.0f}" for k, v in rec["split"].items()) + " ms]"
     return line
-
-
-def _emitter(log: Any):
-    def emit(rec: dict[str, Any]) -> None:
-        if log is not None and not log.closed:
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-
-    return emit
 
 
 def set_blas_threads(n: int) -> str:

@@ -6,8 +6,9 @@ such groups share the global batch of ``B`` sequences (data parallel), group ``d
 ``slice_bounds(B, D, d)``. Every rank reads its rows and columns of the same global batch, so the P-rank step
 equals a one-rank step over the whole batch. One GPU per rank: ``local rank % visible GPUs``.
 
-Gradients (:class:`GradReducer`): every parameter's ``.grad`` is a view into one flat buffer (two more slots
-carry the loss share and the "stop" flag), summed over the world once per step, in buckets:
+Gradients (:class:`GradReducer`): every parameter's ``.grad`` is a view into one flat buffer (three more slots
+carry the loss share, the "stop" flag and the "output failed" flag), summed over the world once per step, in
+buckets:
 
 - ``nccl``: ``torch.distributed`` (NCCL) on the GPU buffers, bootstrapped from the MPI world (rank 0 picks a free
   TCP port and broadcasts ``host:port``; ``$MASTER_ADDR`` overrides the host). One rank per GPU only: NCCL
@@ -86,10 +87,13 @@ class Layout:
 def select_device(world: Any, kind: str) -> tuple[torch.device, str, list[str], int]:
     """``(device, description, every rank's GPU id, ranks on this node)`` for ``kind`` "cpu" or "gpu" (collective:
     a rank without a usable GPU raises the same ``ValueError`` on every rank). GPU ``local rank % visible GPUs``."""
+    from hpczeco.collectives import timed
     from hpczeco.collectives.agree import collective_check
+    from hpczeco.collectives.lifeline import guard
     from mpi4py import MPI
 
-    local = world.Split_type(MPI.COMM_TYPE_SHARED)
+    with guard(world, "hpczeco train: the ranks of each node (MPI_Comm_split_type)"):
+        local = world.Split_type(MPI.COMM_TYPE_SHARED)
     lrank, lsize = local.Get_rank(), local.Get_size()
     local.Free()
     if kind == "cpu":
@@ -112,7 +116,7 @@ def select_device(world: Any, kind: str) -> tuple[torch.device, str, list[str], 
         pass
     uuid = getattr(torch.cuda.get_device_properties(dev), "uuid", None)
     ident = str(uuid) if uuid is not None else f"{socket.gethostname()}:{dev}"
-    ids = world.allgather(ident)
+    ids = timed.allgather(world, ident, "hpczeco train: every rank's GPU")
     sharing = ids.count(ident)
     share = f" (shared by {sharing} ranks)" if sharing > 1 else ""
     return torch.device("cuda", dev), f"GPU {dev} of {n}{share}", ids, lsize
@@ -121,9 +125,14 @@ def select_device(world: Any, kind: str) -> tuple[torch.device, str, list[str], 
 def make_layout(world: Any, sp: int, device: str) -> Layout:
     """The SP x DP layout of ``world`` (``sp`` must divide its size; checked by the caller) on ``device``
     ("cpu" or "gpu"). Collective: splits ``world`` into the SP groups (consecutive ranks)."""
+    from hpczeco.collectives.lifeline import guard
+
     rank, size = world.Get_rank(), world.Get_size()
     dp = size // sp
-    sp_comm = world.Split(color=rank // sp, key=rank) if sp > 1 else None
+    sp_comm = None
+    if sp > 1:
+        with guard(world, "hpczeco train: the sequence-parallel groups (MPI_Comm_split)"):
+            sp_comm = world.Split(color=rank // sp, key=rank)
     dev, desc, ids, lsize = select_device(world, device)
     return Layout(world=world, rank=rank, size=size, sp=sp, dp=dp, sp_rank=rank % sp, dp_rank=rank // sp,
                   sp_comm=sp_comm, device=dev, gpu=desc, gpu_ids=ids, local_size=lsize)
@@ -173,8 +182,8 @@ def _host_address() -> str:
 
 
 class GradReducer:
-    """One flat gradient buffer (``params``' dtype) whose views are the parameters' ``.grad``, plus two slots
-    (loss share, stop flag); :meth:`allreduce` sums it over the world (collective).
+    """One flat gradient buffer (``params``' dtype) whose views are the parameters' ``.grad``, plus three slots
+    (loss share, stop flag, output-failed flag); :meth:`allreduce` sums it over the world (collective).
 
     ``kind``: "nccl", "ipc" or "mpi" (resolved, :func:`resolve_grad_comm`); ``bucket_bytes``: the size of the
     pieces that are reduced (and, for staged MPI, copied) one after the other."""
@@ -184,7 +193,7 @@ class GradReducer:
         self.params = params
         dtype, dev = params[0].dtype, params[0].device
         self.n = sum(p.numel() for p in params)
-        total = self.n + 2
+        total = self.n + 3
         self._peer_mem: list[Any] = []
         if kind == "ipc" and layout.size > 1:
             self.flat, self._peers = self._ipc_buffers(total, dtype, dev)
@@ -216,7 +225,9 @@ class GradReducer:
 
         world = self.layout.world
         addr = f"{_host_address()}:{_free_port()}" if self.layout.rank == 0 else None
-        addr = world.bcast(addr, root=0)
+        from hpczeco.collectives import timed
+
+        addr = timed.bcast(world, addr, 0, "hpczeco train: NCCL's address (rank 0's host and port)")
         dist.init_process_group(backend="nccl", init_method=f"tcp://{addr}", rank=self.layout.rank,
                                 world_size=self.layout.size, device_id=self.layout.device)
         return dist.group.WORLD
@@ -231,7 +242,10 @@ class GradReducer:
         cp_dtype = {torch.float32: np.float32, torch.float64: np.float64}[dtype]
         mine = torch.from_dlpack(cupy.ndarray((total,), cp_dtype, cupy.cuda.MemoryPointer(mem, 0)))
         mine.zero_()
-        handles = self.layout.world.allgather(cupy.cuda.runtime.ipcGetMemHandle(mem.ptr))
+        from hpczeco.collectives import timed
+
+        handles = timed.allgather(self.layout.world, cupy.cuda.runtime.ipcGetMemHandle(mem.ptr),
+                                  "hpczeco train: the gradient buffers' CUDA IPC handles")
         views = []
         for r, h in enumerate(handles):
             if r == self.layout.rank:
@@ -248,10 +262,11 @@ class GradReducer:
     def zero(self) -> None:
         self.flat.zero_()
 
-    def allreduce(self, loss_share: torch.Tensor, stop: bool) -> None:
-        """Put the loss share and the stop flag into the last two slots and sum the buffer over the world."""
-        self.flat[-2].copy_(loss_share.detach())
-        self.flat[-1].fill_(1.0 if stop else 0.0)
+    def allreduce(self, loss_share: torch.Tensor, stop: bool, failed: bool = False) -> None:
+        """Put the loss share and the flags into the last three slots and sum the buffer over the world."""
+        self.flat[self.n].copy_(loss_share.detach())
+        self.flat[self.n + 1].fill_(1.0 if stop else 0.0)
+        self.flat[self.n + 2].fill_(1.0 if failed else 0.0)
         if self.layout.size == 1:
             return
         if self.kind == "nccl":
@@ -271,9 +286,10 @@ class GradReducer:
         else:
             self._allreduce_staged()
 
-    def loss_and_stop(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The summed loss (a 0-d tensor on the device) and stop flag (> 0: some rank asked to stop)."""
-        return self.flat[-2], self.flat[-1]
+    def loss_and_flags(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The summed loss (a 0-d tensor on the device), stop flag (> 0: some rank asked to stop) and output-failed
+        flag (> 0: rank 0 could not write its output, e.g. the log)."""
+        return self.flat[self.n], self.flat[self.n + 1], self.flat[self.n + 2]
 
     def _mpi_sum(self, t: torch.Tensor) -> None:
         from hpczeco.collectives import timed
