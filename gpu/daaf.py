@@ -26,9 +26,9 @@ Kernels (``impl``):
   (``"hfa3"``) on compute capability 9.0, else ``"simple"``; float32 or other head dims -> ``"simple"``; not
   compute capability 9.0 -> :data:`AUTO_TC` (``"tc"``); on 9.0 ``daaf_hopper.choose_impl(plan, D=, cc=,
   elem=)`` when that function exists and returns a choice (the window kernel ``"hwin"`` for plans without
-  key regions, ``"hwg3"`` for one span, ``"hws"`` for several), else: no key-region token -> :data:`AUTO_WINDOW`
-  (``"tc2"``), key regions in one span -> the first of :data:`AUTO_HOPPER_ONE_SPAN` that exists for the
-  dtype and D, several spans (or a count the plan does not know) -> the first of
+  key regions, the FA3-design ``"hfa3"`` for key regions: ``daaf_hopper.AUTO_IMPLS``), else: no key-region
+  token -> :data:`AUTO_WINDOW` (``"tc2"``), key regions in one span -> the first of :data:`AUTO_HOPPER_ONE_SPAN`
+  that exists for the dtype and D, several spans (or a count the plan does not know) -> the first of
   :data:`AUTO_HOPPER_SPANS`, with ``sched`` :data:`AUTO_SCHED` (:data:`AUTO_WINDOW` instead, with a warning
   once, when that kernel's sm_90a cubin does not build here).
 

@@ -136,8 +136,9 @@ UNIT_SMEM_BYTES = (64 + 128) * 128 * 2 + 1024  # DH_UNIT_SMEM_BYTES
 WIN_MAX_WINDOW = 128  # DH_WIN_WMAX: the window kernels' band covers local_window <= 128
 #: the kernels :func:`choose_impl` returns: plans without key regions (window <= WIN_MAX_WINDOW), key
 #: regions in one span (e.g. a leading block), and the rest (several spans, or a count the plan does not
-#: know). The fastest of each kind on one H200 (docs/benchmarks/daaf_hopper_design.md, 2026-12-01).
-AUTO_IMPLS = {"window": "hwin", "one_span": "hwg3", "key_regions": "hws"}
+#: know). The fastest of each kind on one H200 (`hpczeco bench gpu-daaf`, 2026-12-03: the FA3-design kernel
+#: ``hfa3`` of :mod:`.daaf_fa3` at 0.61-0.81x FlexAttention with key regions, against 1.07-1.34x for hws/hwg3).
+AUTO_IMPLS = {"window": "hwin", "one_span": "hfa3", "key_regions": "hfa3"}
 
 
 def kernel_name(impl: str, elem: str, D: int) -> str:
@@ -366,13 +367,13 @@ def _prefer_max_shared(rt: Any, name: str, smem: int) -> None:
 def choose_impl(plan: Any, T: int | None = None, D: int = 128, cc: str | int = "90", elem: str = "bf16") -> str | None:
     """The kernel of this module for a plan, from its host metadata only (no device access, no sync).
 
-    ``plan``: anything with ``n_global`` and ``local_window`` (``T`` when ``T`` is None; optional
-    ``n_regions``, the number of key-region spans, None when unknown), e.g. a
-    :class:`hpczeco.gpu.daaf.DevicePlan`; ``cc``: the device's compute capability ("90"); ``elem``: "bf16"
-    or "f16". Plans without key regions and ``local_window <= WIN_MAX_WINDOW`` get :data:`AUTO_IMPLS`
-    ["window"]; key regions in one span ["one_span"]; the others ["key_regions"]; the first of that, "hws",
-    "hwg" that exists for ``elem`` and ``D``. None when no kernel here applies (not compute capability 9.0,
-    no variant for ``elem`` / ``D``, or a window-only plan wider than the window kernels): use gpu/daaf.py's.
+    ``plan``: anything with ``n_global`` and ``local_window`` (``T`` when ``T`` is None; optional ``n_regions``, the
+    number of key-region spans, None when unknown), e.g. a :class:`hpczeco.gpu.daaf.DevicePlan`; ``cc``: the
+    device's compute capability ("90"); ``elem``: "bf16" or "f16". Plans without key regions and ``local_window <=
+    WIN_MAX_WINDOW`` get :data:`AUTO_IMPLS` ["window"]; key regions in one span ["one_span"]; the others
+    ["key_regions"]; the first of that, "hws", "hwg" that exists for ``elem`` and ``D`` (the FA3-design kernels are
+    variants of :mod:`.daaf_fa3`). None when no kernel here applies (not compute capability 9.0, no variant for
+    ``elem`` / ``D``, or a window-only plan wider than the window kernels): use gpu/daaf.py's.
     """
     if str(cc).replace(".", "") != "90":
         return None

@@ -743,6 +743,10 @@ def cph(cp, hopper_sources, monkeypatch):
     rt.compute_capability = "90"
     old_a = gd.RUNTIME.set(rt)
     old_h = dh.RUNTIME.set(_CountingEmu(*hopper_sources[1], cp))
+    # "auto" with the table of the wgmma kernels (hws/hwg3: their emulation is quick); the FA3-design kernel that
+    # "auto" takes for key regions now has its own per-call test (test_hfa3_per_call)
+    monkeypatch.setitem(dh.AUTO_IMPLS, "one_span", "hwg3")
+    monkeypatch.setitem(dh.AUTO_IMPLS, "key_regions", "hws")
     yield cp
     gd.RUNTIME.set(old_a)
     dh.RUNTIME.set(old_h)

@@ -259,19 +259,27 @@ def test_window_kernel_rejects_other_plans(emu, rng):
             emu_attention("hwin", q, k, v, g, W)
 
 
-def test_choose_impl():
+def test_choose_impl(monkeypatch):
     """The auto rule from host metadata: window-only plans -> the window kernel (None when wider than its band:
-    gpu/daaf.py's), one key-region span -> hwg3, several or unknown -> hws; None off Hopper; element types and
-    head dims the preferred kernel lacks fall back to one that has them."""
+    gpu/daaf.py's), key regions -> the FA3-design kernel hfa3 (the fastest measured), and with the former table
+    one span -> hwg3, several or unknown -> hws; None off Hopper; element types and head dims the preferred kernel
+    lacks fall back to one that has them."""
+    from hpczeco.gpu import daaf_fa3 as fa3
+
     plan = SimpleNamespace(n_global=0, local_window=128, T=32768)
     assert dh.choose_impl(plan) == dh.AUTO_IMPLS["window"] == "hwin"
     assert dh.choose_impl(SimpleNamespace(n_global=0, local_window=256, T=32768)) is None
     assert dh.choose_impl(SimpleNamespace(n_global=0, local_window=256, T=100)) == "hwin"  # window clipped to T
+    assert dh.AUTO_IMPLS["one_span"] == "hfa3" and dh.AUTO_IMPLS["key_regions"] == "hfa3"
+    for n_regions in (None, 1, 8):
+        assert dh.choose_impl(SimpleNamespace(n_global=4096, local_window=128, T=32768, n_regions=n_regions)) == "hfa3"
+    monkeypatch.setitem(dh.AUTO_IMPLS, "one_span", "hwg3")
+    monkeypatch.setitem(dh.AUTO_IMPLS, "key_regions", "hws")
     assert dh.choose_impl(SimpleNamespace(n_global=4096, local_window=128, T=32768)) == "hws"  # spans unknown
     assert dh.choose_impl(SimpleNamespace(n_global=4096, local_window=128, T=32768, n_regions=None)) == "hws"
     assert dh.choose_impl(SimpleNamespace(n_global=4096, local_window=128, T=32768, n_regions=1)) == "hwg3"
     assert dh.choose_impl(SimpleNamespace(n_global=4096, local_window=128, T=32768, n_regions=8)) == "hws"
-    assert dh.AUTO_IMPLS["one_span"] == "hwg3" and dh.AUTO_IMPLS["key_regions"] == "hws"
+    monkeypatch.undo()
     assert dh.choose_impl(plan, cc="80") is None and dh.choose_impl(plan, cc=90) == "hwin"
     assert dh.choose_impl(plan, D=96) is None
     for n_global, n_regions in ((0, 0), (8, 1), (8, 3), (8, None)):
@@ -279,9 +287,9 @@ def test_choose_impl():
             for elem in ("bf16", "f16"):
                 impl = dh.choose_impl(SimpleNamespace(n_global=n_global, n_regions=n_regions, local_window=64,
                                                       T=1000), D=D, elem=elem)
-                v = dh.VARIANTS[impl]
+                v = dh.VARIANTS.get(impl) or fa3.VARIANTS[impl]
                 assert elem in v.elems and D in v.dims, (n_global, n_regions, D, elem, impl)
-                assert (v.kind == "win") == (n_global == 0), impl
+                assert (dh.VARIANTS.get(impl) is not None and v.kind == "win") == (n_global == 0), impl
 
 
 # (impl, elem, D, B, H): each variant over the hardest cases; batch and head offsets, both schedules
@@ -490,7 +498,7 @@ def test_bench_device_check_children(tmp_path):
     assert last["check"] == "unit child process" and not last["ok"] and last["detail"].startswith("exit 5, 0 checks")
 
 
-def test_bench_plans_pairs_flex_checks_and_targets(rng, tmp_path):
+def test_bench_plans_pairs_flex_checks_and_targets(rng, tmp_path, monkeypatch):
     """The bench's plans and pair count (its TFLOP/s) equal the reference mask's; the timed outputs' distance to
     Flex becomes checks; the targets summary: best and auto pick per (T, plan) against 0.8 (window) / 1.0 (key
     regions), and the AUTO_IMPLS suggestion."""
@@ -521,6 +529,8 @@ def test_bench_plans_pairs_flex_checks_and_targets(rng, tmp_path):
                 ("w128", "daaf-auto", 0.01), ("w128", "sdpa-flash", 0.5),
                 ("w128+first4096", "daaf-hws/s3", 1.1), ("w128+first4096", "daaf-hwg3/s3", 0.9),
                 ("w128+first4096", "flex", 1.0))]
+    monkeypatch.setitem(dh.AUTO_IMPLS, "one_span", "hws")  # the auto rule these rows time (no hfa3 rows here)
+    monkeypatch.setitem(dh.AUTO_IMPLS, "key_regions", "hws")
     lines = chk.targets(rec, rows)
     assert "MET   target: T=8192 w128: best daaf-hwin/s3 0.050 ms = 0.50 x Flex (target <= 0.8)" in lines
     assert "MISS  target: T=8192 w128+first4096: auto=hws daaf-hws/s3 1.100 ms = 1.10 x Flex (target <= 1.0, " \
