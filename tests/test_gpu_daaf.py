@@ -268,14 +268,19 @@ FAULTS = Path(__file__).resolve().parent / "daaf_hopper_faults.cu"
 @pytest.fixture(scope="module")
 def hopper_emu(emu):
     """The Hopper kernels on the CPU emulation behind gpu/daaf.py's wrappers, on a device that says compute
-    capability 9.0 (the same build as tests/test_daaf_hopper_emu.py's, so the compiled library is shared)."""
+    capability 9.0 (the same build as tests/test_daaf_hopper_emu.py's, so the compiled library is shared); "auto"
+    with the table of these wgmma kernels (the FA3-design kernel it takes for key regions by default is emulated
+    in tests/test_daaf_fa3_emu.py)."""
     from hpczeco.gpu import daaf_hopper as dh
 
     hrt = gemu.EmuRuntime(dh.KERNELS.source() + "\n" + FAULTS.read_text(), [*dh.GROUPS, "daaf_wgmma_fault_check"])
     old = dh.RUNTIME.set(hrt)
+    old_auto = dict(dh.AUTO_IMPLS)
+    dh.AUTO_IMPLS.update(one_span="hwg3", key_regions="hws")
     emu.compute_capability = "90"
     yield hrt
     del emu.compute_capability
+    dh.AUTO_IMPLS.update(old_auto)
     dh.RUNTIME.set(old)
 
 
