@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import re
+import sys
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,7 +28,9 @@ __all__ = [
     "fake_cupy",
     "gla_inputs",
     "install_numpy_cupy",
+    "job_env",
     "log_gates",
+    "mpiexec_command",
     "rel",
     "rel_max",
     "use_local_gpu",
@@ -218,3 +222,36 @@ def install_numpy_cupy() -> Any:
     checks.start_value_flags = start_value_flags
     checks.value_flags = lambda arrays: start_value_flags(arrays).result()
     return cp
+
+
+# --------------------------------------------------------------------------------------------- whole jobs
+
+
+def mpiexec_command() -> str:
+    """The launcher of the job tests: ``$HPCZECO_TEST_MPIEXEC``, ``$MPIEXEC`` (make's), the venv's, or ``mpiexec``."""
+    for var in ("HPCZECO_TEST_MPIEXEC", "MPIEXEC"):
+        if os.environ.get(var):
+            return os.environ[var]
+    local = Path(sys.executable).parent / "mpiexec"
+    return str(local) if local.exists() else "mpiexec"
+
+
+def job_env(job_limit_s: float | None = None, keep_settings: bool = False, **extra: str) -> dict[str, str]:
+    """The environment of a job a test launches: the oversubscription / run-as-root settings of
+    :func:`hpczeco.drivers.mpienv.launch_env`, one BLAS thread, ``MPIEXEC_TIMEOUT`` (the launcher ends a hung job)
+    when ``job_limit_s`` is given, no ``HPCZECO_*`` setting of the caller's (the tests' own ``HPCZECO_TEST_*``
+    stay; ``keep_settings`` keeps them all), the repository first on ``PYTHONPATH``, then ``extra``."""
+    from hpczeco.drivers.mpienv import launch_env  # noqa: PLC0415
+
+    env = launch_env()
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if job_limit_s is not None:
+        env["MPIEXEC_TIMEOUT"] = str(int(job_limit_s))
+    if not keep_settings:
+        for k in [k for k in env if k.startswith("HPCZECO_") and not k.startswith("HPCZECO_TEST_")]:
+            env.pop(k)
+    repo = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env

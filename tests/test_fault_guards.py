@@ -290,7 +290,7 @@ def test_train_rejects_non_finite_options(capsys, opt, value):
 
     with pytest.raises(SystemExit) as exc:
         run([opt, value, "--steps", "1"], MPI.COMM_SELF)
-    assert exc.value.code == 2 and f"{opt} must be a finite number" in capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument {opt}: must be a finite number" in capsys.readouterr().err
 
 
 def test_cli_one_rank_reports_errors(tmp_path, capsys, monkeypatch):

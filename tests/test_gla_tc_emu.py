@@ -66,7 +66,7 @@ CASES = [  # B, T, H, K, V, strong, nc, f32 states, state walk (K or V above 128
     pytest.param(1, 70, 2, 32, 48, True, 1, False, 1, id="walk1-T70-K32-V48-strong-2seg"),
     pytest.param(1, 66, 1, 48, 128, False, None, True, 1, id="walk1-T66-K48-V128-f32states"),
     pytest.param(1, 70, 1, 256, 512, False, 1, False, 2, id="large-T70-K256-V512-2seg"),
-    pytest.param(1, 131, 2, 128, 256, True, 2, False, 2, id="large-T131-K128-V256-strong-2seg"),
+    pytest.param(1, 70, 2, 128, 256, True, 1, False, 2, id="large-T70-K128-V256-strong-2seg"),
     pytest.param(1, 66, 1, 256, 64, True, None, True, 2, id="large-T66-K256-V64-strong-f32states"),
     pytest.param(2, 40, 1, 208, 144, False, None, False, 2, id="large-T40-K208-V144-partial-tiles"),
     pytest.param(1, 100, 1, 48, 272, True, 1, False, 1, id="large-walk1-T100-K48-V272-strong-2seg"),
@@ -429,7 +429,7 @@ def test_public_backward_reuses_the_forward_chunk_states(gla_emu, rng):
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("H,K,V", [(2, 32, 48), (1, 256, 144)], ids=["K32-V48", "large-K256-V144"])
+@pytest.mark.parametrize("H,K,V", [(2, 32, 48), (1, 144, 144)], ids=["K32-V48", "large-K144-V144"])
 def test_zeco_device_split_adapters_compose_over_two_slices(gla_emu, rng, H, K, V):
     """hpczeco.gla's device split adapters (what ZeCOGLA runs on CuPy arrays) on two slices as two ranks: the
     forward's chunk states go to the backward, and the pieces equal the float64 recurrence of the whole."""
@@ -460,8 +460,8 @@ def test_packed_documents_on_large_heads(gla_emu, rng):
     alone (an empty document, partial chunks)."""
     from hpczeco.gpu import gla_varlen  # noqa: PLC0415
 
-    T, H, K, V = 150, 1, 144, 160
-    cu = np.array([0, 37, 37, 101, 150])
+    T, H, K, V = 110, 1, 144, 160
+    cu = np.array([0, 37, 37, 80, 110])
     N = len(cu) - 1
     bits, xs, _, _ = _inputs(rng, 1, T, H, K, V, strong=True)
     h0 = rng.standard_normal((N, H, K, V)).astype(np.float32)

@@ -21,6 +21,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from helpers import job_env, mpiexec_command
 from hpczeco.drivers.checkpoint import LOCK_NAME, CheckpointWriter, array_sha256, list_checkpoints, load_checkpoint
 from hpczeco.drivers.data import read_corpus
 
@@ -31,34 +32,15 @@ JOB_LIMIT_S = 90
 SUBPROCESS_LIMIT_S = 150
 
 
-def _mpiexec() -> str:
-    for var in ("HPCZECO_TEST_MPIEXEC", "MPIEXEC"):
-        if os.environ.get(var):
-            return os.environ[var]
-    local = Path(PY).parent / "mpiexec"
-    return str(local) if local.exists() else "mpiexec"
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("HYDRA_LAUNCHER", "fork")
-    env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "true")
-    env.setdefault("OPENBLAS_NUM_THREADS", "1")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    env["MPIEXEC_TIMEOUT"] = str(JOB_LIMIT_S)
-    for k in ("HPCZECO_COLLECTIVE_TIMEOUT", "HPCZECO_FAULT_KILL", "HPCZECO_FAULT_CKPT", "HPCZECO_FAULT_STOP",
-              "HPCZECO_FAULT_RAISE", "HPCZECO_SOAK_REPORT", "HPCZECO_TRACEBACK"):
-        env.pop(k, None)
-    env.update(extra)
-    return env
+    return job_env(JOB_LIMIT_S, **extra)
 
 
 def _run(cmd: list[str], n: int | None = None, **env: str) -> tuple[subprocess.CompletedProcess, float, float]:
     """Run ``cmd`` (under ``mpiexec -n n`` when ``n``); returns (result, wall seconds, end time)."""
-    full = [_mpiexec(), "-n", str(n), *cmd] if n else cmd
+    full = [mpiexec_command(), "-n", str(n), *cmd] if n else cmd
     t0 = time.monotonic()
     out = subprocess.run(full, env=_env(**env), capture_output=True, text=True, timeout=SUBPROCESS_LIMIT_S)
     return out, time.monotonic() - t0, time.time()

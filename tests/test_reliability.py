@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import job_env, mpiexec_command
 from hpczeco.drivers.checkpoint import FAULT_EXIT_CODE, list_checkpoints, load_checkpoint, load_latest
 from hpczeco.drivers.data import read_corpus
 
@@ -21,23 +22,10 @@ HERE = Path(__file__).parent
 PY = sys.executable
 
 
-def _mpiexec() -> str:
-    if os.environ.get("MPIEXEC"):
-        return os.environ["MPIEXEC"]
-    local = Path(PY).parent / "mpiexec"
-    return str(local) if local.exists() else "mpiexec"
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("HYDRA_LAUNCHER", "fork")
-    env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "true")
-    env.setdefault("OPENBLAS_NUM_THREADS", "1")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    for k in ("HPCZECO_COLLECTIVE_TIMEOUT", "HPCZECO_FAULT_KILL", "HPCZECO_FAULT_CKPT", "HPCZECO_SOAK_REPORT"):
-        env.pop(k, None)
-    env.update(extra)
-    return env
+    return job_env(**extra)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +48,7 @@ def test_stalled_peer_aborts_with_message(mode, op, silent):
     non-zero within the timeout + a few seconds, and stderr names the operation and the silent rank."""
     timeout = 2.0
     t0 = time.monotonic()
-    out = subprocess.run([_mpiexec(), "-n", "3", PY, str(HERE / "reliability" / "stall.py"), mode, str(timeout)],
+    out = subprocess.run([mpiexec_command(), "-n", "3", PY, str(HERE / "reliability" / "stall.py"), mode, str(timeout)],
                          env=_env(), capture_output=True, text=True, timeout=60)
     took = time.monotonic() - t0
     text = out.stdout + out.stderr
@@ -78,7 +66,7 @@ TRAIN = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq", "512", "--
 
 
 def _train_cmd(n: int, text_file: str, ckpt: Path, *extra: str) -> list[str]:
-    return [_mpiexec(), "-n", str(n), PY, "-m", "hpczeco", "train", "--text", text_file, *TRAIN,
+    return [mpiexec_command(), "-n", str(n), PY, "-m", "hpczeco", "train", "--text", text_file, *TRAIN,
             "--ckpt-dir", str(ckpt), *extra]  # fmt: skip
 
 
@@ -164,7 +152,7 @@ SOAK_STEPS = int(os.environ.get("HPCZECO_SOAK_STEPS", "500"))  # the issue asks 
 def test_soak_no_growth(tmp_path, text_file):
     """4 ranks, SOAK_STEPS tiny training steps: on every rank VmRSS grows < 5 % between step 20 and the
     end, and the scan handles in flight, buffers pooled and pooled bytes are the same at both points."""
-    cmd = [_mpiexec(), "-n", "4", PY, "-m", "hpczeco", "train", "--text", text_file, "--d-model", "16",
+    cmd = [mpiexec_command(), "-n", "4", PY, "-m", "hpczeco", "train", "--text", text_file, "--d-model", "16",
            "--layers", "1", "--heads", "1", "--seq", "256", "--steps", str(SOAK_STEPS), "--no-progress",
            "--quiet"]  # fmt: skip
     t0 = time.monotonic()

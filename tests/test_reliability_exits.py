@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import job_env, mpiexec_command
 
 HERE = Path(__file__).parent
 PY = sys.executable
@@ -28,35 +29,15 @@ JOB_LIMIT_S = 90
 SUBPROCESS_LIMIT_S = 150
 
 
-def _mpiexec() -> str:
-    for var in ("HPCZECO_TEST_MPIEXEC", "MPIEXEC"):
-        if os.environ.get(var):
-            return os.environ[var]
-    local = Path(PY).parent / "mpiexec"
-    return str(local) if local.exists() else "mpiexec"
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("HYDRA_LAUNCHER", "fork")
-    env.setdefault("MPIR_CVAR_CH4_PROGRESS_THROTTLE", "true")
-    env.setdefault("OPENBLAS_NUM_THREADS", "1")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    env["MPIEXEC_TIMEOUT"] = str(JOB_LIMIT_S)
-    for k in list(env):
-        if k.startswith("HPCZECO_") and k not in ("HPCZECO_TEST_MPIEXEC",):
-            env.pop(k)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
-    env.update(extra)
-    return env
+    return job_env(JOB_LIMIT_S, **extra)
 
 
 def _run(cmd: list[str], n: int | None = None, **env: str) -> tuple[subprocess.CompletedProcess, float, float]:
     """Run ``cmd`` (under ``mpiexec -n n`` when ``n``); returns (result, wall seconds, end time)."""
-    full = [_mpiexec(), "-n", str(n), *cmd] if n else cmd
+    full = [mpiexec_command(), "-n", str(n), *cmd] if n else cmd
     t0 = time.monotonic()
     out = subprocess.run(full, env=_env(**env), capture_output=True, text=True, timeout=SUBPROCESS_LIMIT_S)
     return out, time.monotonic() - t0, time.time()
@@ -177,7 +158,7 @@ def test_bad_settings_are_one_error_on_every_rank(case):
     on the CPU and echoed by info), or HPCZECO_TRANSPORT different per rank: one line, status 2 on every rank."""
     cmd = [PY, "-m", "hpczeco", "info"]
     if case == "transport-differs":
-        full = [_mpiexec(), "-n", "1", "env", "HPCZECO_TRANSPORT=staged", *cmd, ":", "-n", "1", "env",
+        full = [mpiexec_command(), "-n", "1", "env", "HPCZECO_TRANSPORT=staged", *cmd, ":", "-n", "1", "env",
                 "HPCZECO_TRANSPORT=nccl", *cmd]
         t0 = time.monotonic()
         out = subprocess.run(full, env=_env(), capture_output=True, text=True, timeout=SUBPROCESS_LIMIT_S)
