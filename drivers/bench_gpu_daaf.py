@@ -69,7 +69,7 @@ MODELS = {  # the TTFT models (--models) and their shapes
 }
 DEFAULT_IMPLS = "auto,tc2,hwg,hwg64,hwg3,hfa2,hws,hfa3,hfa3p,hfa3s3"
 #: x FlexAttention aimed for (issue 32): window alone; key regions at 8k; key regions from 32k on
-TARGET_VS_FLEX = {"window": 0.4, "key_regions_8k": 0.75, "key_regions": 0.7}
+TARGET_VS_FLEX = gpu_daaf_checks.TARGET_VS_FLEX  # the issue's targets, one table
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -343,8 +343,7 @@ def _timings_at(rec, impls: list[str], scheds: list[int], T: int, reps: int, H: 
         for row in rows.values():
             if "flex" in rows and row["method"] != "flex":
                 row["vs_flex"] = row["median_ms"] / rows["flex"]["median_ms"]  # < 1: faster than Flex
-                row["target_vs_flex"] = TARGET_VS_FLEX["window" if not row["n_global"] else
-                                                       "key_regions_8k" if T <= 8192 else "key_regions"]
+                row["target_vs_flex"] = gpu_daaf_checks.target_vs_flex(T, bool(row["n_global"]))
             rec.record(row)
 
 

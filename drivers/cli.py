@@ -26,7 +26,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("hpczeco.drivers.info", "MPI library, CUDA-awareness, GPUs, transports, HDF5 mode, ranks"),
     "demo": ("hpczeco.drivers.demo", "short multi-rank demo of ZeCO GLA (run it under mpiexec)"),
-    "train": ("hpczeco.drivers.train", "train a small GLA language model with ZeCO sequence parallelism"),
+    "train": ("hpczeco.drivers.train", "train a GLA language model (PyTorch) with ZeCO sequence x data parallelism"),
     "prefill": ("hpczeco.drivers.prefill", "DAAF prefill of a text file: plan summary and time to first token"),
     "model": ("hpczeco.drivers.model", "cost model: All-Scan vs tree vs allgather time for any P and link"),
     "report": ("hpczeco.drivers.report", "Markdown report with plots of ring vs tree vs baselines"),

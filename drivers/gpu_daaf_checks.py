@@ -346,14 +346,30 @@ def auto_pick(layout: str, T: int, dim: int, window: int = 128) -> str | None:
     return dh.choose_impl(SimpleNamespace(n_global=int(g.sum()), local_window=window, T=T), D=dim)
 
 
+#: kernel time over FlexAttention's (same process, same mask): the window alone, key regions at T <= 8192, longer
+TARGET_VS_FLEX = {"window": 0.4, "key_regions_8k": 0.75, "key_regions": 0.7}
+#: the moonshot with key regions
+MOONSHOT_VS_FLEX = 0.6
+
+
+def target_vs_flex(T: int, key_regions: bool) -> float:
+    """The target of :data:`TARGET_VS_FLEX` for a plan of ``T`` tokens with or without key regions."""
+    if not key_regions:
+        return TARGET_VS_FLEX["window"]
+    return TARGET_VS_FLEX["key_regions_8k" if T <= 8192 else "key_regions"]
+
+
 def targets(rec: Any, rows: list[dict], dim: int = 128) -> list[str]:
     """The targets per (T, plan) for the best DAAF kernel timed and for the auto rule's pick, MET or MISS:
-    kernel / Flex <= 1.0 with key regions (moonshot 0.7), <= 0.8 for the window alone; then the ``AUTO_IMPLS`` the
+    kernel / Flex within :func:`target_vs_flex` (moonshot :data:`MOONSHOT_VS_FLEX` with key regions); then the
+    ``AUTO_IMPLS`` the
     run suggests (per plan kind, the Hopper kernel with the lowest geometric-mean ratio to Flex over the T it was
     timed at). Rows: the bench's ``timings`` (``method`` "flex" or "daaf-IMPL[/sS]"); "daaf-auto" is a pick, not a
     kernel. Records ``target`` / ``suggest`` rows in ``rec``'s ``targets`` table and returns the lines."""
+    from hpczeco.gpu import daaf_fa3  # noqa: PLC0415
     from hpczeco.gpu import daaf_hopper as dh  # noqa: PLC0415
 
+    hopper_kernels = (*dh.IMPLS, *daaf_fa3.IMPLS)  # the kernels AUTO_IMPLS may name
     ratios: dict[tuple[str, str], list[float]] = {}
     lines: list[str] = []
 
@@ -372,10 +388,10 @@ def targets(rec: Any, rows: list[dict], dim: int = 128) -> list[str]:
         tf = flex[0]["median_ms"]
         kind = "window" if layout == "w128" else "key_regions"
         for r in ours:
-            if _kernel(r["method"]) in dh.IMPLS:
+            if _kernel(r["method"]) in hopper_kernels:
                 ratios.setdefault((kind, r["method"]), []).append(r["median_ms"] / tf)
-        tol = 0.8 if layout == "w128" else 1.0
-        moon = ", moonshot 0.7" if tol == 1.0 else ""
+        tol = target_vs_flex(T, kind == "key_regions")
+        moon = f", moonshot {MOONSHOT_VS_FLEX}" if kind == "key_regions" else ""
         best = min(ours, key=lambda r: r["median_ms"])
         pick = auto_pick(layout, T, dim)
         picked = sorted((r for r in ours if _kernel(r["method"]) == pick), key=lambda r: r["median_ms"])
@@ -387,7 +403,7 @@ def targets(rec: Any, rows: list[dict], dim: int = 128) -> list[str]:
             say(f"{'MET ' if ratio <= tol else 'MISS'}  target: T={T} {layout}: {label} {r['method']} "
                 f"{r['median_ms']:.3f} ms = {ratio:.2f} x Flex (target <= {tol}{moon})",
                 {"T": T, "plan": layout, "which": label, "method": r["method"], "ratio": ratio, "met": ratio <= tol,
-                 "moonshot": tol == 1.0 and ratio <= 0.7})
+                 "moonshot": kind == "key_regions" and ratio <= MOONSHOT_VS_FLEX})
     for kind in ("window", "key_regions"):
         n = max((len(v) for (k, _), v in ratios.items() if k == kind), default=0)
         cand = {m: float(np.exp(np.mean(np.log(v)))) for (k, m), v in ratios.items() if k == kind and len(v) == n}

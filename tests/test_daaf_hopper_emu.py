@@ -532,11 +532,11 @@ def test_bench_plans_pairs_flex_checks_and_targets(rng, tmp_path, monkeypatch):
     monkeypatch.setitem(dh.AUTO_IMPLS, "one_span", "hws")  # the auto rule these rows time (no hfa3 rows here)
     monkeypatch.setitem(dh.AUTO_IMPLS, "key_regions", "hws")
     lines = chk.targets(rec, rows)
-    assert "MET   target: T=8192 w128: best daaf-hwin/s3 0.050 ms = 0.50 x Flex (target <= 0.8)" in lines
-    assert "MISS  target: T=8192 w128+first4096: auto=hws daaf-hws/s3 1.100 ms = 1.10 x Flex (target <= 1.0, " \
-           "moonshot 0.7)" in lines
-    assert "MET   target: T=32768 w128+first4096: best daaf-hwg3/s3 1.800 ms = 0.90 x Flex (target <= 1.0, " \
-           "moonshot 0.7)" in lines
+    assert "MISS  target: T=8192 w128: best daaf-hwin/s3 0.050 ms = 0.50 x Flex (target <= 0.4)" in lines
+    assert "MISS  target: T=8192 w128+first4096: auto=hws daaf-hws/s3 1.100 ms = 1.10 x Flex (target <= 0.75, " \
+           "moonshot 0.6)" in lines
+    assert "MISS  target: T=32768 w128+first4096: best daaf-hwg3/s3 1.800 ms = 0.90 x Flex (target <= 0.7, " \
+           "moonshot 0.6)" in lines
     sugg = {r["plan_kind"]: r["suggest"] for r in rec.tables["targets"] if "suggest" in r}
     assert sugg == {"window": "daaf-hwin/s3", "key_regions": "daaf-hwg3/s3"}
 

@@ -19,7 +19,7 @@ preallocated once (pinned on CUDA; the copies are queued on a side stream after 
 computing the next forward and backward; only the next optimizer step waits for them, on the GPU), then a
 background thread writes the file (:class:`~hpczeco.drivers.checkpoint.CheckpointWriter` of one process) while
 training goes on. A write's error reaches every rank, as the same ``CheckpointError``, at the next save or at the
-end. Synchronous (``--no-ckpt-async``, the default on CPUs): every rank passes the arrays to the collective
+end. Synchronous (``--ckpt-async off``, the default on CPUs): every rank passes the arrays to the collective
 writer (parallel HDF5 where h5py has it; every rank's checksums compared), as before.
 """
 

@@ -10,12 +10,13 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from hpczeco.collectives.names import TOPOLOGIES  # the scan's one list of names
+
 from ..options import float_range, int_range, size_bytes
 from .config import CONFIGS, make_config
 
 __all__ = ["TOPOLOGIES", "build_parser", "check_args", "parse", "Outputs", "open_outputs", "DESCRIPTION"]
 
-TOPOLOGIES = ("ring", "tree", "allgather", "serial", "exscan", "auto")
 
 #: upper bounds of the shape options: far beyond any model one trains, low enough that the memory estimate stays a
 #: float (a width of 1e200 would overflow it) -- the estimate is what refuses a shape that does not fit
