@@ -209,6 +209,16 @@ def test_help():
     assert "mpiexec -n 4 hpczeco train --sp 2 --batch 2" in out.stdout  # the examples of the description
 
 
+def test_compile_is_auto_on_off_and_a_bare_flag_means_on():
+    from hpczeco.drivers.train.options import build_parser
+
+    p = build_parser()
+    got = [p.parse_args(a).compile for a in ([], ["--compile"], ["--compile", "off"], ["--compile", "--steps", "3"])]
+    assert got == ["auto", "on", "off", "on"]
+    with pytest.raises(Exception, match="--compile: choose auto, on or off, not 'maybe'"):
+        p.parse_args(["--compile", "maybe"])
+
+
 def test_loss_falls_log_and_plot(text_file, tmp_path, capsys):
     log = tmp_path / "train.jsonl"
     res = train.run(["--text", text_file, *SMALL, "--steps", "12", "--log", str(log), "--seq", "128",

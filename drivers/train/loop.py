@@ -185,7 +185,8 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, outputs:
     collective_check(comm, "hpczeco train --grad-comm", err)
     reducer = GradReducer(params, layout, grad_comm, bucket_bytes=args.bucket_mb << 20)
     step_model = model
-    if args.compile:
+    compiled = args.compile == "on" or (args.compile == "auto" and dev.type == "cuda")
+    if compiled:
         for blk in model.blocks:
             blk.compile()
 
@@ -217,7 +218,7 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, outputs:
         f"{cfg.n_layers} layers, {cfg.n_heads} heads of {cfg.head_dim}, vocab {cfg.vocab}), {dtype_name} on {where}")
     say(f"  data: seq {args.seq} x batch {args.batch} = {n_tokens:,} tokens per step; {desc}")
     say(f"  GLA: {'ZeCO ' + args.topology + ' over ' + str(layout.sp) + ' ranks' if layout.sp > 1 else 'chunk_gla'}; "
-        f"gradients: {grad_comm}; memory estimate {memory.gib(est['total'])} per rank (limit "
+        f"gradients: {grad_comm}; torch.compile {'on' if compiled else 'off'}; memory estimate {memory.gib(est['total'])} per rank (limit "
         f"{memory.gib(limits[low][0])})")
     if args.log:
         say(f"  log: {os.path.abspath(args.log)}")
@@ -377,7 +378,7 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, outputs:
             bench = {"config": args.config, "n_params": n_params, "layout": layout.to_dict(), "n_gpus": n_gpus,
                      "device": dev.type, "dtype": dtype_name, "seq": args.seq, "batch": args.batch,
                      "tokens_per_step": n_tokens, "grad_comm": grad_comm, "act_ckpt": args.act_ckpt,
-                     "compile": args.compile, "topology": args.topology, "peak_flops": peak,
+                     "compile": compiled, "topology": args.topology, "peak_flops": peak,
                      "memory_estimate_bytes": est["total"], "argv": list(argv or []), **result.summary,
                      "losses": [r["loss"] for r in records]}  # fmt: skip
             err = _written("--bench-json", args.bench_json, lambda: write_json(args.bench_json, bench))
