@@ -140,6 +140,27 @@ def test_prefill_refuses_devices_and_fifos(tmp_path, what):
     assert took < 60
 
 
+def test_prefill_waiting_for_rank_0s_read_names_the_phase():
+    """Rank 0 reads standard input that nobody writes: the other ranks end the job at the timeout with the phase
+    named (they used to time out in the communicator's set-up, with a message naming nothing)."""
+    full = [mpiexec_command(), "-n", "2", PY, "-m", "hpczeco", "prefill", "-"]
+    writer = subprocess.Popen(["sleep", "60"], stdout=subprocess.PIPE)
+    try:
+        t0 = time.monotonic()
+        out = subprocess.run(full, env=_env(HPCZECO_COLLECTIVE_TIMEOUT="3"), stdin=writer.stdout, capture_output=True,
+                             text=True, timeout=SUBPROCESS_LIMIT_S)
+        took = time.monotonic() - t0
+    finally:
+        writer.kill()
+        writer.wait()
+    text = _text(out)
+    assert out.returncode != 0, text
+    assert re.search(r"prefill: the other ranks wait while rank 0 reads - exceeded the collective timeout of 3 s", text), \
+        text
+    print(f"prefill - with no writer: ended after {took:.1f} s")
+    assert took < 60
+
+
 def test_prefill_refuses_a_launcher_mismatch(tmp_path):
     """A launcher that started 2 processes while MPI sees one (faked: PMI_SIZE=2): refused like train and info (it
     used to prefill the whole text as one rank)."""
