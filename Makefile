@@ -8,6 +8,8 @@
 #              Two MPIs side by side (Debian's openmpi-bin + mpich): pick one per call with
 #              MPICC=mpicc.openmpi MPIEXEC=mpiexec.openmpi (or mpicc.mpich / mpiexec.mpich).
 #   NP=4       ranks for `make run`.
+#   SUITE=...  options of tests/run_suite.py for `make test` (e.g. --no-emulation: the CPU emulation of the GPU
+#              kernels left out of the serial stage; CI's Open MPI stage, the PyPI-MPICH stage ran them).
 #   make phdf5 (MPI=system, Open MPI): h5py built against Debian's parallel HDF5 (libhdf5-openmpi-dev)
 #              into the venv, so checkpoints use driver="mpio"; `make test-phdf5` tests that path.
 
@@ -81,7 +83,7 @@ run: check-mpi
 	$(MPIRUN_ENV) $(MPIEXEC) -n $(NP) $(VPY) -m hpczeco demo
 
 test: check-mpi
-	$(VPY) tests/run_suite.py
+	$(VPY) tests/run_suite.py $(SUITE)
 
 $(PHDF5_STAMP): $(STAMP)
 	@test "$(MPI)" = system || { echo "make phdf5: needs MPI=system (h5py must link the MPI that mpi4py uses)"; exit 2; }

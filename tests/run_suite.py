@@ -121,6 +121,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default=os.environ.get("HPCZECO_TEST_RANKS", "2 3 4 5"))
     ap.add_argument("--serial-only", action="store_true")
+    ap.add_argument("--no-emulation", action="store_true",
+                    help="leave the tests marked 'emulation' (GPU kernels in the CPU emulation: nothing MPI-specific) "
+                         "out of the serial stage; CI's second MPI runs this, its first ran them")
     ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (e.g. -k scan, or test files)")
     args = ap.parse_args()
 
@@ -138,7 +141,8 @@ def main() -> int:
 
     results = []
     try:
-        rc, summ, sec = run_stage("serial (1 process)", [*pytest, *args.pytest_args], env, 3 * stage_timeout,
+        serial = [*pytest, *(["-m", "not emulation"] if args.no_emulation else []), *args.pytest_args]
+        rc, summ, sec = run_stage("serial (1 process)", serial, env, 3 * stage_timeout,
                                   workdir / "serial.json")
         results.append(("serial", rc, summ, sec))
         if not args.serial_only:

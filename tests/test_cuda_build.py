@@ -28,6 +28,8 @@ from hpczeco.gpu import runtime as gruntime
 
 from hpczeco.gla import recurrent_gla, recurrent_gla_bwd
 
+pytestmark = pytest.mark.emulation  # the CPU emulation of the CUDA kernels: no MPI in it
+
 NVCC = gbuild.nvcc_path()
 CXX = gemu.compiler()
 

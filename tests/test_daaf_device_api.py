@@ -25,6 +25,8 @@ import hpczeco.daaf as daaf
 from hpczeco.daaf import device_planner as dpl
 from hpczeco.daaf import planner
 
+pytestmark = pytest.mark.emulation  # the CPU emulation of the CUDA kernels: no MPI in it
+
 # --------------------------------------------------------------------------- fixtures
 
 

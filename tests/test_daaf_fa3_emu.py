@@ -33,7 +33,7 @@ FAULT_KERNEL = "daaf_tma_fault_check"
 FAULT_SMEM = (64 + 128) * 128 * 2 + 64 + 1024  # FA3_FAULT_SMEM_BYTES
 TOL = {"bf16": 1e-2, "f16": 5e-3}
 # every CUDA thread of an emulated block is an OS thread (384 here): slow tests
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [pytest.mark.emulation, pytest.mark.timeout(1800)]
 
 
 def test_names_groups_and_sizes():

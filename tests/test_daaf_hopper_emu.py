@@ -36,7 +36,7 @@ TS = (1, 63, 64, 65, 200)
 WS = (0, 1, 16, 128)
 PLANS = ("none", "first", "scattered", "all", "regions")
 # every CUDA thread of an emulated block is an OS thread (384-512 for the warp-specialised kernels): slow tests
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.emulation, pytest.mark.timeout(900)]
 
 
 # --------------------------------------------------------------------------- host-side logic

@@ -440,6 +440,7 @@ sys.exit(rc)
 """
 
 
+@pytest.mark.emulation
 @pytest.mark.timeout(1800)
 def test_bench_gpu_gla_dry_run(tmp_path):
     """`hpczeco bench gpu-gla --check` end to end without a GPU: numpy standing in for CuPy, every kernel emulated,

@@ -155,8 +155,8 @@ def test_prefill_waiting_for_rank_0s_read_names_the_phase():
         writer.wait()
     text = _text(out)
     assert out.returncode != 0, text
-    assert re.search(r"prefill: the other ranks wait while rank 0 reads - exceeded the collective timeout of 3 s", text), \
-        text
+    phase = r"prefill: the other ranks wait while rank 0 reads - exceeded the collective timeout of 3 s"
+    assert re.search(phase, text), text
     print(f"prefill - with no writer: ended after {took:.1f} s")
     assert took < 60
 

@@ -20,6 +20,8 @@ from torch_gla_reference import recurrent_gla_torch, recurrent_gla_varlen_torch 
 import hpczeco.torch as ht  # noqa: E402
 from hpczeco.torch import _arrays, chunk  # noqa: E402
 
+pytestmark = pytest.mark.emulation  # the CPU emulation of the CUDA kernels: no MPI in it
+
 
 class _Stream:
     def __init__(self, ptr: int):

@@ -218,7 +218,8 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, outputs:
         f"{cfg.n_layers} layers, {cfg.n_heads} heads of {cfg.head_dim}, vocab {cfg.vocab}), {dtype_name} on {where}")
     say(f"  data: seq {args.seq} x batch {args.batch} = {n_tokens:,} tokens per step; {desc}")
     say(f"  GLA: {'ZeCO ' + args.topology + ' over ' + str(layout.sp) + ' ranks' if layout.sp > 1 else 'chunk_gla'}; "
-        f"gradients: {grad_comm}; torch.compile {'on' if compiled else 'off'}; memory estimate {memory.gib(est['total'])} per rank (limit "
+        f"gradients: {grad_comm}; torch.compile {'on' if compiled else 'off'}; "
+        f"memory estimate {memory.gib(est['total'])} per rank (limit "
         f"{memory.gib(limits[low][0])})")
     if args.log:
         say(f"  log: {os.path.abspath(args.log)}")
