@@ -226,7 +226,8 @@ def test_one_process_commands_run_once_under_mpiexec(tmp_path):
     finally:
         sys.path.remove(str(HERE))
     (inp / "scan_P2.json").write_text(json.dumps(_fake_run(2)))
-    out, took, _ = _run([PY, "-m", "hpczeco", "report", "--in", str(inp), "--out", str(tmp_path / "out")], 2)
+    out, took, _ = _run([PY, "-m", "hpczeco", "report", "--in", str(inp), "--out", str(tmp_path / "out"),
+                         "--sim", str(tmp_path / "no-simulation")], 2)  # not the default runs/simulate of the cwd
     assert out.returncode == 0, _text(out)
     assert out.stdout.count("wrote ") == 1, out.stdout
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [

@@ -245,7 +245,8 @@ def test_report_refuses_a_bad_input_and_writes_nothing(tmp_path, case):
 def test_report_writes_only_into_out(tmp_path, capsys):
     inp = _results(tmp_path / "in", 2, 4)
     before = _snapshot(inp)
-    assert report.main(["--in", str(inp), "--out", str(tmp_path / "out")]) == 0
+    # --sim: not the default runs/simulate, which a `hpczeco simulate` in the cwd would fill
+    assert report.main(["--in", str(inp), "--out", str(tmp_path / "out"), "--sim", str(tmp_path / "no-sim")]) == 0
     assert _snapshot(inp) == before
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "report.md", "scan_over_p.png", "scan_presets.png", "scan_sizes.png"]
