@@ -35,11 +35,14 @@ def _env(**extra: str) -> dict[str, str]:
     return job_env(JOB_LIMIT_S, **extra)
 
 
-def _run(cmd: list[str], n: int | None = None, **env: str) -> tuple[subprocess.CompletedProcess, float, float]:
-    """Run ``cmd`` (under ``mpiexec -n n`` when ``n``); returns (result, wall seconds, end time)."""
+def _run(cmd: list[str], n: int | None = None, stdin=None, **env: str) -> tuple[subprocess.CompletedProcess, float,
+                                                                                float]:
+    """Run ``cmd`` (under ``mpiexec -n n`` when ``n``, reading ``stdin`` when given); returns (result, wall seconds,
+    end time)."""
     full = [mpiexec_command(), "-n", str(n), *cmd] if n else cmd
     t0 = time.monotonic()
-    out = subprocess.run(full, env=_env(**env), capture_output=True, text=True, timeout=SUBPROCESS_LIMIT_S)
+    out = subprocess.run(full, env=_env(**env), stdin=stdin, capture_output=True, text=True,
+                         timeout=SUBPROCESS_LIMIT_S)
     return out, time.monotonic() - t0, time.time()
 
 
@@ -143,13 +146,10 @@ def test_prefill_refuses_devices_and_fifos(tmp_path, what):
 def test_prefill_waiting_for_rank_0s_read_names_the_phase():
     """Rank 0 reads standard input that nobody writes: the other ranks end the job at the timeout with the phase
     named (they used to time out in the communicator's set-up, with a message naming nothing)."""
-    full = [mpiexec_command(), "-n", "2", PY, "-m", "hpczeco", "prefill", "-"]
     writer = subprocess.Popen(["sleep", "60"], stdout=subprocess.PIPE)
     try:
-        t0 = time.monotonic()
-        out = subprocess.run(full, env=_env(HPCZECO_COLLECTIVE_TIMEOUT="3"), stdin=writer.stdout, capture_output=True,
-                             text=True, timeout=SUBPROCESS_LIMIT_S)
-        took = time.monotonic() - t0
+        out, took, _ = _run([PY, "-m", "hpczeco", "prefill", "-"], 2, stdin=writer.stdout,
+                            HPCZECO_COLLECTIVE_TIMEOUT="3")
     finally:
         writer.kill()
         writer.wait()

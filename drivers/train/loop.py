@@ -28,7 +28,7 @@ import numpy as np
 from ..checkpoint import load_latest
 from ..data import WindowStream, corpus_id, load_corpus
 from .faults import CHECKPOINT_SIGNAL, Faults, SignalFlag, soak_line
-from .options import Outputs, open_outputs, parse
+from .options import Outputs, on_for, open_outputs, parse
 
 __all__ = ["run", "main", "TrainResult", "lr_at", "set_blas_threads"]
 
@@ -185,7 +185,7 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, outputs:
     collective_check(comm, "hpczeco train --grad-comm", err)
     reducer = GradReducer(params, layout, grad_comm, bucket_bytes=args.bucket_mb << 20)
     step_model = model
-    compiled = args.compile == "on" or (args.compile == "auto" and dev.type == "cuda")
+    compiled = on_for(args.compile, dev.type)
     if compiled:
         for blk in model.blocks:
             blk.compile()
@@ -206,7 +206,7 @@ def _train(ap: argparse.ArgumentParser, args: argparse.Namespace, comm, outputs:
             say(f"resume: step {step0} from {args.ckpt_dir} (written by {wrote} rank(s), now {P}; SP x DP "
                 f"{was.get('sp', '?')} x {was.get('dp', '?')} -> {layout.sp} x {layout.dp})")
             del arrays
-    ckpt_async = args.ckpt_async == "on" or (args.ckpt_async == "auto" and dev.type == "cuda")
+    ckpt_async = on_for(args.ckpt_async, dev.type)
     saver = (Saver(args.ckpt_dir, comm, tensors, args.keep, ckpt_async, dev, writer=outputs.ckpt_holder)
              if args.ckpt_dir else None)
 

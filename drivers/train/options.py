@@ -63,6 +63,11 @@ def _tri(value: str) -> str:
     return value
 
 
+def on_for(value: str, device_type: str) -> bool:
+    """An ``auto|on|off`` option (``--compile``, ``--ckpt-async``) resolved: ``auto`` is on for GPUs."""
+    return value == "on" or (value == "auto" and device_type == "cuda")
+
+
 def build_parser(prog: str = "hpczeco train") -> argparse.ArgumentParser:
     from ..helpfmt import HelpFormatter
 
