@@ -856,7 +856,6 @@ def test_hfa3_per_call(cph, fa3_sources, rng, monkeypatch):
     from hpczeco.daaf.reference import attention_reference
 
     cp = cph
-    monkeypatch.setenv("HPCZECO_EMU_WAIT_TIMEOUT_S", "600")
     rt = _CountingEmu(*fa3_sources, cp)
     old = fa3.RUNTIME.set(rt)
     try:

@@ -12,7 +12,6 @@ entry with impl="hfa3".
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,7 +31,7 @@ FAULTS = Path(__file__).resolve().parent / "daaf_fa3_faults.cu"
 FAULT_KERNEL = "daaf_tma_fault_check"
 FAULT_SMEM = (64 + 128) * 128 * 2 + 64 + 1024  # FA3_FAULT_SMEM_BYTES
 TOL = {"bf16": 1e-2, "f16": 5e-3}
-# every CUDA thread of an emulated block is an OS thread (384 here): slow tests
+# an emulated block runs its 384 threads one at a time: slow tests
 pytestmark = [pytest.mark.emulation, pytest.mark.timeout(1800)]
 
 
@@ -81,10 +80,8 @@ def emu_rt():
 
 
 @pytest.fixture
-def emu(emu_rt, monkeypatch):
-    """The wrappers on the emulation. A wait that ends only at the emulation's timeout is recorded as a deadlock; an
-    emulated block is 384 OS threads, slow on a loaded machine: a generous timeout (unless one is set)."""
-    monkeypatch.setenv("HPCZECO_EMU_WAIT_TIMEOUT_S", os.environ.get("HPCZECO_EMU_WAIT_TIMEOUT_S", "600"))
+def emu(emu_rt):
+    """The wrappers on the emulation (a wait no thread of the block can end is recorded as a deadlock)."""
     old = fa3.RUNTIME.set(emu_rt)
     yield emu_rt
     fa3.RUNTIME.set(old)
@@ -167,10 +164,9 @@ def test_persistent_queue_over_several_ctas(emu, rng, monkeypatch):
     (3, "not aligned to the swizzle"),
     (4, "not a tensor map"),
 ])
-def test_emulation_catches_tma_faults(emu, rng, monkeypatch, fault, message):
+def test_emulation_catches_tma_faults(emu, rng, fault, message):
     """The tensor-copy checks: reading a copy's bytes without waiting on its mbarrier, a transaction count that
     never balances, a destination off the swizzle pattern's alignment, a map that is not one."""
-    monkeypatch.setenv("HPCZECO_EMU_WAIT_TIMEOUT_S", "2")
     a = bf16.to_bits(rng.standard_normal((64, 128)))
     b = bf16.to_bits(rng.standard_normal((128, 128)))
     d = np.full((64, 128), np.nan, np.float32)

@@ -35,7 +35,7 @@ TOL = {"bf16": 1e-2, "f16": 5e-3}
 TS = (1, 63, 64, 65, 200)
 WS = (0, 1, 16, 128)
 PLANS = ("none", "first", "scattered", "all", "regions")
-# every CUDA thread of an emulated block is an OS thread (384-512 for the warp-specialised kernels): slow tests
+# an emulated block runs its threads (384-512 for the warp-specialised kernels) one at a time: slow tests
 pytestmark = [pytest.mark.emulation, pytest.mark.timeout(900)]
 
 
@@ -193,11 +193,10 @@ def test_emulation_catches_planted_faults(emu, rng, fault, message):
     (5, "used before mbarrier.init"),
     (6, "setmaxnreg.inc"),
 ])
-def test_emulation_catches_mbarrier_faults(emu, rng, monkeypatch, fault, message):
+def test_emulation_catches_mbarrier_faults(emu, rng, fault, message):
     """The producer/consumer checks of the emulation (mbarrier-completed cp.async, the consumer's proxy fence,
     refills while a wgmma is pending, deadlocks, named-barrier arrivals left over, setmaxnreg increases the
     CTA's decreases do not cover) fire on planted faults."""
-    monkeypatch.setenv("HPCZECO_EMU_WAIT_TIMEOUT_S", "2")
     a = bf16.to_bits(rng.standard_normal((64, 128)))
     b = bf16.to_bits(rng.standard_normal((128, 128)))
     d = np.full((64, 128), np.nan, np.float32)

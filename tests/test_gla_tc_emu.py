@@ -1,9 +1,9 @@
-"""The chunk-parallel tensor-core GLA kernels (gpu/gla_tc_states.cu, gla_fwd_tc.cu, gla_bwd_tc.cu, gla_tc_large.cu)
-in the CPU emulation of the CUDA model, through their host modules (hpczeco.gpu.gla_fwd_tc / gla_bwd_tc), on fresh
-random bf16 inputs: against the float64 recurrences (RMS error ratios, the targets of issues 14 and 29: o <= 4e-3,
-final state and every gradient <= 5e-3), against the existing simt kernels in the same emulation, and over two
-slices composed as two ZeCO ranks would (prepare, pass the scan pair, finish). Shapes are tiny in T (every CUDA
-thread is an OS thread): T off the chunk size, T = 1, K != V, both shared-memory layouts (KM 64 and 128), the tiled
+"""The chunk-parallel tensor-core GLA kernels (gpu/gla_tc_states.cu, gla_fwd_tc.cu, gla_bwd_tc.cu, gla_tc_large.cu) in
+the CPU emulation of the CUDA model, through their host modules (hpczeco.gpu.gla_fwd_tc / gla_bwd_tc), on fresh random
+bf16 inputs: against the float64 recurrences (RMS error ratios, the targets of issues 14 and 29: o <= 4e-3, final
+state and every gradient <= 5e-3), against the existing simt kernels in the same emulation, and over two slices
+composed as two ZeCO ranks would (prepare, pass the scan pair, finish). Shapes are tiny in T (an emulated block runs
+its threads one at a time): T off the chunk size, T = 1, K != V, both shared-memory layouts (KM 64 and 128), the tiled
 kernels of large heads (K up to 256, V up to 512: several pieces of K, several tiles of V, partial ones), several
 segments, strong gates (the exact diagonal blocks), initial state and dht, 16-bit and fp32 chunk states, packed
 documents (cu_seqlens).

@@ -4,7 +4,8 @@
 launches its kernels by name, with numpy arrays as device memory: it has the methods of
 :class:`hpczeco.gpu.runtime.CupyRuntime` the wrappers use, so :mod:`hpczeco.gpu.gla` and
 :mod:`hpczeco.gpu.daaf` run unchanged on a machine without a GPU once it is put in their runtime slot
-(tiny shapes: every CUDA thread is an OS thread). bfloat16 arrays are ``uint16`` bit patterns here.
+(tiny shapes: the threads of a block run one at a time, as fibers, each until it waits). bfloat16 arrays are
+``uint16`` bit patterns here.
 A launch that breaks a rule the emulation checks (``cuda_emu.h``, ``wgmma_emu.h``: e.g. a wgmma reading
 shared memory written by cp.async without ``fence.proxy.async``) raises :class:`EmuCheckError`.
 """

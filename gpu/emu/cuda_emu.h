@@ -4,9 +4,10 @@
 // tests/test_gpu_daaf.py, tests/test_daaf_hopper_emu.py). Kernel files test CUDA_EMU where they need the
 // emulated form of a PTX helper.
 //
-// Every CUDA thread of a block is a std::thread; blocks run one after another, so __shared__ arrays become
+// Every CUDA thread of a block is a fiber on the launching OS thread (emu_core.h: each runs until it waits, then the
+// next); blocks run one after another, so __shared__ arrays become
 // function-local statics, and the dynamic shared memory is one buffer per launch (garbage on entry, as on the
-// GPU). __syncthreads() is a std::barrier over the block; warp collectives (__syncwarp, shuffles, ldmatrix,
+// GPU). __syncthreads() is a barrier over the block; warp collectives (__syncwarp, shuffles, ldmatrix,
 // mma.sync) exchange operands through a per-warp buffer between two per-warp barriers. The PTX helpers follow
 // the PTX ISA definitions literally:
 //   * ldmatrix .x4: lanes 8i..8i+7 give the row addresses of matrix i, register i of lane L holds
@@ -31,7 +32,7 @@
 // Broken rules the emulation sees (a cp.async outside the dynamic shared memory or misaligned, copies
 // still pending at kernel exit, a launch whose dynamic shared memory is not the size a kernel states with
 // emu_expect_dynamic_smem, an mbarrier used before its init, named-barrier arrivals left over at block
-// exit, a wait that never completes (after a timeout), and wgmma_emu.h's checks) are recorded with emu_error; the launch
+// exit, a wait that can never complete (a deadlock), and wgmma_emu.h's checks) are recorded with emu_error; the launch
 // entry point counts them per launch and gpu/emu/__init__.py raises EmuCheckError with the first.
 // It checks indexing and arithmetic, not performance; races between warps beyond that are not modelled.
 #pragma once
@@ -58,6 +59,34 @@ struct alignas(128) EmuSmemLine {
   unsigned char b[128];
 };
 
+// the fibers' stacks (kept between launches; pages are touched only as deep as a kernel's frames go)
+inline constexpr std::size_t EMU_STACK_BYTES = 1 << 20;
+struct EmuStacks {
+  std::vector<void*> s;
+  void* get(std::size_t i) {
+    while (s.size() <= i) {
+      void* m = mmap(nullptr, EMU_STACK_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                     -1, 0);
+      if (m == MAP_FAILED) throw std::bad_alloc();
+      s.push_back(m);
+    }
+    return s[i];
+  }
+};
+inline EmuStacks emu_stacks;
+
+// one fiber's body: the kernel, the exit checks, then back to the launcher for good
+struct EmuFiberStart {
+  std::function<void()> body;
+};
+inline EmuFiberStart emu_fiber_start;
+inline void emu_fiber_entry() {
+  emu_fiber_start.body();
+  emu_thread_exit_checks();
+  --emu_live;
+  emu_idle = 0;
+}
+
 template <typename... A>
 void emu_launch(void (*k)(A...), dim3 grid, dim3 block, std::size_t smem_bytes, void** args) {
   const unsigned nt = block.x * block.y * block.z;
@@ -72,11 +101,13 @@ void emu_launch(void (*k)(A...), dim3 grid, dim3 block, std::size_t smem_bytes, 
   emu_wait_abandoned = false;
   blockDim = block;
   gridDim = grid;
+  emu_fiber_start.body = [=] { emu_call(k, args, std::index_sequence_for<A...>{}); };
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
-        std::barrier<> bar((std::ptrdiff_t)nt);
+        EmuBarrier bar((std::ptrdiff_t)nt);
         emu_block_barrier = &bar;
+        blockIdx = dim3{bx, by, bz};
         emu_named_barriers.clear();
         emu_mbars.clear();
         emu_reg_pool = 0;
@@ -88,19 +119,30 @@ void emu_launch(void (*k)(A...), dim3 grid, dim3 block, std::size_t smem_bytes, 
         emu_warps.clear();
         for (unsigned w = 0; w < (nt + 31) / 32; ++w) {
           emu_warps.push_back(std::make_unique<EmuWarp>());
-          emu_warps.back()->bar = std::make_unique<std::barrier<>>((std::ptrdiff_t)std::min(32u, nt - 32 * w));
+          emu_warps.back()->bar = std::make_unique<EmuBarrier>((std::ptrdiff_t)std::min(32u, nt - 32 * w));
         }
-        std::vector<std::thread> th;
-        th.reserve(nt);
+        for (auto& reset : emu_per_thread_resets()) reset(nt);
         for (unsigned t = 0; t < nt; ++t)
-          th.emplace_back([=] {
-            threadIdx = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
-            blockIdx = dim3{bx, by, bz};
-            emu_call(k, args, std::index_sequence_for<A...>{});
-            emu_thread_exit_checks();
-          });
-        for (auto& x : th) x.join();
-        blockIdx = dim3{bx, by, bz};
+          emu_thread_idx.v[t] = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+        emu_fibers.assign(nt, ucontext_t{});
+        std::vector<char> done(nt, 0);
+        for (unsigned t = 0; t < nt; ++t) {
+          getcontext(&emu_fibers[t]);
+          emu_fibers[t].uc_stack.ss_sp = emu_stacks.get(t);
+          emu_fibers[t].uc_stack.ss_size = EMU_STACK_BYTES;
+          emu_fibers[t].uc_link = &emu_sched_ctx;  // the body's return ends the fiber
+          makecontext(&emu_fibers[t], emu_fiber_entry, 0);
+        }
+        emu_live = (int)nt;
+        emu_idle = 0;
+        while (emu_live > 0)  // round robin over the threads that have not ended
+          for (unsigned t = 0; t < nt; ++t) {
+            if (done[t]) continue;
+            emu_cur = (int)t;
+            const int live = emu_live;
+            swapcontext(&emu_sched_ctx, &emu_fibers[t]);
+            if (emu_live < live) done[t] = 1;
+          }
         emu_named_exit_checks();
       }
   emu_warps.clear();
@@ -108,6 +150,7 @@ void emu_launch(void (*k)(A...), dim3 grid, dim3 block, std::size_t smem_bytes, 
   emu_mbars.clear();
   emu_smem_base = nullptr;
   emu_smem_bytes = 0;
+  emu_block_barrier = nullptr;
 }
 
 using EmuKernel = std::function<void(dim3, dim3, std::size_t, void**)>;

@@ -6,20 +6,19 @@
 #pragma once
 #include <algorithm>
 #include <atomic>
-#include <barrier>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <sys/mman.h>
+#include <ucontext.h>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -45,16 +44,67 @@ using std::min;
 struct dim3 {
   unsigned x = 1, y = 1, z = 1;
 };
-inline thread_local dim3 threadIdx, blockIdx;
-inline dim3 blockDim, gridDim;
+inline dim3 blockIdx, blockDim, gridDim;
+
+// Every CUDA thread of a block is a fiber (ucontext) on the launching OS thread: it runs until it waits (a
+// barrier, a warp collective, an mbarrier, setmaxnreg.inc), then the next one runs (round robin). A wait costs
+// a user-space switch, not an OS thread's wake-up, and a wait no thread can end is seen at once (every live
+// thread waits and none made progress over rounds of all of them): a deadlock.
+inline int emu_cur = 0;                     // the running thread of the block (its linear index)
+inline ucontext_t emu_sched_ctx;            // the launcher's context, which picks the next thread
+inline std::vector<ucontext_t> emu_fibers;  // of the running block
+inline void emu_yield() { swapcontext(&emu_fibers[emu_cur], &emu_sched_ctx); }
+
+// per-thread state of the emulation: one slot per thread of the running block, fresh when a block starts
+inline std::vector<std::function<void(std::size_t)>>& emu_per_thread_resets() {
+  static std::vector<std::function<void(std::size_t)>> r;
+  return r;
+}
+template <typename T>
+struct EmuPerThread {
+  std::deque<T> v;  // (not a vector: vector<bool> has no bool&)
+  T init;
+  explicit EmuPerThread(T x = T{}) : init(std::move(x)) {
+    emu_per_thread_resets().push_back([this](std::size_t n) { v.assign(n, init); });
+  }
+  T& get() { return v[emu_cur]; }
+};
+inline EmuPerThread<dim3> emu_thread_idx;
+#define threadIdx (emu_thread_idx.get())
+
+// waits: `done()` is polled once per round of the block's threads. `emu_idle` counts polls that found their
+// wait not done since a thread last made progress (began a wait, finished one, or ended); past a few rounds of
+// every live thread, no wait can end: a deadlock. Then every wait of the launch gives up (returns false).
+inline std::atomic<bool> emu_wait_abandoned{false};
+inline long long emu_idle = 0;
+inline int emu_live = 0;  // threads of the block not ended
+template <typename F>
+inline bool emu_wait(F done) {
+  emu_idle = 0;
+  while (!done()) {
+    if (emu_wait_abandoned.load()) return false;
+    if (++emu_idle > 4LL * emu_live + 8) return false;  // a deadlock: the caller records it
+    emu_yield();
+  }
+  emu_idle = 0;
+  return true;
+}
+
+// a barrier of `n` threads (the block's for __syncthreads, a warp's for its collectives)
+struct EmuBarrier {
+  std::ptrdiff_t n, arrived = 0;
+  long long gen = 0;
+  explicit EmuBarrier(std::ptrdiff_t count) : n(count) {}
+  void arrive_and_wait();
+};
 
 struct EmuWarp {
-  std::unique_ptr<std::barrier<>> bar;
+  std::unique_ptr<EmuBarrier> bar;
   uint32_t u[32][6];  // per lane: mma operands (a[4], b0, b1), wgmma A registers
   const void* p[32];  // per lane: ldmatrix row address
   uint32_t x[32];     // per lane: shuffle value (bits)
 };
-inline std::barrier<>* emu_block_barrier = nullptr;
+inline EmuBarrier* emu_block_barrier = nullptr;
 inline std::vector<std::unique_ptr<EmuWarp>> emu_warps;  // of the running block
 
 inline unsigned emu_tid() { return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z); }
@@ -75,21 +125,22 @@ inline void emu_error(const std::string& msg) {
     emu_error_first = msg + " (block " + std::to_string(blockIdx.x) + ", thread " + std::to_string(emu_tid()) + ")";
 }
 
-// waits that never end (a deadlock: a barrier phase nobody completes) are recorded after
-// $HPCZECO_EMU_WAIT_TIMEOUT_S seconds (default 60); after the first, every later wait of the launch gives up
-inline std::atomic<bool> emu_wait_abandoned{false};
-inline std::chrono::milliseconds emu_wait_timeout() {
-  const char* s = std::getenv("HPCZECO_EMU_WAIT_TIMEOUT_S");
-  const double sec = s ? std::atof(s) : 60.0;
-  return std::chrono::milliseconds((long long)(1000.0 * (sec > 0 ? sec : 60.0)));
-}
-// wait on cv until done() (mu held by lk); false (and the error recorded once) on a timeout
+// wait until done(); false (and the error recorded once, for the first wait that gives up) on a deadlock
 template <typename F>
-inline bool emu_wait_until(std::condition_variable& cv, std::unique_lock<std::mutex>& lk, F done, const char* what) {
-  if (emu_wait_abandoned.load()) return done();
-  if (cv.wait_for(lk, emu_wait_timeout(), done)) return true;
+inline bool emu_wait_until(F done, const char* what) {
+  if (emu_wait(done)) return true;
   if (!emu_wait_abandoned.exchange(true)) emu_error(std::string(what) + " never completed (deadlock?)");
-  return false;
+  return done();
+}
+inline void EmuBarrier::arrive_and_wait() {
+  const long long g = gen;
+  if (++arrived >= n) {
+    arrived = 0;
+    ++gen;
+    emu_idle = 0;
+    return;
+  }
+  emu_wait_until([&] { return gen != g; }, "barrier");
 }
 
 // bar.sync / bar.arrive id, nthreads (id > 0): the first thread to arrive at `id` in a phase sets the count;
@@ -98,8 +149,6 @@ struct EmuNamedBar {
   int expected = 0, arrived = 0;
   long long gen = 0;
 };
-inline std::mutex emu_named_mu;
-inline std::condition_variable emu_named_cv;
 inline std::map<int, EmuNamedBar> emu_named_barriers;  // of the running block
 inline long long emu_named_arrive_locked(int id, int nthreads) {
   EmuNamedBar& b = emu_named_barriers[id];
@@ -111,20 +160,15 @@ inline long long emu_named_arrive_locked(int id, int nthreads) {
   if (++b.arrived >= b.expected) {
     b.arrived = 0;
     ++b.gen;
-    emu_named_cv.notify_all();
   }
   return gen;
 }
 inline void emu_bar_sync(int id, int nthreads) {
-  std::unique_lock<std::mutex> lk(emu_named_mu);
   const long long gen = emu_named_arrive_locked(id, nthreads);
   EmuNamedBar& b = emu_named_barriers[id];
-  emu_wait_until(emu_named_cv, lk, [&] { return b.gen != gen; }, "named barrier bar.sync");
+  emu_wait_until([&] { return b.gen != gen; }, "named barrier bar.sync");
 }
-inline void emu_bar_arrive(int id, int nthreads) {
-  std::lock_guard<std::mutex> lk(emu_named_mu);
-  emu_named_arrive_locked(id, nthreads);
-}
+inline void emu_bar_arrive(int id, int nthreads) { emu_named_arrive_locked(id, nthreads); }
 inline void emu_named_exit_checks() {
   for (const auto& [id, b] : emu_named_barriers)
     if (b.arrived)
@@ -228,9 +272,12 @@ inline std::unique_ptr<std::atomic<long long>[]> emu_chunk_landed;  // when an m
 inline std::unique_ptr<std::atomic<uint32_t>[]> emu_chunk_bar;      // the mbarrier a tensor copy completed on
 inline std::size_t emu_unfenced_chunks = 0;
 inline std::atomic<long long> emu_proxy_clock{0};                // ticks at every such landing and fence
-inline thread_local long long emu_fenced_at = -1;                // this thread's last fence.proxy.async
-inline thread_local std::map<uint32_t, long long> emu_waited_at;  // per mbarrier: this thread's last completed wait
-inline thread_local std::vector<uint32_t> emu_unfenced_mine;  // chunks this thread wrote since its fence
+inline EmuPerThread<long long> emu_fenced_at_pt{-1};  // this thread's last fence.proxy.async
+#define emu_fenced_at (emu_fenced_at_pt.get())
+inline EmuPerThread<std::map<uint32_t, long long>> emu_waited_at_pt;  // per mbarrier: this thread's last completed wait
+#define emu_waited_at (emu_waited_at_pt.get())
+inline EmuPerThread<std::vector<uint32_t>> emu_unfenced_mine_pt;  // chunks this thread wrote since its fence
+#define emu_unfenced_mine (emu_unfenced_mine_pt.get())
 // fence.proxy.async.shared::cta: this thread's cp.async writes become visible to the async proxy, and so do,
 // for this thread's own async-proxy reads, the mbarrier-tracked copies that landed before it (the consumer
 // side fence after an mbarrier wait)
@@ -261,8 +308,10 @@ struct EmuCopy {
   const void* src;
   int n;
 };
-inline thread_local std::vector<EmuCopy> emu_cp_open;                 // not yet committed
-inline thread_local std::deque<std::vector<EmuCopy>> emu_cp_groups;  // committed, pending
+inline EmuPerThread<std::vector<EmuCopy>> emu_cp_open_pt;  // not yet committed
+#define emu_cp_open (emu_cp_open_pt.get())
+inline EmuPerThread<std::deque<std::vector<EmuCopy>>> emu_cp_groups_pt;  // committed, pending
+#define emu_cp_groups (emu_cp_groups_pt.get())
 // cp.async.cg.shared.global 16 bytes, src_bytes of them from src (the rest zero); the emulation takes
 // destinations in the dynamic shared memory
 inline void emu_cp_async16(void* dst, const void* src, int src_bytes) {
@@ -296,14 +345,12 @@ inline void emu_cp_async_wait(int pending) {
 // mbarrier objects (8 bytes of shared memory each, by shared address; reset per block): a phase completes
 // when `expected` arrivals have happened and its transaction count (expect_tx adds bytes, a tensor copy's
 // complete_tx takes them off) is back at zero; try_wait.parity(p) succeeds once the phase of parity p completed,
-// i.e. while the number of completed phases has the other parity. Waits block (with the deadlock timeout).
+// i.e. while the number of completed phases has the other parity. Waits block (a wait no thread can end is a deadlock, recorded).
 struct EmuMbar {
   int expected = 0, pending = 0;
   long long tx = 0;     // transaction bytes still expected in the current phase
   long long phase = 0;  // completed phases
 };
-inline std::mutex emu_mbar_mu;
-inline std::condition_variable emu_mbar_cv;
 inline std::map<uint32_t, EmuMbar> emu_mbars;  // of the running block
 inline EmuMbar* emu_mbar_at_locked(uint32_t addr) {
   auto it = emu_mbars.find(addr);
@@ -314,7 +361,6 @@ inline EmuMbar* emu_mbar_at_locked(uint32_t addr) {
   return &it->second;
 }
 inline void emu_mbar_init(uint32_t addr, int count) {
-  std::lock_guard<std::mutex> lk(emu_mbar_mu);
   if (addr % 8 || addr + 8 > emu_smem_bytes) emu_error("mbarrier not 8-byte aligned inside the dynamic shared memory");
   if (count < 1) emu_error("mbarrier.init with a count below 1");
   emu_mbars[addr] = EmuMbar{count, count, 0};
@@ -324,7 +370,6 @@ inline void emu_mbar_maybe_complete(EmuMbar* b) {
   if (b->pending <= 0 && b->tx == 0) {
     ++b->phase;
     b->pending = b->expected;
-    emu_mbar_cv.notify_all();
   }
 }
 inline void emu_mbar_arrive_locked(uint32_t addr) {
@@ -334,12 +379,10 @@ inline void emu_mbar_arrive_locked(uint32_t addr) {
   emu_mbar_maybe_complete(b);
 }
 inline void emu_mbar_arrive(uint32_t addr) {
-  std::lock_guard<std::mutex> lk(emu_mbar_mu);
   emu_mbar_arrive_locked(addr);
 }
 // mbarrier.arrive.expect_tx: the phase expects `bytes` more transaction bytes, then one arrival
 inline void emu_mbar_arrive_expect_tx(uint32_t addr, uint32_t bytes) {
-  std::lock_guard<std::mutex> lk(emu_mbar_mu);
   EmuMbar* b = emu_mbar_at_locked(addr);
   if (b == nullptr) return;
   b->tx += bytes;
@@ -348,7 +391,6 @@ inline void emu_mbar_arrive_expect_tx(uint32_t addr, uint32_t bytes) {
 }
 // complete_tx of a tensor copy: `bytes` of the phase's transactions have landed
 inline void emu_mbar_complete_tx(uint32_t addr, uint32_t bytes) {
-  std::lock_guard<std::mutex> lk(emu_mbar_mu);
   EmuMbar* b = emu_mbar_at_locked(addr);
   if (b == nullptr) return;
   b->tx -= bytes;
@@ -356,12 +398,10 @@ inline void emu_mbar_complete_tx(uint32_t addr, uint32_t bytes) {
 }
 // mbarrier.try_wait.parity in a loop: until the phase of parity `parity` has completed
 inline void emu_mbar_wait(uint32_t addr, uint32_t parity) {
-  std::unique_lock<std::mutex> lk(emu_mbar_mu);
   EmuMbar* b = emu_mbar_at_locked(addr);
   if (b == nullptr) return;
   auto done = [&] { return (uint32_t)(b->phase & 1) != (parity & 1); };
-  if (!emu_wait_abandoned.load() && !emu_mbar_cv.wait_for(lk, emu_wait_timeout(), done) &&
-      !emu_wait_abandoned.exchange(true))
+  if (!emu_wait(done) && !emu_wait_abandoned.exchange(true))
     emu_error("mbarrier wait never completed (deadlock?): shared address " + std::to_string(addr) + ", parity " +
               std::to_string(parity) + ", " + std::to_string(b->phase) + " phases completed, " +
               std::to_string(b->pending) + " arrivals and " + std::to_string(b->tx) + " bytes pending");
@@ -390,8 +430,7 @@ inline void emu_cp_async_mbar_arrive(uint32_t addr) {
 // thread's earlier cp.async have landed (at once here): no net arrival; someone else's arrival ends the phase
 inline void emu_cp_async_mbar_arrive_inc(uint32_t addr) {
   {
-    std::lock_guard<std::mutex> lk(emu_mbar_mu);
-    EmuMbar* b = emu_mbar_at_locked(addr);
+      EmuMbar* b = emu_mbar_at_locked(addr);
     if (b == nullptr) return;
     ++b->pending;
   }
@@ -462,9 +501,7 @@ inline void emu_tma_load(uint32_t dst, const void* map, const int* c, int rank, 
 // setmaxnreg.{inc,dec}.sync.aligned.u32 n: per-thread register budgets moved between the warpgroups of a CTA.
 // The CTA starts with the kernel's register cap per thread (ptxas: 65536 / threads, a multiple of 8); dec
 // returns cap - n registers per thread to the CTA's pool, inc takes n - cap from it and waits until the pool
-// has them (so an inc the decs never cover is a deadlock: recorded after the timeout).
-inline std::mutex emu_reg_mu;
-inline std::condition_variable emu_reg_cv;
+// has them (so an inc the decs never cover is a deadlock, recorded).
 inline long long emu_reg_pool = 0;  // of the running block
 inline int emu_reg_cap() {
   const unsigned nt = blockDim.x * blockDim.y * blockDim.z;
@@ -478,16 +515,13 @@ inline bool emu_setmaxnreg_count_ok(int n) {
 inline void emu_setmaxnreg_dec(int n) {
   if (!emu_setmaxnreg_count_ok(n)) return;
   if (n > emu_reg_cap()) emu_error("setmaxnreg.dec above the kernel's register cap");
-  std::lock_guard<std::mutex> lk(emu_reg_mu);
   emu_reg_pool += emu_reg_cap() - n;
-  emu_reg_cv.notify_all();
 }
 inline void emu_setmaxnreg_inc(int n) {
   if (!emu_setmaxnreg_count_ok(n)) return;
   const long long need = n - emu_reg_cap();
   if (need < 0) emu_error("setmaxnreg.inc below the kernel's register cap");
-  std::unique_lock<std::mutex> lk(emu_reg_mu);
-  if (emu_wait_until(emu_reg_cv, lk, [&] { return emu_reg_pool >= need; },
+  if (emu_wait_until([&] { return emu_reg_pool >= need; },
                      "setmaxnreg.inc (the registers released by setmaxnreg.dec in the CTA do not cover it)"))
     emu_reg_pool -= need;
 }

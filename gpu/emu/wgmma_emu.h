@@ -92,9 +92,12 @@ struct EmuWgOp {
   std::vector<float> snap;  // accumulator at issue (updated when an earlier wgmma on it retires)
   std::vector<float> orig;  // accumulator at issue
 };
-inline thread_local std::vector<EmuWgOp> emu_wg_open;                 // issued, not yet committed
-inline thread_local std::deque<std::vector<EmuWgOp>> emu_wg_groups;  // committed batches, pending
-inline thread_local bool emu_wg_fenced = false;
+inline EmuPerThread<std::vector<EmuWgOp>> emu_wg_open_pt;  // issued, not yet committed
+#define emu_wg_open (emu_wg_open_pt.get())
+inline EmuPerThread<std::deque<std::vector<EmuWgOp>>> emu_wg_groups_pt;  // committed batches, pending
+#define emu_wg_groups (emu_wg_groups_pt.get())
+inline EmuPerThread<bool> emu_wg_fenced_pt{false};
+#define emu_wg_fenced (emu_wg_fenced_pt.get())
 
 // the shared-memory operands of op as this thread uses them (at issue: checks the proxy fence)
 inline void emu_wgmma_read_operands(const EmuWgOp& op, bool at_issue, std::vector<float>& bout, float (*aout)[16]) {
