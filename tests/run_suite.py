@@ -16,6 +16,7 @@ Environment: ``MPIEXEC`` (default: the venv's mpiexec, else ``mpiexec`` on PATH)
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -85,18 +86,30 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 # ------------------------------------------------------------------------------ stages
 
 
+#: lines of a stage's output kept to be shown again in the summary when the stage fails (the CI log's tail is
+#: often all one gets to read: a crash or a pytest-timeout stack dump early in a long stage scrolls away)
+TAIL_LINES = 60
+
+
 def run_stage(name: str, cmd: list[str], env: dict[str, str], timeout: float, result_file: Path):
-    """Run one stage; returns ``(exit code, counts or {}, seconds)``."""
+    """Run one stage; returns ``(exit code, counts or {}, seconds, the last TAIL_LINES lines of its output)``.
+    Its standard input is ``/dev/null``: no test waits on the terminal or on a CI runner's open pipe."""
     print(f"\n### stage {name}: {' '.join(cmd)}", flush=True)
     result_file.unlink(missing_ok=True)
     env = dict(env, **{RESULT_ENV: str(result_file)})
     t0 = time.time()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     text_summary: dict[str, int] = {}
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    interesting: list[str] = []  # pytest-timeout's banner and the first lines after it
     assert proc.stdout is not None
     try:
         for line in proc.stdout:
             sys.stdout.write(line)
+            tail.append(line)
+            if "Timeout" in line and "+++" in line or 0 < len(interesting) < TAIL_LINES:
+                interesting.append(line)
             m = SUMMARY.search(ANSI.sub("", line))
             if m:
                 text_summary = counts(m.group(1))
@@ -105,7 +118,7 @@ def run_stage(name: str, cmd: list[str], env: dict[str, str], timeout: float, re
         proc.kill()
         proc.wait()
         print(f"### stage {name}: TIMED OUT after {timeout:.0f}s (deadlock?)", flush=True)
-        return 124, text_summary, time.time() - t0
+        return 124, text_summary, time.time() - t0, [*interesting, *tail]
     seconds = time.time() - t0
     summary = text_summary
     if result_file.exists():
@@ -114,7 +127,7 @@ def run_stage(name: str, cmd: list[str], env: dict[str, str], timeout: float, re
         if not summary and data.get("exitstatus") == 5:  # no tests collected
             summary = {"passed": 0}
     print(f"### stage {name}: exit {rc} in {seconds:.1f}s", flush=True)
-    return rc, summary, seconds
+    return rc, summary, seconds, [*interesting, *tail]
 
 
 def main() -> int:
@@ -142,22 +155,26 @@ def main() -> int:
     results = []
     try:
         serial = [*pytest, *(["-m", "not emulation"] if args.no_emulation else []), *args.pytest_args]
-        rc, summ, sec = run_stage("serial (1 process)", serial, env, 3 * stage_timeout,
-                                  workdir / "serial.json")
-        results.append(("serial", rc, summ, sec))
+        rc, summ, sec, tail = run_stage("serial (1 process)", serial, env, 3 * stage_timeout,
+                                        workdir / "serial.json")
+        results.append(("serial", rc, summ, sec, tail))
         if not args.serial_only:
             mpiexec = find_mpiexec()
             for n in args.ranks.split():
                 cmd = [mpiexec, "-n", n, *pytest, "-m", "mpi", *args.pytest_args]
-                rc, summ, sec = run_stage(f"mpiexec -n {n}", cmd, env, stage_timeout, workdir / f"n{n}.json")
-                results.append((f"n={n}", rc, summ, sec))
+                rc, summ, sec, tail = run_stage(f"mpiexec -n {n}", cmd, env, stage_timeout, workdir / f"n{n}.json")
+                results.append((f"n={n}", rc, summ, sec, tail))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
     total: dict[str, int] = {}
+    bad_stages = [(name, tail) for name, rc, summ, _, tail in results if rc not in (0, 5) or not summ]
+    for name, tail in bad_stages:  # again, so that the end of the log says why
+        print(f"\n### stage {name} failed; the end of its output (and a pytest-timeout dump, if any):")
+        sys.stdout.write("".join(tail))
     print("\n### summary")
     ok = True
-    for name, rc, summ, sec in results:
+    for name, rc, summ, sec, _ in results:
         for k, v in summ.items():
             total[k] = total.get(k, 0) + v
         bad = rc not in (0, 5) or not summ

@@ -84,3 +84,21 @@ def test_stage_counts_come_from_the_result_file_not_the_colours(tmp_path):
 
     summary = [line for line in out.splitlines() if "passed" in line and " in " in line]
     assert summary and counts(summary[-1]) == {"failed": 1, "passed": 1}, out
+
+
+def test_a_stage_that_dies_keeps_its_reason_for_the_summary(tmp_path):
+    """A stage that ends without a summary (pytest-timeout's os._exit after its stack dump, a crash): run_stage
+    returns the dump's first lines and the output's last ones, which main() prints again before the summary; the
+    stage's standard input is /dev/null (a test that reads it gets EOF at once instead of waiting on CI's pipe)."""
+    sys.path.insert(0, str(HERE))
+    from run_suite import TAIL_LINES, run_stage
+
+    code = ("import sys\nprint('+' * 20, 'Timeout', '+' * 20)\nprint('File test_x.py, line 7 in test_hangs')\n"
+            "for i in range(500): print('filler', i)\nprint('stdin gave', repr(sys.stdin.read()))\nsys.exit(1)\n")
+    rc, summary, _, tail = run_stage("probe", [sys.executable, "-c", code], dict(os.environ), 60,
+                                     tmp_path / "none.json")
+    assert rc == 1 and summary == {}
+    text = "".join(tail)
+    assert "Timeout" in tail[0] and "line 7 in test_hangs" in tail[1], text
+    assert "stdin gave ''" in tail[-1] and "filler 499" in text and "filler 250" not in text, text
+    assert len(tail) <= 2 * TAIL_LINES
