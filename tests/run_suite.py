@@ -168,19 +168,18 @@ def main() -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
     total: dict[str, int] = {}
-    bad_stages = [(name, tail) for name, rc, summ, _, tail in results if rc not in (0, 5) or not summ]
-    for name, tail in bad_stages:  # again, so that the end of the log says why
-        print(f"\n### stage {name} failed; the end of its output (and a pytest-timeout dump, if any):")
-        sys.stdout.write("".join(tail))
+    bad = {name: rc not in (0, 5) or not summ for name, rc, summ, _, _ in results}
+    for name, _, _, _, tail in results:
+        if bad[name]:  # again, so that the end of the log says why
+            print(f"\n### stage {name} failed; the end of its output (and a pytest-timeout dump, if any):")
+            sys.stdout.write("".join(tail))
     print("\n### summary")
-    ok = True
+    ok = not any(bad.values())
     for name, rc, summ, sec, _ in results:
         for k, v in summ.items():
             total[k] = total.get(k, 0) + v
-        bad = rc not in (0, 5) or not summ
-        ok &= not bad
         desc = ", ".join(f"{v} {k}" for k, v in summ.items()) or "no summary"
-        print(f"  {name:10s} exit {rc:3d}  {sec:6.0f} s  {desc}{'  <-- FAILED' if bad else ''}")
+        print(f"  {name:10s} exit {rc:3d}  {sec:6.0f} s  {desc}{'  <-- FAILED' if bad[name] else ''}")
     failed = total.get("failed", 0) + total.get("errors", 0)
     if not ok and failed == 0:
         failed = 1  # a stage crashed or timed out without reporting a failed test

@@ -76,13 +76,12 @@ struct EmuStacks {
 inline EmuStacks emu_stacks;
 
 // one fiber's body: the kernel, the exit checks, then back to the launcher for good
-struct EmuFiberStart {
-  std::function<void()> body;
-};
-inline EmuFiberStart emu_fiber_start;
+inline std::function<void()> emu_fiber_body;  // the kernel with the launch's arguments
+inline std::vector<char> emu_ended;           // per thread of the running block
 inline void emu_fiber_entry() {
-  emu_fiber_start.body();
+  emu_fiber_body();
   emu_thread_exit_checks();
+  emu_ended[emu_cur] = 1;
   --emu_live;
   emu_idle = 0;
 }
@@ -101,7 +100,7 @@ void emu_launch(void (*k)(A...), dim3 grid, dim3 block, std::size_t smem_bytes, 
   emu_wait_abandoned = false;
   blockDim = block;
   gridDim = grid;
-  emu_fiber_start.body = [=] { emu_call(k, args, std::index_sequence_for<A...>{}); };
+  emu_fiber_body = [=] { emu_call(k, args, std::index_sequence_for<A...>{}); };
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
@@ -125,7 +124,7 @@ void emu_launch(void (*k)(A...), dim3 grid, dim3 block, std::size_t smem_bytes, 
         for (unsigned t = 0; t < nt; ++t)
           emu_thread_idx.v[t] = dim3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
         emu_fibers.assign(nt, ucontext_t{});
-        std::vector<char> done(nt, 0);
+        emu_ended.assign(nt, 0);
         for (unsigned t = 0; t < nt; ++t) {
           getcontext(&emu_fibers[t]);
           emu_fibers[t].uc_stack.ss_sp = emu_stacks.get(t);
@@ -137,11 +136,9 @@ void emu_launch(void (*k)(A...), dim3 grid, dim3 block, std::size_t smem_bytes, 
         emu_idle = 0;
         while (emu_live > 0)  // round robin over the threads that have not ended
           for (unsigned t = 0; t < nt; ++t) {
-            if (done[t]) continue;
+            if (emu_ended[t]) continue;
             emu_cur = (int)t;
-            const int live = emu_live;
             swapcontext(&emu_sched_ctx, &emu_fibers[t]);
-            if (emu_live < live) done[t] = 1;
           }
         emu_named_exit_checks();
       }

@@ -6,7 +6,6 @@
 #pragma once
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstdint>
@@ -17,7 +16,6 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -117,10 +115,8 @@ inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp().bar->arrive_and_wait
 // ---------------------------------------------------------------- checks (counted per launch)
 
 inline std::atomic<int> emu_error_count{0};
-inline std::mutex emu_error_mu;
 inline std::string emu_error_first;  // the first message of the launch
 inline void emu_error(const std::string& msg) {
-  std::lock_guard<std::mutex> g(emu_error_mu);
   if (emu_error_count.fetch_add(1) == 0)
     emu_error_first = msg + " (block " + std::to_string(blockIdx.x) + ", thread " + std::to_string(emu_tid()) + ")";
 }
