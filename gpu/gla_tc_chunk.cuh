@@ -579,3 +579,196 @@ GLA_DEVICE void gt_dA_store_lo(u16* dAsl, const u16* lo, int I, int J, int lane)
       dAsl[(16 * I + tl) * L::AP + 16 * J + sl] = lo[4 * nt + i];
     }
 }
+
+// ---- backward stages C, D, E of one chunk (glatc_bwd over all of K, glatc_bwd_kt over one tile of K) -----------------
+// Inputs: dA' (hi dAs + lo dAsl, [64, AP]), the score operands Qh, Kh, Ko, raw q, k (Qr, Kr), the cumulative gate bs
+// and its block rows R, E (bL = E row 3), rowsum(h dS) rs and X2 in shared memory; the inter-chunk terms already in
+// this warp's accq, acck, dG (rows 16 RB.., column groups q0..q1-1 of the tile). (C) dq, (D) dk, then dG through
+// dGs (which aliases the zone of Qh, Kh, Ko: a barrier separates them) and (E) dg = its reverse cumulative sum in the
+// chunk + exp(bL) rowsum(h dS) + X2. dq, dk, dg point at the tile's first column (rows of W = K elements).
+struct GtBwdShared {
+  const u16 *dAs, *dAsl, *Qh, *Kh, *Ko, *Qr, *Kr;
+  const float *bs, *R, *E, *rs, *X2;
+  float* dGs;
+};
+template <typename T, int KM>
+GLA_DEVICE void gt_bwd_dq_dk_dg(const GtBwdShared& S, float (&accq)[KM / 16][4], float (&acck)[KM / 16][4],
+                                float (&dG)[KM / 16][4], const float (&spn)[4], float span_limit, T* __restrict__ dq,
+                                T* __restrict__ dk, T* __restrict__ dg, int b, int h, int t0, int len, int Tlen,
+                                int H, int K, int RB, int npk, int q0, int q1, int gid, int tig, int lane, bool actK,
+                                int c0, int qr) {
+  using L = GtLayout<KM>;
+  constexpr int P = L::P, AP = L::AP, BP = L::BP;
+  constexpr int NPW = KM / 32;
+  const u16 *dAs = S.dAs, *dAsl = S.dAsl, *Qh = S.Qh, *Kh = S.Kh, *Ko = S.Ko, *Qr = S.Qr, *Kr = S.Kr;
+  const float *bs = S.bs, *R = S.R, *E = S.E, *rs = S.rs, *X2 = S.X2;
+  float* dGs = S.dGs;
+  // ---- (C) dq: rows I = RB -----------------------------------------------------------------------------------------
+  if (q0 < npk) {
+    const int I = RB;
+    const bool tcdiag = spn[I] <= span_limit;
+    float P_[2 * NPW][4];
+#pragma unroll
+    for (int n = 0; n < 2 * NPW; ++n) P_[n][0] = P_[n][1] = P_[n][2] = P_[n][3] = 0.f;
+    for (int J = 0; J <= I; ++J) {
+      if (J == I && !tcdiag) break;
+      const u16* Bop = J == I ? Kh + 16 * I * P : Ko + (I * (I - 1) / 2 + J) * 16 * P;
+      u32 a[4], al[4];
+      frag_a(a, dAs, AP, 16 * I, 16 * J, gid, tig);
+      frag_a(al, dAsl, AP, 16 * I, 16 * J, gid, tig);
+#pragma unroll
+      for (int pp = 0; pp < NPW; ++pp) {
+        if (q0 + pp < q1) {
+          u32 b0[2], b1[2];
+          frag_b2_rowmajor(b0, b1, Bop, P, 0, 16 * (q0 + pp), lane);
+          Mma<T>::mma(P_[2 * pp], a, b0);
+          Mma<T>::mma(P_[2 * pp + 1], a, b1);
+          Mma<T>::mma(P_[2 * pp], al, b0);
+          Mma<T>::mma(P_[2 * pp + 1], al, b1);
+        }
+      }
+    }
+#pragma unroll
+    for (int pp = 0; pp < NPW; ++pp) {
+      if (q0 + pp < q1) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+          for (int r2 = 0; r2 < 2; ++r2)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              const int col = 16 * (q0 + pp) + 8 * hh + 2 * tig + j, t = 16 * I + gid + 8 * r2;
+              const float bt = bs[t * BP + col], pv = P_[2 * pp + hh][2 * r2 + j];
+              float dqv = accq[2 * pp + hh][2 * r2 + j] + dexp(bt - R[I * KM + col]) * pv;
+              float dgv = dG[2 * pp + hh][2 * r2 + j] + bits_to_f<T>(Qh[t * P + col]) * pv;
+              if (!tcdiag && t < len) {  // exact diagonal block (fp32)
+                float e = 0.f;
+                for (int s = 16 * I; s <= t; ++s)
+                  e += (bits_to_f<T>(dAs[t * AP + s]) + bits_to_f<T>(dAsl[t * AP + s])) * bits_to_f<T>(Kr[s * P + col]) *
+                       dexp(bt - bs[s * BP + col]);
+                dqv += e;
+                dgv += bits_to_f<T>(Qr[t * P + col]) * e;
+              }
+              accq[2 * pp + hh][2 * r2 + j] = dqv;
+              dG[2 * pp + hh][2 * r2 + j] = dgv;
+            }
+      }
+    }
+    gt_store_tile<T, NPW>(dq, accq, b, h, t0, len, Tlen, H, K, RB, q0, q1, gid, tig);
+  }
+
+  // ---- (D) dk: rows J = RB -----------------------------------------------------------------------------------------
+  if (q0 < npk) {
+    const int J = RB;
+    const bool tcdiag = spn[J] <= span_limit;
+    for (int I = 3; I >= J; --I) {
+      if (I == J && !tcdiag) break;
+      float P_[2 * NPW][4];
+#pragma unroll
+      for (int n = 0; n < 2 * NPW; ++n) P_[n][0] = P_[n][1] = P_[n][2] = P_[n][3] = 0.f;
+      u32 a[4], al[4];
+      frag_a_trans(a, dAs, AP, 16 * I, 16 * J, lane);
+      frag_a_trans(al, dAsl, AP, 16 * I, 16 * J, lane);
+#pragma unroll
+      for (int pp = 0; pp < NPW; ++pp) {
+        if (q0 + pp < q1) {
+          u32 b0[2], b1[2];
+          frag_b2_rowmajor(b0, b1, Qh, P, 16 * I, 16 * (q0 + pp), lane);
+          Mma<T>::mma(P_[2 * pp], a, b0);
+          Mma<T>::mma(P_[2 * pp + 1], a, b1);
+          Mma<T>::mma(P_[2 * pp], al, b0);
+          Mma<T>::mma(P_[2 * pp + 1], al, b1);
+        }
+      }
+      const u16* Kp = I == J ? Kh + 16 * J * P : Ko + (I * (I - 1) / 2 + J) * 16 * P;  // rows s - 16 J
+#pragma unroll
+      for (int pp = 0; pp < NPW; ++pp) {
+        if (q0 + pp < q1) {
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+            for (int r2 = 0; r2 < 2; ++r2)
+#pragma unroll
+              for (int j = 0; j < 2; ++j) {
+                const int col = 16 * (q0 + pp) + 8 * hh + 2 * tig + j, sl = gid + 8 * r2, s = 16 * J + sl;
+                const float pv = P_[2 * pp + hh][2 * r2 + j];
+                acck[2 * pp + hh][2 * r2 + j] += dexp(fminf(R[I * KM + col] - bs[s * BP + col], span_limit)) * pv;
+                dG[2 * pp + hh][2 * r2 + j] -= bits_to_f<T>(Kp[sl * P + col]) * pv;
+              }
+        }
+      }
+    }
+    if (!tcdiag) {  // exact diagonal block (fp32)
+#pragma unroll
+      for (int pp = 0; pp < NPW; ++pp) {
+        if (q0 + pp < q1) {
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+            for (int r2 = 0; r2 < 2; ++r2)
+#pragma unroll
+              for (int j = 0; j < 2; ++j) {
+                const int col = 16 * (q0 + pp) + 8 * hh + 2 * tig + j, s = 16 * J + gid + 8 * r2;
+                if (s < len) {
+                  const float bsv = bs[s * BP + col];
+                  float e = 0.f;
+                  for (int t = s; t < 16 * J + 16; ++t)
+                    e += (bits_to_f<T>(dAs[t * AP + s]) + bits_to_f<T>(dAsl[t * AP + s])) *
+                         bits_to_f<T>(Qr[t * P + col]) * dexp(bs[t * BP + col] - bsv);
+                  acck[2 * pp + hh][2 * r2 + j] += e;
+                  dG[2 * pp + hh][2 * r2 + j] -= bits_to_f<T>(Kr[s * P + col]) * e;
+                }
+              }
+        }
+      }
+    }
+    gt_store_tile<T, NPW>(dk, acck, b, h, t0, len, Tlen, H, K, RB, q0, q1, gid, tig);
+  }
+  __syncthreads();  // Qh, Kh, Ko are dead: Z <- dG (fp32)
+  if (q0 < npk) {
+#pragma unroll
+    for (int pp = 0; pp < NPW; ++pp) {
+      if (q0 + pp < q1) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int col = 16 * (q0 + pp) + 8 * hh + 2 * tig, t = 16 * RB + gid;
+          *reinterpret_cast<F2*>(dGs + t * BP + col) = F2{dG[2 * pp + hh][0], dG[2 * pp + hh][1]};
+          *reinterpret_cast<F2*>(dGs + (t + 8) * BP + col) = F2{dG[2 * pp + hh][2], dG[2 * pp + hh][3]};
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- (E) dg = reverse cumulative sum of dG in the chunk + exp(bL) rowsum(h * dS) + X2 ------------------------------
+  {
+    float x[4][8];
+#pragma unroll
+    for (int I = 0; I < 4; ++I) {
+      if (actK) {
+        gt_ld8f(x[I], dGs + (qr + 16 * I) * BP + c0);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) x[I][j] = 0.f;
+      }
+    }
+    gt_chunk_revcumsum(x, qr);
+    if (actK) {
+      float xe[8], eL[8], rsv[8], x2[8];
+      gt_ld8f(eL, E + 3 * KM + c0);
+      gt_ld8f(rsv, rs + c0);
+      gt_ld8f(x2, X2 + c0);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) xe[j] = dexp(eL[j]) * rsv[j] + x2[j];
+#pragma unroll
+      for (int I = 0; I < 4; ++I) {
+        const int t = qr + 16 * I;
+        if (t < len) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) x[I][j] += xe[j];
+          gt_st16(dg + ((i64)(b * Tlen + t0 + t) * H + h) * K + c0, gt_pack<T>(x[I]));
+        }
+      }
+    }
+  }
+}
