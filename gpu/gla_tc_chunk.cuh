@@ -580,6 +580,84 @@ GLA_DEVICE void gt_dA_store_lo(u16* dAsl, const u16* lo, int I, int J, int lane)
     }
 }
 
+// ---- backward inter-chunk terms of one chunk (glatc_bwd, glatc_bwd_kt) ----------------------------------------------
+// accq += do h^T, acck += v dS^T over n16 16-column steps of V (rows 16 RB.., column groups q0..q1-1 of the K tile):
+// DOs, Vs [64, P] hold do and v, Hs and Ds [KM, P] the chunk's h and dS (K rows, V columns).
+template <typename T, int KM>
+GLA_DEVICE void gt_bwd_inter_products(float (&accq)[KM / 16][4], float (&acck)[KM / 16][4], const u16* DOs,
+                                      const u16* Vs, const u16* Hs, const u16* Ds, int n16, int RB, int q0, int q1,
+                                      int gid, int tig) {
+  constexpr int P = GtLayout<KM>::P, NPW = KM / 32;
+  for (int ks = 0; ks < n16; ++ks) {  // do h^T, v dS^T (rows RB, K columns q0..)
+    u32 aq[4], ak[4];
+    frag_a(aq, DOs, P, 16 * RB, 16 * ks, gid, tig);
+    frag_a(ak, Vs, P, 16 * RB, 16 * ks, gid, tig);
+#pragma unroll
+    for (int pp = 0; pp < NPW; ++pp) {
+      if (q0 + pp < q1) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          u32 bb[2];
+          frag_b(bb, Hs, P, 16 * (q0 + pp) + 8 * hh, 16 * ks, gid, tig);
+          Mma<T>::mma(accq[2 * pp + hh], aq, bb);
+          frag_b(bb, Ds, P, 16 * (q0 + pp) + 8 * hh, 16 * ks, gid, tig);
+          Mma<T>::mma(acck[2 * pp + hh], ak, bb);
+        }
+      }
+    }
+  }
+}
+
+// the inter parts as dq, dk: dq = scale exp(b) (do h^T), dk = exp(bL - b) (v dS^T); dG = q dq - k dk of them;
+// X2[k] += sum_s k_s dk_s (the same fp32 values; per column of the tile, in shared memory)
+template <typename T, int KM>
+GLA_DEVICE void gt_bwd_inter_finish(float (&accq)[KM / 16][4], float (&acck)[KM / 16][4], float (&dG)[KM / 16][4],
+                                    const float* bs, const float* E, const u16* Qr, const u16* Kr, float* X2,
+                                    float scale, int RB, int q0, int q1, int gid, int tig) {
+  using L = GtLayout<KM>;
+  constexpr int P = L::P, BP = L::BP, NPW = KM / 32;
+  float part[4 * NPW];
+#pragma unroll
+  for (int i = 0; i < 4 * NPW; ++i) part[i] = 0.f;
+#pragma unroll
+  for (int pp = 0; pp < NPW; ++pp) {
+    if (q0 + pp < q1) {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+        for (int r2 = 0; r2 < 2; ++r2)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int col = 16 * (q0 + pp) + 8 * hh + 2 * tig + j, t = 16 * RB + gid + 8 * r2;
+            const float bt = bs[t * BP + col];
+            const float dqi = scale * dexp(bt) * accq[2 * pp + hh][2 * r2 + j];
+            const float dki = dexp(E[3 * KM + col] - bt) * acck[2 * pp + hh][2 * r2 + j];
+            const float kv = bits_to_f<T>(Kr[t * P + col]);
+            accq[2 * pp + hh][2 * r2 + j] = dqi;
+            acck[2 * pp + hh][2 * r2 + j] = dki;
+            dG[2 * pp + hh][2 * r2 + j] = bits_to_f<T>(Qr[t * P + col]) * dqi - kv * dki;
+            part[4 * pp + 2 * hh + j] += kv * dki;
+          }
+    }
+  }
+  float y[4 * NPW];
+#pragma unroll
+  for (int m = 4; m < 32; m *= 2) {
+    gt_shfl<3, 4 * NPW>(y, part, m, 32);
+#pragma unroll
+    for (int i = 0; i < 4 * NPW; ++i) part[i] += y[i];
+  }
+  if (gid == 0) {
+#pragma unroll
+    for (int pp = 0; pp < NPW; ++pp)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+          if (q0 + pp < q1) gt_atomic_add(X2 + 16 * (q0 + pp) + 8 * hh + 2 * tig + j, part[4 * pp + 2 * hh + j]);
+  }
+}
+
 // ---- backward stages C, D, E of one chunk (glatc_bwd over all of K, glatc_bwd_kt over one tile of K) -----------------
 // Inputs: dA' (hi dAs + lo dAsl, [64, AP]), the score operands Qh, Kh, Ko, raw q, k (Qr, Kr), the cumulative gate bs
 // and its block rows R, E (bL = E row 3), rowsum(h dS) rs and X2 in shared memory; the inter-chunk terms already in

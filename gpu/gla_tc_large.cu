@@ -500,24 +500,7 @@ __global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
         }
       }
     }
-    for (int ks = 0; ks < vp / 16; ++ks) {  // do h^T, v dS^T (rows RB, K columns q0..)
-      u32 aq[4], ak[4];
-      frag_a(aq, DOs, P, 16 * RB, 16 * ks, gid, tig);
-      frag_a(ak, Vs, P, 16 * RB, 16 * ks, gid, tig);
-#pragma unroll
-      for (int pp = 0; pp < NPW; ++pp) {
-        if (q0 + pp < q1) {
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            u32 bb[2];
-            frag_b(bb, Hs, P, 16 * (q0 + pp) + 8 * hh, 16 * ks, gid, tig);
-            Mma<T>::mma(accq[2 * pp + hh], aq, bb);
-            frag_b(bb, Ds, P, 16 * (q0 + pp) + 8 * hh, 16 * ks, gid, tig);
-            Mma<T>::mma(acck[2 * pp + hh], ak, bb);
-          }
-        }
-      }
-    }
+    gt_bwd_inter_products<T, KM>(accq, acck, DOs, Vs, Hs, Ds, vp / 16, RB, q0, q1, gid, tig);
     __syncthreads();  // the piece's tiles are read
   }
 #pragma unroll
@@ -529,48 +512,7 @@ __global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
       gt_score_store<T, KM>(dAs, dAsl, dA[n], scale, I, J, gid, tig);
     }
   }
-  {  // dq, dk inter parts; dG = q dq - k dk of them; X2[k] += sum_s k_s dk_s (the same fp32 values)
-    float part[4 * NPW];
-#pragma unroll
-    for (int i = 0; i < 4 * NPW; ++i) part[i] = 0.f;
-#pragma unroll
-    for (int pp = 0; pp < NPW; ++pp) {
-      if (q0 + pp < q1) {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-          for (int r2 = 0; r2 < 2; ++r2)
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-              const int col = 16 * (q0 + pp) + 8 * hh + 2 * tig + j, t = 16 * RB + gid + 8 * r2;
-              const float bt = bs[t * BP + col];
-              const float dqi = scale * dexp(bt) * accq[2 * pp + hh][2 * r2 + j];
-              const float dki = dexp(E[3 * KM + col] - bt) * acck[2 * pp + hh][2 * r2 + j];
-              const float kv = bits_to_f<T>(Kr[t * P + col]);
-              accq[2 * pp + hh][2 * r2 + j] = dqi;
-              acck[2 * pp + hh][2 * r2 + j] = dki;
-              dG[2 * pp + hh][2 * r2 + j] = bits_to_f<T>(Qr[t * P + col]) * dqi - kv * dki;
-              part[4 * pp + 2 * hh + j] += kv * dki;
-            }
-      }
-    }
-    float y[4 * NPW];
-#pragma unroll
-    for (int m = 4; m < 32; m *= 2) {
-      gt_shfl<3, 4 * NPW>(y, part, m, 32);
-#pragma unroll
-      for (int i = 0; i < 4 * NPW; ++i) part[i] += y[i];
-    }
-    if (gid == 0) {
-#pragma unroll
-      for (int pp = 0; pp < NPW; ++pp)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-          for (int j = 0; j < 2; ++j)
-            if (q0 + pp < q1) gt_atomic_add(X2 + 16 * (q0 + pp) + 8 * hh + 2 * tig + j, part[4 * pp + 2 * hh + j]);
-    }
-  }
+  gt_bwd_inter_finish<T, KM>(accq, acck, dG, bs, E, Qr, Kr, X2, scale, RB, q0, q1, gid, tig);
   if (actK) {  // Z <- Qh, Kh, Ko (the zone's last readers passed the barrier above)
     V16 qv[4], kv[4];
 #pragma unroll
