@@ -316,13 +316,17 @@ GLA_DEVICE void gt_ld8f_or0(float* f, const float* p, bool ok) {
     for (int j = 0; j < 8; ++j) f[j] = 0.f;
   }
 }
-// NB pieces per batch: a batch's loads are issued together, then converted and stored
-template <typename T, bool F32S, int KM, int NB>
-GLA_DEVICE void gt_state_operands(u16* dstH, const void* Hc, const float* Sf, const float* p, u16* dstD,
-                                  const void* Dc, const float* Df, const float* pd, float* rs, int K, int V) {
-  constexpr int P = GtLayout<KM>::P, NIT = KM * KM / 8 / 256;
+// dst[kk][c] (16-bit, row stride ld) = Hc[kk][c] + exp(p[kk]) Sf[kk][c] for kk < rows, c < cols (multiple of 8) of
+// global tiles with row stride ldg (the pointers already at the tile's first element; Sf may be null); with dstD the
+// same for a second state (Dc, Df, pd) and rs[kk] += sum_c h[kk][c] dS[kk][c] (fp32 before rounding). 256 threads;
+// the loads of NB pieces of 8 are issued together.
+template <typename T, bool F32S, int MAXR, int MAXC, int NB>
+GLA_DEVICE void gt_state_tile(u16* dstH, int ld, const void* Hc, const float* Sf, const float* p, u16* dstD,
+                              const void* Dc, const float* Df, const float* pd, float* rs, int rows, int cols,
+                              int ldg) {
+  constexpr int NIT = MAXR * MAXC / 8 / 256;
   static_assert(NIT % NB == 0, "batches must divide the pieces");
-  const int v8 = V / 8, n = K * v8;
+  const int c8 = cols / 8, n = rows * c8;
 #pragma unroll
   for (int i0 = 0; i0 < NIT; i0 += NB) {
     float hv[NB][8], sv[NB][8], ph[NB], dv[NB][8], dsv[NB][8], pdv[NB];
@@ -330,8 +334,8 @@ GLA_DEVICE void gt_state_operands(u16* dstH, const void* Hc, const float* Sf, co
     for (int i = 0; i < NB; ++i) {  // loads
       const int e = threadIdx.x + 256 * (i0 + i);
       const bool ok = e < n;
-      const int kk = ok ? e / v8 : 0;
-      const i64 off = ok ? (i64)kk * V + (e % v8) * 8 : 0;
+      const int kk = ok ? e / c8 : 0;
+      const i64 off = ok ? (i64)kk * ldg + (e % c8) * 8 : 0;
       gt_load8_state_or0<T, F32S>(hv[i], Hc, off, ok);
       gt_ld8f_or0(sv[i], Sf + off, ok && Sf != nullptr);
       ph[i] = (ok && Sf != nullptr) ? p[kk] : 0.f;
@@ -342,14 +346,14 @@ GLA_DEVICE void gt_state_operands(u16* dstH, const void* Hc, const float* Sf, co
       }
     }
 #pragma unroll
-    for (int i = 0; i < NB; ++i) {  // h = Hc + exp(p) S (and the same for dS), 16-bit to shared memory
+    for (int i = 0; i < NB; ++i) {
       const int e = threadIdx.x + 256 * (i0 + i);
       if (e < n) {
-        const int kk = e / v8, c = (e % v8) * 8;
+        const int kk = e / c8, c = (e % c8) * 8;
         const float f = dexp(ph[i]);
 #pragma unroll
         for (int j = 0; j < 8; ++j) hv[i][j] += f * sv[i][j];
-        gt_st16(dstH + kk * P + c, gt_pack<T>(hv[i]));
+        gt_st16(dstH + kk * ld + c, gt_pack<T>(hv[i]));
         if (dstD != nullptr) {
           const float fd = dexp(pdv[i]);
           float acc = 0.f;
@@ -358,12 +362,19 @@ GLA_DEVICE void gt_state_operands(u16* dstH, const void* Hc, const float* Sf, co
             dv[i][j] += fd * dsv[i][j];
             acc += hv[i][j] * dv[i][j];
           }
-          gt_st16(dstD + kk * P + c, gt_pack<T>(dv[i]));
+          gt_st16(dstD + kk * ld + c, gt_pack<T>(dv[i]));
           gt_atomic_add(rs + kk, acc);
         }
       }
     }
   }
+}
+
+// the whole chunk state (K rows, V columns) into dstH (and dstD) at row stride P: gt_state_tile over all of it
+template <typename T, bool F32S, int KM, int NB>
+GLA_DEVICE void gt_state_operands(u16* dstH, const void* Hc, const float* Sf, const float* p, u16* dstD,
+                                  const void* Dc, const float* Df, const float* pd, float* rs, int K, int V) {
+  gt_state_tile<T, F32S, KM, KM, NB>(dstH, GtLayout<KM>::P, Hc, Sf, p, dstD, Dc, Df, pd, rs, K, V, V);
 }
 
 // ---- intra-chunk scores: one 16 x 16 block (I >= J) of alpha * A, A_ts = sum_k q_tk k_sk exp(b_tk - b_sk) --------

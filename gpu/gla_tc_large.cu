@@ -30,60 +30,6 @@
 #define GL_OPAQUE(x) ((void)0)
 #endif
 
-// dst[kk][c] (16-bit, row stride ld) = Hc[kk][c] + exp(p[kk]) Sf[kk][c] for kk < rows, c < cols (multiple of 8) of
-// global tiles with row stride ldg (the pointers already at the tile's first element; Sf may be null); with dstD the
-// same for a second state (Dc, Df, pd) and rs[kk] += sum_c h[kk][c] dS[kk][c] (fp32 before rounding). 256 threads;
-// the loads of NB pieces of 8 are issued together.
-template <typename T, bool F32S, int MAXR, int MAXC, int NB>
-GLA_DEVICE void gl_state_tile(u16* dstH, int ld, const void* Hc, const float* Sf, const float* p, u16* dstD,
-                              const void* Dc, const float* Df, const float* pd, float* rs, int rows, int cols,
-                              int ldg) {
-  constexpr int NIT = MAXR * MAXC / 8 / 256;
-  static_assert(NIT % NB == 0, "batches must divide the pieces");
-  const int c8 = cols / 8, n = rows * c8;
-#pragma unroll
-  for (int i0 = 0; i0 < NIT; i0 += NB) {
-    float hv[NB][8], sv[NB][8], ph[NB], dv[NB][8], dsv[NB][8], pdv[NB];
-#pragma unroll
-    for (int i = 0; i < NB; ++i) {  // loads
-      const int e = threadIdx.x + 256 * (i0 + i);
-      const bool ok = e < n;
-      const int kk = ok ? e / c8 : 0;
-      const i64 off = ok ? (i64)kk * ldg + (e % c8) * 8 : 0;
-      gt_load8_state_or0<T, F32S>(hv[i], Hc, off, ok);
-      gt_ld8f_or0(sv[i], Sf + off, ok && Sf != nullptr);
-      ph[i] = (ok && Sf != nullptr) ? p[kk] : 0.f;
-      if (dstD != nullptr) {
-        gt_load8_state_or0<T, F32S>(dv[i], Dc, off, ok);
-        gt_ld8f_or0(dsv[i], Df + off, ok && Df != nullptr);
-        pdv[i] = (ok && Df != nullptr) ? pd[kk] : 0.f;
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < NB; ++i) {
-      const int e = threadIdx.x + 256 * (i0 + i);
-      if (e < n) {
-        const int kk = e / c8, c = (e % c8) * 8;
-        const float f = dexp(ph[i]);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) hv[i][j] += f * sv[i][j];
-        gt_st16(dstH + kk * ld + c, gt_pack<T>(hv[i]));
-        if (dstD != nullptr) {
-          const float fd = dexp(pdv[i]);
-          float acc = 0.f;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            dv[i][j] += fd * dsv[i][j];
-            acc += hv[i][j] * dv[i][j];
-          }
-          gt_st16(dstD + kk * ld + c, gt_pack<T>(dv[i]));
-          gt_atomic_add(rs + kk, acc);
-        }
-      }
-    }
-  }
-}
-
 // gt_chunk_cumsum (the inclusive cumulative sum down the chunk of x[I][j], row qr + 16 I) one sub-chunk at a time:
 // the same additions in the same order (the same bits), 8 floats of temporaries instead of 32. Half-warp collective.
 GLA_DEVICE void gl_chunk_cumsum_seq(float (*x)[8], int qr) {
@@ -300,7 +246,7 @@ GLA_DEVICE void gl_vtile(const T* __restrict__ q, const T* __restrict__ k, const
           }
         }
       }
-      gl_state_tile<T, F32S, KM, KM, F32S ? 1 : 2>(
+      gt_state_tile<T, F32S, KM, KM, F32S ? 1 : 2>(
           Ss, P, reinterpret_cast<const unsigned char*>(Hc) + (cKV + (i64)k0 * V + v0) * (F32S ? 4 : 2),
           Sf != nullptr ? Sf + sKV + (i64)k0 * V + v0 : nullptr, pc + ((i64)bh * NT + c) * K + k0, nullptr, nullptr,
           nullptr, nullptr, nullptr, kp, Vt, V);
@@ -477,7 +423,7 @@ __global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
       }
     }
     const i64 off = (i64)k0 * V + vp0;
-    gl_state_tile<T, F32S, KM, KM, KM == 64 ? 1 : 2>(
+    gt_state_tile<T, F32S, KM, KM, KM == 64 ? 1 : 2>(
         Hs, P, reinterpret_cast<const unsigned char*>(Hc) + (cKV + off) * es, Sf != nullptr ? Sf + sKV + off : nullptr,
         pcf + ((i64)bh * NT + c) * K + k0, Ds, reinterpret_cast<const unsigned char*>(Dc) + (cKV + off) * es,
         Df != nullptr ? Df + sKV + off : nullptr, pcr + ((i64)bh * NT + c) * K + k0, rs, Kt, vp, V);
