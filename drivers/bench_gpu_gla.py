@@ -10,7 +10,9 @@ process, two input sets alternating, CUDA events, warm-up excluded, median of ``
   recomputed (``chunk_gla`` then ``chunk_gla_bwd``); each kernel alone (walks, segment scans, output kernel, fused
   backward); a check against the simt kernels on the same inputs;
 - flash-linear-attention 0.6 ``chunk_gla`` forward and forward+backward (autograd), unless ``--no-fla`` or it does
-  not import; its first forward+backward per (K, V) autotunes (~150 s; keep Triton's cache between runs); beside it,
+  not import; its first forward+backward per case autotunes (150-400 s, mostly compiling: ``--fla-jobs`` compiles
+  every case of the run first in parallel processes, :mod:`hpczeco.drivers.fla_precompile`; keep Triton's cache
+  between runs); beside it,
   interleaved with it on the same torch tensors, ours through ``hpczeco.torch.chunk_gla`` (autograd), and the peak
   memory of each forward+backward above the inputs (``torch.cuda.max_memory_allocated``: ours allocates from torch's
   caching allocator under ``hpczeco.torch``, so the counter has all of it; CuPy's pool growth is recorded too);
@@ -45,6 +47,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import os
 import sys
 import time
 from typing import Any
@@ -94,6 +97,14 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                    help="also time hpczeco.gpu.gla's forward and forward+backward with these impl= values at each "
                         "shape, e.g. 'tc,simt' (the backward takes the same impl where it has it, else auto)")
     p.add_argument("--quick", action="store_true", help="the first shape only (jobs/device_session.sh)")
+    p.add_argument("--fla-jobs", type=int_range(0), default=None,
+                   help="compile fla's Triton kernels for every shape (and grid (K, V)) of the run first, in this "
+                        "many parallel processes (hpczeco.drivers.fla_precompile; the timing process then autotunes "
+                        "from Triton's cache, alone on the GPU); 0: off (default: one per case, at most half the "
+                        "host's cores)")  # fmt: skip
+    p.add_argument("--fla-jobs-timeout", type=int_range(1), default=900,
+                   help="seconds one precompile process may take before it is killed (the run then compiles the "
+                        "rest itself)")  # fmt: skip
     return p
 
 
@@ -270,6 +281,24 @@ class Bench:
                     return (time.perf_counter() - t) * 1e3
 
                 self.guarded(f"compile {file} [{group}] (NVRTC, host ms)", build, kernels=len(names))
+
+    def fla_precompile(self, shapes) -> None:
+        """``--fla-jobs``: fla's kernels for this run's cases compiled in parallel processes (``fla_precompile``)."""
+        from . import fla_precompile as fp  # noqa: PLC0415
+
+        grid_kv, grid_t = (self.grid_pairs(), self.grid_lengths()) if self.args.grid else ((), ())
+        todo = fp.cases(shapes, grid_kv, grid_t)
+        jobs = self.args.fla_jobs
+        if jobs is None:
+            jobs = max(1, min(len(todo), (os.cpu_count() or 2) // 2))
+        if jobs == 0 or not todo:
+            return
+        self.rec.say(f"fla precompile: {len(todo)} case(s) in {jobs} parallel process(es)")
+        t0 = time.perf_counter()
+        for r in fp.precompile(todo, jobs, self.args.fla_jobs_timeout, say=self.rec.say):
+            self.rec.record({"case": r.case, "s": r.seconds, "status": r.status,
+                             **({} if r.ok else {"tail": r.tail[-300:]})}, table="fla_precompile")  # fmt: skip
+        self.rec.info["fla_precompile_s"] = round(time.perf_counter() - t0, 1)
 
     # -------------------------------------------------------------------- device checks
     def device_checks(self) -> None:
@@ -590,14 +619,17 @@ class Bench:
             rec.record(out, table="variants")
 
     # -------------------------------------------------------------------- accuracy grid
+    def grid_pairs(self) -> tuple[tuple[int, int], ...]:
+        if not self.args.grid_kv:
+            return GRID_KV
+        want = {tuple(int(x) for x in item.split("x")) for item in self.args.grid_kv.split(",") if item}
+        return tuple(p for p in GRID_KV if p in want)
+
+    def grid_lengths(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in self.args.grid_t.split(",") if x) if self.args.grid_t else GRID_T
+
     def run_grid(self) -> None:
-        kv = GRID_KV
-        if self.args.grid_kv:
-            want = {tuple(int(x) for x in item.split("x")) for item in self.args.grid_kv.split(",") if item}
-            kv = tuple(p for p in GRID_KV if p in want)
-        ts = GRID_T
-        if self.args.grid_t:
-            ts = tuple(int(x) for x in self.args.grid_t.split(",") if x)
+        kv, ts = self.grid_pairs(), self.grid_lengths()
         rng = np.random.default_rng(self.seed + 7)
         for K, V in kv:
             for T in ts:
@@ -748,6 +780,8 @@ def run(args) -> int:
         return 2
     b = Bench(args, rec, cp, seed)
     b.step("setup", b.setup)
+    if b.fla is not None:
+        b.step("fla precompile", lambda: b.fla_precompile(shapes))
     b.step("compile", b.compile_kernels)
     if args.check:
         b.step("device checks", b.device_checks)
