@@ -669,7 +669,7 @@ GLA_DEVICE void gt_bwd_inter_finish(float (&accq)[KM / 16][4], float (&acck)[KM 
   }
 }
 
-// ---- backward stages C, D, E of one chunk (glatc_bwd over all of K, glatc_bwd_kt over one tile of K) -----------------
+// ---- backward stages C, D, E of one chunk (glatc_bwd over all of K, glatc_bwd_kt over one tile of K) ----------------
 // Inputs: dA' (hi dAs + lo dAsl, [64, AP]), the score operands Qh, Kh, Ko, raw q, k (Qr, Kr), the cumulative gate bs
 // and its block rows R, E (bL = E row 3), rowsum(h dS) rs and X2 in shared memory; the inter-chunk terms already in
 // this warp's accq, acck, dG (rows 16 RB.., column groups q0..q1-1 of the tile). (C) dq, (D) dk, then dG through
@@ -733,8 +733,8 @@ GLA_DEVICE void gt_bwd_dq_dk_dg(const GtBwdShared& S, float (&accq)[KM / 16][4],
               if (!tcdiag && t < len) {  // exact diagonal block (fp32)
                 float e = 0.f;
                 for (int s = 16 * I; s <= t; ++s)
-                  e += (bits_to_f<T>(dAs[t * AP + s]) + bits_to_f<T>(dAsl[t * AP + s])) * bits_to_f<T>(Kr[s * P + col]) *
-                       dexp(bt - bs[s * BP + col]);
+                  e += (bits_to_f<T>(dAs[t * AP + s]) + bits_to_f<T>(dAsl[t * AP + s])) *
+                       bits_to_f<T>(Kr[s * P + col]) * dexp(bt - bs[s * BP + col]);
                 dqv += e;
                 dgv += bits_to_f<T>(Qr[t * P + col]) * e;
               }
@@ -829,7 +829,7 @@ GLA_DEVICE void gt_bwd_dq_dk_dg(const GtBwdShared& S, float (&accq)[KM / 16][4],
   }
   __syncthreads();
 
-  // ---- (E) dg = reverse cumulative sum of dG in the chunk + exp(bL) rowsum(h * dS) + X2 ------------------------------
+  // ---- (E) dg = reverse cumulative sum of dG in the chunk + exp(bL) rowsum(h * dS) + X2 -----------------------------
   {
     float x[4][8];
 #pragma unroll

@@ -474,8 +474,8 @@ __global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
   for (int I = 0; I < 4; ++I) spn[I] = sp[I];
 
   gt_bwd_dq_dk_dg<T, KM>(GtBwdShared{dAs, dAsl, Qh, Kh, Ko, Qr, Kr, bs, R, E, rs, X2, dGs}, accq, acck, dG, spn,
-                         span_limit, dq + k0, dk + k0, dg + k0, b, h, t0, len, Tlen, H, K, RB, npk, q0, q1, gid, tig, lane, actK, c0,
-                         qr);
+                         span_limit, dq + k0, dk + k0, dg + k0, b, h, t0, len, Tlen, H, K, RB, npk, q0, q1, gid, tig,
+                         lane, actK, c0, qr);
 }
 
 #ifdef GLA_INSTANTIATE
