@@ -340,7 +340,7 @@ __global__ void __launch_bounds__(256, KM == 64 ? 2 : 1)
                  const float* __restrict__ pcr, T* __restrict__ dq, T* __restrict__ dk, T* __restrict__ dg,
                  float scale, int B, int Tlen, int H, int K, int V, int NC, int NT, float span_limit) {
   using L = GtLayout<KM>;
-  constexpr int P = L::P, AP = L::AP, BP = L::BP;
+  constexpr int P = L::P, AP = L::AP;
   constexpr int NPW = KM / 32;  // 16-column groups per warp in the matrix stages
   GT_DYN_SMEM(smem, L::K_TOTAL);
   float* bs = reinterpret_cast<float*>(smem + L::K_BS);
