@@ -10,9 +10,9 @@ process, two input sets alternating, CUDA events, warm-up excluded, median of ``
   recomputed (``chunk_gla`` then ``chunk_gla_bwd``); each kernel alone (walks, segment scans, output kernel, fused
   backward); a check against the simt kernels on the same inputs;
 - flash-linear-attention 0.6 ``chunk_gla`` forward and forward+backward (autograd), unless ``--no-fla`` or it does
-  not import; its first forward+backward per case autotunes (150-400 s, mostly compiling: ``--fla-jobs`` compiles
-  every case of the run first in parallel processes, :mod:`hpczeco.drivers.fla_precompile`; keep Triton's cache
-  between runs); beside it,
+  not import; its first forward+backward per case autotunes (150-400 s, mostly compiling; with a cold Triton cache
+  ``--fla-jobs N`` compiles every case of the run first in parallel processes, :mod:`hpczeco.drivers.fla_precompile`;
+  keep Triton's cache between runs); beside it,
   interleaved with it on the same torch tensors, ours through ``hpczeco.torch.chunk_gla`` (autograd), and the peak
   memory of each forward+backward above the inputs (``torch.cuda.max_memory_allocated``: ours allocates from torch's
   caching allocator under ``hpczeco.torch``, so the counter has all of it; CuPy's pool growth is recorded too);
@@ -97,12 +97,12 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
                    help="also time hpczeco.gpu.gla's forward and forward+backward with these impl= values at each "
                         "shape, e.g. 'tc,simt' (the backward takes the same impl where it has it, else auto)")
     p.add_argument("--quick", action="store_true", help="the first shape only (jobs/device_session.sh)")
-    p.add_argument("--fla-jobs", type=int_range(0), default=None,
-                   help="compile fla's Triton kernels for every shape (and grid (K, V)) of the run first, in this "
-                        "many parallel processes (hpczeco.drivers.fla_precompile; the timing process then autotunes "
-                        "from Triton's cache, alone on the GPU); 0: off (default: one per case, at most half the "
-                        "host's cores)")  # fmt: skip
-    p.add_argument("--fla-jobs-timeout", type=int_range(1), default=900,
+    p.add_argument("--fla-jobs", type=int_range(0), default=0,
+                   help="with a cold Triton cache: compile fla's Triton kernels for every shape (and grid (K, V)) of "
+                        "the run first, in at most this many parallel processes (hpczeco.drivers.fla_precompile; "
+                        "the timing process then autotunes from Triton's cache, alone on the GPU); 0: off. Each "
+                        "process is a case's whole first call: worth it for several cases on a cold cache")  # fmt: skip
+    p.add_argument("--fla-jobs-timeout", type=int_range(1), default=420,
                    help="seconds one precompile process may take before it is killed (the run then compiles the "
                         "rest itself)")  # fmt: skip
     return p
@@ -288,10 +288,9 @@ class Bench:
 
         grid_kv, grid_t = (self.grid_pairs(), self.grid_lengths()) if self.args.grid else ((), ())
         todo = fp.cases(shapes, grid_kv, grid_t)
-        jobs = self.args.fla_jobs
-        if jobs is None:
-            jobs = max(1, min(len(todo), (os.cpu_count() or 2) // 2))
-        if jobs == 0 or not todo:
+        jobs = min(self.args.fla_jobs, len(todo), max(1, len(os.sched_getaffinity(0)) // 2))
+        if jobs < 2:  # one process at a time is the timing process's own first calls, and more
+            self.rec.say(f"fla precompile skipped: {len(todo)} case(s), {jobs} process(es) (it pays from 2 of each)")
             return
         self.rec.say(f"fla precompile: {len(todo)} case(s) in {jobs} parallel process(es)")
         t0 = time.perf_counter()
@@ -780,7 +779,7 @@ def run(args) -> int:
         return 2
     b = Bench(args, rec, cp, seed)
     b.step("setup", b.setup)
-    if b.fla is not None:
+    if b.fla is not None and args.fla_jobs:
         b.step("fla precompile", lambda: b.fla_precompile(shapes))
     b.step("compile", b.compile_kernels)
     if args.check:

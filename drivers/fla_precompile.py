@@ -6,7 +6,9 @@ K = 256, V = 512 it outlasted a 390 s device call). :func:`precompile` runs that
 benchmark will need in a process of its own, ``jobs`` at once, so the compiles overlap on the host's cores and land
 in Triton's on-disk cache (``$TRITON_CACHE_DIR``, default ``~/.triton/cache``). The children keep no autotune
 choices (``FLA_CACHE_RESULTS=0``: they time configurations on a GPU they share), so the benchmark process still
-makes its own, alone on the GPU; from the cache that costs it the timing of the configurations only.
+makes its own, alone on the GPU; from the cache that costs it the timing of the configurations only. Worth it with
+a cold Triton cache and several cases (each child re-times its configurations every time: with a warm cache, or one
+case, it only adds time); ``hpczeco bench gpu-gla --fla-jobs N`` asks for it.
 
 A case is a string: ``shape:B,T,H,K,V`` (forward, then forward+backward; no initial state, no final state: what
 ``hpczeco bench gpu-gla`` times) or ``grid:K,V:T1,T2,...`` (forward+backward with an initial state and the final
@@ -16,6 +18,7 @@ state, B = H = 2, each length in turn: its ``--grid``). ``python -m hpczeco.driv
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -23,7 +26,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-CHILD_ENV = {"FLA_CACHE_RESULTS": "0"}  # the children compile; their autotune choices are not kept
+# the children compile; their autotune choices (made on a GPU they share) are neither kept nor read
+CHILD_ENV = {"FLA_CACHE_RESULTS": "0", "TRITON_CACHE_AUTOTUNING": "0"}
 TAIL_CHARS = 600
 
 
@@ -71,39 +75,55 @@ def child_argv(case: str) -> list[str]:
     return [sys.executable, "-m", "hpczeco.drivers.fla_precompile", case]
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """Kill a child and everything it started (its compilers: it leads its own process group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+
+
 def precompile(todo: Sequence[str], jobs: int, timeout_s: float, say: Callable[[str], None] = print,
                argv_of: Callable[[str], list[str]] = child_argv, poll_s: float = 0.5) -> list[Result]:  # fmt: skip
-    """Run every case in its own process, at most ``jobs`` at once; a process past ``timeout_s`` (counted from its
-    start) is killed and reported as timed out. Never raises for a case: the benchmark then compiles what is left
-    itself. Returns one :class:`Result` per case, in the order given."""
+    """Run every case (each once) in its own process, at most ``jobs`` at once; a process past ``timeout_s`` (counted
+    from its start) is killed with the processes it started and reported as timed out. Never raises for a case: the
+    benchmark then compiles what is left itself; on any exception here (an interrupt too) the running children are
+    killed before it propagates. Returns one :class:`Result` per distinct case, in the order given."""
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
+    todo = list(dict.fromkeys(todo))
     env = {**os.environ, **CHILD_ENV}
     pending, running, done = list(todo), {}, {}
-    while pending or running:
-        while pending and len(running) < jobs:
-            case = pending.pop(0)
-            log = tempfile.TemporaryFile()  # not a pipe: a chatty child must never block on a full one
-            proc = subprocess.Popen(argv_of(case), env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT)  # fmt: skip
-            running[case] = (proc, time.monotonic(), log)
-        time.sleep(poll_s)
-        for case, (proc, t0, log) in list(running.items()):
-            late = time.monotonic() - t0 > timeout_s
-            if proc.poll() is None and not late:
-                continue
-            if late and proc.poll() is None:
-                proc.kill()
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                case = pending.pop(0)
+                log = tempfile.TemporaryFile()  # not a pipe: a chatty child must never block on a full one
+                proc = subprocess.Popen(argv_of(case), env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+                running[case] = (proc, time.monotonic(), log)
+            time.sleep(poll_s)
+            for case, (proc, t0, log) in list(running.items()):
+                killed = False
+                if proc.poll() is None:
+                    if time.monotonic() - t0 <= timeout_s:
+                        continue
+                    _stop(proc)
+                    killed = True
+                proc.wait()
+                secs = time.monotonic() - t0
+                log.seek(max(0, log.seek(0, os.SEEK_END) - 4 * TAIL_CHARS))
+                out = log.read().decode(errors="replace")
+                log.close()
+                del running[case]
+                status = "timed out" if killed else ("ok" if proc.returncode == 0 else f"exit {proc.returncode}")
+                done[case] = Result(case, round(secs, 1), status, out[-TAIL_CHARS:])
+                say(f"fla precompile {case}: {status} in {secs:.0f} s")
+    finally:
+        for proc, _, log in running.values():  # only after an exception: no child outlives the call
+            _stop(proc)
             proc.wait()
-            secs = time.monotonic() - t0
-            log.seek(max(0, log.seek(0, os.SEEK_END) - 4 * TAIL_CHARS))
-            out = log.read().decode(errors="replace")
             log.close()
-            status = "timed out" if late and proc.returncode != 0 else ("ok" if proc.returncode == 0 else
-                                                                        f"exit {proc.returncode}")  # fmt: skip
-            done[case] = Result(case, round(secs, 1), status, out[-TAIL_CHARS:])
-            say(f"fla precompile {case}: {status} in {secs:.0f} s")
-            del running[case]
     return [done[c] for c in todo]
 
 

@@ -37,26 +37,63 @@ def _child(tmp_path, body: str):
     return log, (lambda case: [sys.executable, "-c", body, case, str(log)])
 
 
-def test_pool_runs_every_case_at_most_jobs_at_once_in_the_given_order(tmp_path):
+def test_pool_runs_jobs_at_once_and_gives_results_in_the_given_order(tmp_path):
+    # each child logs its start and waits (up to 30 s) until two children have started; the first case also until
+    # two others have ended. One at a time, the peak would be 1; results in completion order would not be in order
     body = ("import os, sys, time\n"
-            "log = open(sys.argv[2], 'a', buffering=1)\n"
-            "log.write('start\\n'); time.sleep(0.3); log.write('end\\n')\n"
-            "print('FLA_CACHE_RESULTS=' + os.environ.get('FLA_CACHE_RESULTS', 'unset'), sys.argv[1])")  # fmt: skip
+            "log = sys.argv[2]\n"
+            "def n(word):\n"
+            "    return open(log).read().split().count(word)\n"
+            "open(log, 'a').write('start\\n')\n"
+            "t = time.time()\n"
+            "while n('start') < 2 and time.time() - t < 30: time.sleep(0.02)\n"
+            "while sys.argv[1].endswith(',64,2,64,64') and n('end') < 2 and time.time() - t < 30: time.sleep(0.02)\n"
+            "open(log, 'a').write('end\\n')\n"
+            "e = os.environ.get\n"
+            "print('FLA_CACHE_RESULTS=' + e('FLA_CACHE_RESULTS', 'unset'),\n"
+            "      'TRITON_CACHE_AUTOTUNING=' + e('TRITON_CACHE_AUTOTUNING', 'unset'), sys.argv[1])")  # fmt: skip
     log, argv_of = _child(tmp_path, body)
+    log.write_text("")
     todo = [f"shape:1,{64 * (i + 1)},2,64,64" for i in range(5)]
     said = []
-    res = fp.precompile(todo, jobs=2, timeout_s=60, say=said.append, argv_of=argv_of, poll_s=0.05)
-    assert [r.case for r in res] == todo and all(r.ok for r in res)
-    for r in res:  # the children compile but keep no autotune choices
-        assert f"FLA_CACHE_RESULTS=0 {r.case}" in r.tail
+    res = fp.precompile(todo + todo[:1], jobs=2, timeout_s=60, say=said.append, argv_of=argv_of, poll_s=0.05)
+    assert [r.case for r in res] == todo and all(r.ok for r in res)  # the repeated case ran once
+    for r in res:  # the children compile but keep (and read) no autotune choices
+        assert f"FLA_CACHE_RESULTS=0 TRITON_CACHE_AUTOTUNING=0 {r.case}" in r.tail
     live = peak = 0
     events = log.read_text().split()
     assert events.count("start") == events.count("end") == 5
     for e in events:
         live += 1 if e == "start" else -1
         peak = max(peak, live)
-    assert peak <= 2
+    assert peak == 2
     assert len(said) == 5 and all(": ok in " in s for s in said)
+    assert said[0].startswith(f"fla precompile {todo[1]}:")  # finished first, yet the results are in order
+
+
+def test_an_exception_in_the_pool_kills_the_running_children(tmp_path, monkeypatch):
+    body = "import time, sys\nopen(sys.argv[2], 'a').write('up\\n')\ntime.sleep(60)"
+    log, argv_of = _child(tmp_path, body)
+    seen = []
+
+    def say(line):  # the first report raises: the other child is still running then
+        seen.append(line)
+        raise KeyboardInterrupt
+
+    body_fast = "print('done')"
+    argv = lambda case: argv_of(case) if case.endswith("1") else [sys.executable, "-c", body_fast]  # noqa: E731
+    started = []
+    real_popen = fp.subprocess.Popen
+
+    def popen(*a, **kw):
+        started.append(real_popen(*a, **kw))
+        return started[-1]
+
+    monkeypatch.setattr(fp.subprocess, "Popen", popen)
+    with pytest.raises(KeyboardInterrupt):
+        fp.precompile(["grid:64,64:1", "grid:64,64:2"], jobs=2, timeout_s=60, say=say, argv_of=argv, poll_s=0.05)
+    assert len(started) == 2 and all(p.poll() is not None for p in started)  # none left running
+    assert len(seen) == 1 and seen[0].startswith("fla precompile grid:64,64:2: ok in ")
 
 
 def test_a_failing_and_a_hanging_child_are_reported_and_the_rest_still_run(tmp_path):
@@ -85,9 +122,38 @@ def test_jobs_must_be_positive():
 def test_bench_options_for_the_precompile():
     p = bench.build_parser("hpczeco bench gpu-gla")
     a = p.parse_args([])
-    assert a.fla_jobs is None and a.fla_jobs_timeout == 900  # default: one process per case, at most half the cores
+    assert a.fla_jobs == 0 and a.fla_jobs_timeout == 420  # off unless asked for
     assert p.parse_args(["--fla-jobs", "0"]).fla_jobs == 0
     with pytest.raises(SystemExit):
         p.parse_args(["--fla-jobs", "-1"])
     with pytest.raises(SystemExit):
         p.parse_args(["--fla-jobs-timeout", "0"])
+
+
+@pytest.mark.parametrize("jobs, grid, want_jobs", [(8, False, 2), (8, True, 4), (1, True, None), (0, True, None)])
+def test_bench_runs_the_precompile_over_its_cases(tmp_path, monkeypatch, jobs, grid, want_jobs):
+    from hpczeco.drivers import benchkit
+
+    args = bench.build_parser("x").parse_args(["--fla-jobs", str(jobs), "--out", str(tmp_path)]
+                                              + (["--grid", "--grid-kv", "256x512,128x256", "--grid-t", "63,777"]
+                                                 if grid else []))  # fmt: skip
+    calls = []
+
+    def fake(todo, jobs, timeout_s, say):
+        calls.append((list(todo), jobs, timeout_s))
+        return [fp.Result(c, 1.0, "ok" if i else "exit 1", "no GPU") for i, c in enumerate(todo)]
+
+    monkeypatch.setattr(fp, "precompile", fake)
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: set(range(16)))
+    rec = benchkit.Recorder(tmp_path, "t")
+    b = bench.Bench(args, rec, None, 1)
+    b.fla_precompile([bench.SHAPES["3"], bench.SHAPES["4"]])
+    if want_jobs is None:
+        assert calls == []
+        return
+    todo, got_jobs, timeout = calls[0]
+    assert got_jobs == want_jobs and timeout == 420
+    assert todo[:2] == ["shape:1,32768,4,256,512", "shape:1,32768,8,128,256"]
+    assert todo[2:] == (["grid:256,512:63,777", "grid:128,256:63,777"] if grid else [])
+    rows = rec.tables["fla_precompile"]
+    assert [r["case"] for r in rows] == todo and rows[0]["status"] == "exit 1" and rows[0]["tail"] == "no GPU"
