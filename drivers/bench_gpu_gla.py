@@ -290,7 +290,8 @@ class Bench:
         todo = fp.cases(shapes, grid_kv, grid_t)
         jobs = min(self.args.fla_jobs, len(todo), max(1, len(os.sched_getaffinity(0)) // 2))
         if jobs < 2:  # one process at a time is the timing process's own first calls, and more
-            self.rec.say(f"fla precompile skipped: {len(todo)} case(s), {jobs} process(es) (it pays from 2 of each)")
+            self.rec.say(f"fla precompile skipped: it needs 2 or more cases and processes ({len(todo)} case(s), "
+                         f"{jobs} process(es) allowed)")
             return
         self.rec.say(f"fla precompile: {len(todo)} case(s) in {jobs} parallel process(es)")
         t0 = time.perf_counter()
